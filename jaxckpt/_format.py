@@ -1,0 +1,192 @@
+"""The on-disk format: one JSON manifest per (step, owner process) "part".
+
+IMPORTANT: this format is a compatibility promise. Every tier (memory, peer,
+persistent) stores the same thing for a part:
+
+    part_<owner>/manifest.json      a `PartManifest` (this module)
+    part_<owner>/arrays/<leaf>/     one zarr3 array per array leaf, chunk grid =
+                                    the saved shard shape, holding only the chunks
+                                    that <owner> wrote (replica_id 0 shards)
+
+and the CheckpointManager's item directory always holds `index_<owner>.json`
+(the same manifest) for every saved step, persisted or not. Change a field only
+together with `FORMAT_VERSION` and a reader for the old version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any, Final
+
+FORMAT_NAME: Final = "jaxckpt"
+FORMAT_VERSION: Final = 1
+MANIFEST_FILE: Final = "manifest.json"
+ARRAYS_DIR: Final = "arrays"
+
+# Leaf kinds.
+ARRAY: Final = "array"  # jax.Array (typed PRNG keys are stored as their key data)
+NUMPY: Final = "numpy"  # np.ndarray, one chunk owned by process 0
+SCALAR: Final = "scalar"  # Python or numpy scalar, value in the manifest
+ITERATOR: Final = "iterator"  # anything with get_state()/set_state(), state per process
+
+
+def index_file(owner: int) -> str:
+    """Name of a part's manifest copy in the CheckpointManager's item directory."""
+    return f"index_{owner:05d}.json"
+
+
+def part_dir_name(owner: int) -> str:
+    """Name of a part's directory in every tier."""
+    return f"part_{owner:05d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRecord:
+    """One saved chunk: its place in the leaf's chunk grid and its checksum."""
+
+    index: tuple[int, ...]
+    crc32: int
+    nbytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": list(self.index), "crc32": self.crc32, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ChunkRecord:
+        return cls(tuple(int(i) for i in d["index"]), int(d["crc32"]), int(d["nbytes"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRecord:
+    """What every process knows of one leaf of the saved tree.
+
+    Attributes:
+      path: the leaf's tree path, as `jax.tree_util.keystr` prints it.
+      keys: the same path as entries ("d", key) dict, ("s", i) sequence,
+        ("a", name) attribute, ("f", key) flattened index.
+      kind: one of ARRAY, NUMPY, SCALAR, ITERATOR.
+      shape: global shape the user sees (arrays).
+      dtype: dtype name the user sees (`key<fry>` for typed keys).
+      stored_shape: shape of the zarr array (typed keys: shape + key data dims).
+      stored_dtype: dtype of the zarr array.
+      chunk_shape: the chunk grid (the saved shard shape).
+      sharding: description of the saved sharding (see `_sharding.describe`).
+      key_impl: PRNG implementation name of a typed key array.
+      value: the JSON value of a SCALAR; `scalar_type` says how to rebuild it.
+      scalar_type: "int", "float", "bool", "str" or a numpy dtype name.
+    """
+
+    path: str
+    kind: str
+    keys: tuple[tuple[str, Any], ...] = ()
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    stored_shape: tuple[int, ...] | None = None
+    stored_dtype: str | None = None
+    chunk_shape: tuple[int, ...] | None = None
+    sharding: dict[str, Any] | None = None
+    key_impl: str | None = None
+    value: Any = None
+    scalar_type: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["keys"] = [list(k) for k in self.keys]
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LeafRecord:
+        kw = dict(d)
+        kw["keys"] = tuple((str(t), v) for t, v in kw.get("keys", ()))
+        for k in ("shape", "stored_shape", "chunk_shape"):
+            if kw.get(k) is not None:
+                kw[k] = tuple(int(i) for i in kw[k])
+        return cls(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartManifest:
+    """Everything one process saved for one step.
+
+    Attributes:
+      step: the training step.
+      run_id: the run the part belongs to; data of other runs is never read.
+      save_id: random id of this save of this part; a memory or peer copy is
+        only used when it matches the `index_<owner>.json` in the item directory.
+      owner: the process that wrote the part.
+      process_count: how many processes saved this step.
+      failure_domain: the owner's failure domain.
+      leaves: the whole tree, identical in every part of a step.
+      chunks: leaf index -> the chunks `owner` wrote.
+      iterator_states: leaf index -> `owner`'s iterator state (JSON).
+      created: wall-clock time of the snapshot.
+      metrics: measurements of the save (stall, bytes, ...), informational.
+    """
+
+    step: int
+    run_id: str
+    save_id: str
+    owner: int
+    process_count: int
+    failure_domain: str
+    leaves: tuple[LeafRecord, ...]
+    chunks: Mapping[int, tuple[ChunkRecord, ...]]
+    iterator_states: Mapping[int, Any]
+    created: float
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for cs in self.chunks.values() for c in cs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "step": self.step,
+            "run_id": self.run_id,
+            "save_id": self.save_id,
+            "owner": self.owner,
+            "process_count": self.process_count,
+            "failure_domain": self.failure_domain,
+            "leaves": [leaf.to_dict() for leaf in self.leaves],
+            "chunks": {str(i): [c.to_dict() for c in cs] for i, cs in self.chunks.items()},
+            "iterator_states": {str(i): s for i, s in self.iterator_states.items()},
+            "created": self.created,
+            "metrics": dict(self.metrics),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PartManifest:
+        if d.get("format") != FORMAT_NAME:
+            raise ValueError(f"Not a jaxckpt manifest (format={d.get('format')!r}).")
+        if d.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"jaxckpt manifest version {d.get('version')!r} is not supported by this "
+                f"jaxckpt (reads version {FORMAT_VERSION}); upgrade jaxckpt."
+            )
+        return cls(
+            step=int(d["step"]),
+            run_id=str(d["run_id"]),
+            save_id=str(d["save_id"]),
+            owner=int(d["owner"]),
+            process_count=int(d["process_count"]),
+            failure_domain=str(d["failure_domain"]),
+            leaves=tuple(LeafRecord.from_dict(x) for x in d["leaves"]),
+            chunks={
+                int(i): tuple(ChunkRecord.from_dict(c) for c in cs)
+                for i, cs in d["chunks"].items()
+            },
+            iterator_states={int(i): s for i, s in d["iterator_states"].items()},
+            created=float(d["created"]),
+            metrics=dict(d.get("metrics", {})),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> PartManifest:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,152 @@
+"""The memory tier: one directory per run on a host-local tmpfs.
+
+Layout under `<memory_root>/<run_id>/`:
+
+    RUN.json                      who this run is (checkpoint directory, created)
+    step_<step>/part_<owner>/     committed parts (own and replicas held for peers)
+    .staging/<unique>/            parts being written; never read
+
+A part becomes visible only by `os.rename` of a complete staging directory, so
+a crash at any moment leaves the previous content or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+from jaxckpt import _format
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_PART_RE = re.compile(r"^part_(\d+)$")
+
+
+def replace_dir(staging: Path, final: Path, *, make_parents: bool = True) -> None:
+    """Atomically moves the complete directory `staging` to `final`.
+
+    An existing `final` is first renamed away, then removed, so that `final`
+    always names either the old complete directory or the new one.
+
+    Raises:
+      FileNotFoundError: if `final`'s parent is missing and `make_parents` is False.
+    """
+    if make_parents:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+    os.rename(staging, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class MemoryTier:
+    """This host's memory tier for one run."""
+
+    def __init__(self, memory_root: str, run_id: str):
+        self.run_dir = Path(memory_root) / run_id
+        self.run_id = run_id
+
+    def prepare(self, checkpoint_dir: str, process_index: int) -> None:
+        """Creates the run directory and checks that it is writable.
+
+        Raises:
+          PermissionError: if the memory root cannot be written, naming it.
+        """
+        try:
+            (self.run_dir / ".staging").mkdir(parents=True, exist_ok=True)
+            probe = self.run_dir / ".staging" / f"probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"")
+            probe.unlink()
+            run_file = self.run_dir / "RUN.json"
+            if not run_file.exists():
+                tmp = self.run_dir / f".RUN.json.{uuid.uuid4().hex}"
+                tmp.write_text(json.dumps({"run_id": self.run_id, "checkpoint_dir": checkpoint_dir, "created": time.time()}))
+                os.replace(tmp, run_file)
+        except OSError as e:
+            raise PermissionError(
+                f"[process {process_index}] The memory tier {self.run_dir} is not writable ({e}). "
+                "Point TierOptions.memory_root at a writable tmpfs directory such as /dev/shm/jaxckpt."
+            ) from e
+
+    def step_dir(self, step: int) -> Path:
+        return self.run_dir / f"step_{step:012d}"
+
+    def part_dir(self, step: int, owner: int) -> Path:
+        return self.step_dir(step) / _format.part_dir_name(owner)
+
+    def new_staging_dir(self, step: int, owner: int) -> Path:
+        path = self.run_dir / ".staging" / f"step_{step}.part_{owner}.{uuid.uuid4().hex}"
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, staging: Path, step: int, owner: int) -> Path:
+        """Makes a fully written staging directory the part (step, owner)."""
+        final = self.part_dir(step, owner)
+        replace_dir(staging, final)
+        return final
+
+    def steps(self) -> list[int]:
+        """Steps with at least one committed part, oldest first."""
+        if not self.run_dir.is_dir():
+            return []
+        found = (_STEP_RE.match(p.name) for p in self.run_dir.iterdir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def parts(self, step: int) -> list[int]:
+        """Owners whose part of `step` this tier holds."""
+        step_dir = self.step_dir(step)
+        if not step_dir.is_dir():
+            return []
+        found = (_PART_RE.match(p.name) for p in step_dir.iterdir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def inventory(self) -> dict[int, list[int]]:
+        """step -> owners held."""
+        return {s: ps for s in self.steps() if (ps := self.parts(s))}
+
+    def read_manifest(self, step: int, owner: int) -> _format.PartManifest | None:
+        """The committed manifest of a part, or None if absent or unreadable."""
+        try:
+            text = (self.part_dir(step, owner) / _format.MANIFEST_FILE).read_text()
+            return _format.PartManifest.from_json(text)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def retain(self, keep: int, pinned: Iterable[int] = ()) -> list[int]:
+        """Deletes all but the newest `keep` steps, never a pinned one.
+
+        Returns:
+          The steps deleted.
+        """
+        pinned = set(pinned)
+        steps = self.steps()
+        doomed = [s for s in steps[: max(0, len(steps) - keep)] if s not in pinned]
+        for step in doomed:
+            trash = self.run_dir / ".staging" / f"trash.{step}.{uuid.uuid4().hex}"
+            try:
+                os.rename(self.step_dir(step), trash)
+            except OSError:
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
+        return doomed
+
+    def clear_staging(self, older_than_s: float = 0.0) -> None:
+        """Removes leftovers of interrupted writes."""
+        staging = self.run_dir / ".staging"
+        if not staging.is_dir():
+            return
+        now = time.time()
+        for p in staging.iterdir():
+            try:
+                if now - p.stat().st_mtime >= older_than_s:
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
+            except OSError:
+                pass

@@ -1,0 +1,90 @@
+"""`TierOptions`: how many copies to keep where, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Final
+
+PERSIST_COMPRESSIONS: Final = (None, "zstd", "gzip", "blosc")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierOptions:
+    """Options of `TieredCheckpointHandler`.
+
+    Attributes:
+      memory_root: directory of this host's memory tier; use a tmpfs (for example
+        `/dev/shm/jaxckpt`) so that a snapshot survives the training process.
+        Each run gets a sub-directory named after its run id.
+      replicas: how many other processes, each in a failure domain other than
+        the owner's, hold a copy of every chunk a process owns.
+      persist_every: a step is written to the CheckpointManager's directory
+        when `step % persist_every == 0`; other steps live only in memory tiers.
+      failure_domain: this process's failure domain (a host, a rack); defaults
+        to the `JAXCKPT_FAILURE_DOMAIN` environment variable, else the hostname.
+      memory_keep: how many of the newest steps each memory tier keeps; older
+        ones are deleted once a newer step is committed (a step still waiting to
+        be persisted is kept until it is).
+      persist_compression: zarr3 codec for persisted chunks (`None`, "zstd",
+        "gzip" or "blosc"); memory tiers are always uncompressed.
+      run_id: names this run's data in memory tiers; defaults to a hash of the
+        CheckpointManager's directory, so a restarted job finds its snapshots
+        and another job never reads them.
+      timeout_s: the longest any wait on another process, a peer or a
+        background queue may take before it fails with an error.
+      peer_host: interface the peer data service binds to and advertises.
+    """
+
+    memory_root: str
+    replicas: int = 0
+    persist_every: int = 100
+    failure_domain: str | None = None
+    memory_keep: int = 2
+    persist_compression: str | None = None
+    run_id: str | None = None
+    timeout_s: float = 120.0
+    peer_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.memory_root, (str, os.PathLike)) or not str(self.memory_root):
+            raise ValueError(
+                f"TierOptions.memory_root must be a non-empty path, got {self.memory_root!r}."
+            )
+        object.__setattr__(self, "memory_root", os.fspath(self.memory_root))
+        _check_int("replicas", self.replicas, minimum=0)
+        _check_int("persist_every", self.persist_every, minimum=1)
+        _check_int("memory_keep", self.memory_keep, minimum=1)
+        if self.persist_compression not in PERSIST_COMPRESSIONS:
+            raise ValueError(
+                f"TierOptions.persist_compression must be one of {PERSIST_COMPRESSIONS}, "
+                f"got {self.persist_compression!r}."
+            )
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(
+                f"TierOptions.timeout_s must be a positive number of seconds, got {self.timeout_s!r}."
+            )
+        if self.run_id is not None and (
+            not self.run_id or not all(c.isalnum() or c in "-_." for c in self.run_id)
+        ):
+            raise ValueError(
+                "TierOptions.run_id may only hold letters, digits, '-', '_' and '.', "
+                f"got {self.run_id!r}."
+            )
+        if self.failure_domain is not None and not str(self.failure_domain):
+            raise ValueError("TierOptions.failure_domain must not be empty.")
+
+    @property
+    def resolved_failure_domain(self) -> str:
+        """The failure domain this process is in."""
+        return (
+            self.failure_domain
+            or os.environ.get("JAXCKPT_FAILURE_DOMAIN")
+            or socket.gethostname()
+        )
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"TierOptions.{name} must be an integer >= {minimum}, got {value!r}.")

@@ -1,0 +1,172 @@
+"""Lazy persistence: copies committed memory parts to the checkpoint directory.
+
+Runs on its own thread and queue so that a slow persistent store never holds up
+the next `mngr.save()` (the manager waits for the previous save's commit
+futures, and persistence is not one of them). A persisted part becomes visible
+only by renaming a complete staging directory to `<item_dir>/part_<owner>`;
+its existence is the durability marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from jaxckpt import _format, _memory_tier, _paths, _zarr
+
+log = logging.getLogger("jaxckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistJob:
+    """Persist one committed memory part into a (soon to be final) item directory."""
+
+    manifest: _format.PartManifest
+    source_part: Path
+    item_dir: Path  # where the manager is writing the step now
+    final_item_dir: Path  # where it will be once the manager finalizes the step
+
+
+class Persister:
+    """A single background worker that persists parts in submission order."""
+
+    def __init__(self, compression: str | None, timeout_s: float):
+        self._compression = compression
+        self._timeout_s = timeout_s
+        self._queue: queue.Queue[PersistJob | None] = queue.Queue()
+        self._pending: dict[int, int] = {}  # step -> jobs queued or running
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._errors: list[BaseException] = []
+        self._thread: threading.Thread | None = None
+        self.completed: list[tuple[int, float, int]] = []  # (step, seconds, bytes)
+
+    def submit(self, job: PersistJob) -> None:
+        with self._lock:
+            self._pending[job.manifest.step] = self._pending.get(job.manifest.step, 0) + 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxckpt-persist", daemon=True)
+                self._thread.start()
+        self._queue.put(job)
+
+    def pending_steps(self) -> set[int]:
+        """Steps queued or being persisted; memory retention keeps them."""
+        with self._lock:
+            return set(self._pending)
+
+    def is_pending(self, step: int) -> bool:
+        with self._lock:
+            return step in self._pending
+
+    def take_errors(self) -> list[BaseException]:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Waits until every submitted job has finished.
+
+        Raises:
+          TimeoutError: if jobs are still pending after the timeout.
+        """
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        with self._idle:
+            if not self._idle.wait_for(lambda: not self._pending, timeout=timeout_s):
+                raise TimeoutError(
+                    f"Persisting steps {sorted(self._pending)} did not finish within {timeout_s:.0f} s; "
+                    "raise TierOptions.timeout_s or check the checkpoint directory's storage."
+                )
+
+    def close(self) -> None:
+        """Drains the queue and stops the worker."""
+        try:
+            self.drain()
+        finally:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join(timeout=self._timeout_s)
+                self._thread = None
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                start = time.perf_counter()
+                self._persist(job)
+                self.completed.append((job.manifest.step, time.perf_counter() - start, job.manifest.nbytes))
+            except BaseException as e:  # noqa: BLE001 -- reported through take_errors()
+                log.error("jaxckpt: persisting step %d failed: %s", job.manifest.step, e)
+                with self._lock:
+                    self._errors.append(e)
+            finally:
+                with self._idle:
+                    step = job.manifest.step
+                    self._pending[step] -= 1
+                    if not self._pending[step]:
+                        del self._pending[step]
+                    self._idle.notify_all()
+
+    def _persist(self, job: PersistJob) -> None:
+        manifest = job.manifest
+        root = job.final_item_dir.parent.parent
+        staging = root / _paths.STAGING_DIR / (
+            f"{job.final_item_dir.parent.name}.{job.final_item_dir.name}.p{manifest.owner}.{uuid.uuid4().hex[:8]}"
+        )
+        staging.mkdir(parents=True)
+        try:
+            asyncio.run(self._copy(manifest, job.source_part, staging))
+            (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
+            self._wait_for_finalized(job, manifest.step)
+            # IMPORTANT: the rename is the durability marker; it comes after every byte is
+            # written, and never recreates a step directory that garbage collection removed.
+            try:
+                _memory_tier.replace_dir(
+                    staging,
+                    job.final_item_dir / _format.part_dir_name(manifest.owner),
+                    make_parents=False,
+                )
+            except FileNotFoundError as e:
+                raise FileNotFoundError(
+                    f"Step {manifest.step} was deleted (garbage-collected) before it was persisted."
+                ) from e
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    async def _copy(self, manifest: _format.PartManifest, source: Path, staging: Path) -> None:
+        src, dst = _zarr.file_kvstore(str(source)), _zarr.file_kvstore(str(staging))
+        await asyncio.gather(
+            *(
+                _zarr.copy_chunks(
+                    _zarr.array_kvstore(src, leaf),
+                    _zarr.array_kvstore(dst, leaf),
+                    manifest.leaves[leaf],
+                    chunks,
+                    self._compression,
+                )
+                for leaf, chunks in manifest.chunks.items()
+            )
+        )
+
+    def _wait_for_finalized(self, job: PersistJob, step: int) -> None:
+        """Waits until the manager has renamed the step to its final name."""
+        deadline = time.monotonic() + self._timeout_s
+        while not job.final_item_dir.is_dir():
+            final_step, tmp_step = job.final_item_dir.parent, job.item_dir.parent
+            # Checking the final name again closes the race with the manager's rename.
+            if not final_step.exists() and not tmp_step.exists() and not final_step.exists():
+                raise FileNotFoundError(
+                    f"Step {step} vanished from {job.final_item_dir.parent.parent} before it "
+                    "was persisted (the save failed or the step was garbage-collected)."
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Step {step} was not finalized at {job.final_item_dir} within {self._timeout_s:.0f} s "
+                    "(the save failed, or the step was garbage-collected first); it is not persisted."
+                )
+            time.sleep(0.02)

@@ -1,0 +1,179 @@
+"""One restore path for every tier and every mesh: read verified chunks, build arrays.
+
+For each target shard (any sharding, any process count) the chunks that
+intersect it are read from the fastest source in the plan, checked against
+their CRC-32, and on any error the next source is tried. Only chunks that
+intersect this process's target shards are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt import _chunking, _format, _memory_tier, _plan, _sharding, _tree, _zarr
+
+log = logging.getLogger("jaxckpt")
+
+KvstoreFor = Callable[[_plan.Source, int], dict[str, Any]]  # (source, owner) -> part kvstore
+
+
+class ChunkUnavailableError(OSError):
+    """No source of a chunk gave verified bytes."""
+
+
+def read_index(item_dir: Path) -> dict[int, _format.PartManifest]:
+    """owner -> index manifest, for every part recorded in an item directory."""
+    out = {}
+    if item_dir.is_dir():
+        for p in sorted(item_dir.glob("index_*.json")):
+            try:
+                m = _format.PartManifest.from_json(p.read_text())
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("jaxckpt: ignoring unreadable index manifest %s: %s", p, e)
+                continue
+            out[m.owner] = m
+    return out
+
+
+def matches(copy: _format.PartManifest | None, index: _format.PartManifest) -> bool:
+    """Whether a stored copy of a part is the one the index describes (same save)."""
+    return (
+        copy is not None
+        and copy.save_id == index.save_id
+        and copy.run_id == index.run_id
+        and copy.step == index.step
+        and copy.owner == index.owner
+    )
+
+
+def memory_parts(
+    memory: _memory_tier.MemoryTier, step: int, index: dict[int, _format.PartManifest]
+) -> set[int]:
+    """Owners whose part of `step` this memory tier holds, from this very save."""
+    return {o for o in memory.parts(step) if o in index and matches(memory.read_manifest(step, o), index[o])}
+
+
+def persisted_parts(item_dir: Path, index: dict[int, _format.PartManifest]) -> set[int]:
+    """Owners whose part of the step is durable in the item directory."""
+    out = set()
+    for owner, m in index.items():
+        try:
+            text = (item_dir / _format.part_dir_name(owner) / _format.MANIFEST_FILE).read_text()
+            if matches(_format.PartManifest.from_json(text), m):
+                out.add(owner)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+class Restorer:
+    """Reads the leaves of one planned step into the shapes and shardings of a target."""
+
+    def __init__(self, plan: _plan.StepPlan, kvstore_for: KvstoreFor, process_index: int):
+        self._plan = plan
+        self._kvstore_for = kvstore_for
+        self._process_index = process_index
+        self._owners = plan.chunk_owners()
+        self._arrays: dict[tuple[_plan.Source, int, int], Any] = {}
+        self.bytes_by_tier: dict[str, int] = {}
+        self.failures: list[str] = []
+
+    # ---- chunks -------------------------------------------------------------
+
+    async def _open(self, source: _plan.Source, owner: int, leaf: int) -> Any:
+        key = (source, owner, leaf)
+        if key not in self._arrays:
+            part = self._kvstore_for(source, owner)
+            self._arrays[key] = await _zarr.open_array(_zarr.array_kvstore(part, leaf))
+        return self._arrays[key]
+
+    async def _read_chunk(self, leaf: int, index: tuple[int, ...]) -> np.ndarray:
+        record = self._plan.leaves[leaf]
+        assert record.stored_shape is not None and record.chunk_shape is not None
+        owner = self._owners.get((leaf, index))
+        if owner is None:
+            raise ChunkUnavailableError(
+                f"Chunk {index} of {record.path} is in no part of step {self._plan.step}."
+            )
+        expected = next(c for c in self._plan.manifests[owner].chunks[leaf] if c.index == index)
+        region = _chunking.chunk_region(index, record.stored_shape, record.chunk_shape)
+        tried = []
+        for source in self._plan.sources.get(owner, ()):
+            try:
+                array = await self._open(source, owner, leaf)
+                data = np.asarray(await array[region].read())
+            except Exception as e:  # noqa: BLE001 -- any failure of a source means: try the next
+                tried.append(f"{source.describe()}: {e}")
+                continue
+            if _zarr.checksum(data) != expected.crc32:
+                tried.append(f"{source.describe()}: checksum mismatch")
+                continue
+            self.bytes_by_tier[source.tier] = self.bytes_by_tier.get(source.tier, 0) + data.nbytes
+            if tried:
+                self.failures.extend(tried)
+                log.warning("jaxckpt: chunk %s of %s: fell back to %s after %s", index, record.path, source.describe(), tried)
+            return data
+        raise ChunkUnavailableError(
+            f"[process {self._process_index}] No verified copy of chunk {index} of {record.path} "
+            f"(part of process {owner}) at step {self._plan.step}: "
+            + ("; ".join(tried) if tried else "no source holds it")
+        )
+
+    async def _read_regions(self, leaf: int, regions: Sequence[_chunking.Region]) -> list[np.ndarray]:
+        record = self._plan.leaves[leaf]
+        assert record.stored_shape is not None and record.chunk_shape is not None and record.stored_dtype
+        needed = sorted(
+            {i for r in regions for i in _chunking.chunks_overlapping(r, record.stored_shape, record.chunk_shape)}
+        )
+        chunks = dict(zip(needed, await asyncio.gather(*(self._read_chunk(leaf, i) for i in needed)), strict=True))
+        out = []
+        for region in regions:
+            buf = np.empty([s.stop - s.start for s in region], dtype=record.stored_dtype)
+            for i, data in chunks.items():
+                where = _chunking.chunk_region(i, record.stored_shape, record.chunk_shape)
+                both = _chunking.intersect(region, where)
+                if all(s.stop > s.start for s in both):
+                    buf[_chunking.relative(both, region)] = data[_chunking.relative(both, where)]
+            out.append(buf)
+        return out
+
+    # ---- leaves -------------------------------------------------------------
+
+    def array(self, leaf: int, sharding: jax.sharding.Sharding) -> jax.Array:
+        """The saved array leaf, laid out with `sharding` (any mesh)."""
+        record = self._plan.leaves[leaf]
+        assert record.stored_shape is not None and record.shape is not None
+        data_sharding = (
+            _sharding.with_trailing_dims(sharding, len(record.stored_shape) - len(record.shape))
+            if record.key_impl
+            else sharding
+        )
+        index_map = data_sharding.addressable_devices_indices_map(record.stored_shape)
+        devices = list(index_map)
+        regions = [_chunking.normalize_region(index_map[d], record.stored_shape) for d in devices]
+        # Replicated targets ask for the same region on many devices: read it once.
+        unique = {_chunking.region_key(r): r for r in regions}
+        read = asyncio.run(self._read_regions(leaf, list(unique.values())))
+        bufs = dict(zip(unique, read, strict=True))
+        arrays = [jax.device_put(bufs[_chunking.region_key(r)], d) for r, d in zip(regions, devices, strict=True)]
+        data = jax.make_array_from_single_device_arrays(record.stored_shape, data_sharding, arrays)
+        return jax.random.wrap_key_data(data, impl=record.key_impl) if record.key_impl else data
+
+    def host_array(self, leaf: int) -> np.ndarray:
+        """The whole saved array leaf as one numpy array."""
+        record = self._plan.leaves[leaf]
+        assert record.stored_shape is not None
+        whole = tuple(slice(0, n) for n in record.stored_shape)
+        return asyncio.run(self._read_regions(leaf, [whole]))[0]
+
+    def iterator_state(self, leaf: int, process_index: int) -> Any:
+        """The iterator state that process `process_index` saved for a leaf."""
+        manifest = self._plan.manifests[process_index]
+        return _tree.decode_iterator_state(manifest.iterator_states[leaf])

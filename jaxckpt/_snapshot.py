@@ -1,0 +1,112 @@
+"""The part of a save that stalls training: copying this process's shards to host.
+
+Everything here runs on the caller's thread inside `async_save`; it copies only
+the shards whose `replica_id` is 0 (one copy of every byte in the whole job)
+and reads iterator states, so that all later work can run in the background.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt import _chunking, _format, _sharding, _tree
+
+
+@dataclasses.dataclass
+class HostShard:
+    """One chunk of one leaf, copied to host memory."""
+
+    leaf: int
+    index: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """Everything one process saves for one step, held in host memory."""
+
+    leaves: tuple[_format.LeafRecord, ...]
+    shards: list[HostShard]
+    iterator_states: dict[int, Any]
+    stall_s: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.data.nbytes for s in self.shards)
+
+
+def take(state: Any, process_index: int) -> Snapshot:
+    """Validates `state` and copies this process's share of it to host.
+
+    Raises:
+      TypeError: for an unsupported leaf, naming its path.
+    """
+    start = time.perf_counter()
+    triples, _ = _tree.flatten_with_keys(state)
+    pairs = [(path, leaf) for path, _, leaf in triples]
+    kinds = [_tree.kind_of(path, leaf) for path, leaf in pairs]  # validate before any copy
+
+    records: list[_format.LeafRecord] = []
+    pending: list[tuple[int, jax.Array, tuple[int, ...]]] = []
+    shards: list[HostShard] = []
+    iterator_states: dict[int, Any] = {}
+    for i, ((path, leaf), kind) in enumerate(zip(pairs, kinds, strict=True)):
+        if kind == _format.ARRAY:
+            records.append(_array_record(path, leaf))
+            data = jax.random.key_data(leaf) if _tree.is_typed_key(leaf) else leaf
+            chunk_shape = records[-1].chunk_shape
+            assert chunk_shape is not None
+            for shard in data.addressable_shards:
+                if shard.replica_id == 0:
+                    index = _chunking.chunk_index_of(shard.index, data.shape, chunk_shape)
+                    pending.append((i, shard.data, index))
+        elif kind == _format.NUMPY:
+            records.append(
+                _format.LeafRecord(
+                    path,
+                    kind,
+                    shape=leaf.shape,
+                    dtype=leaf.dtype.name,
+                    stored_shape=leaf.shape,
+                    stored_dtype=leaf.dtype.name,
+                    chunk_shape=tuple(max(1, n) for n in leaf.shape),
+                )
+            )
+            if process_index == 0:
+                shards.append(HostShard(i, (0,) * leaf.ndim, np.array(leaf, copy=True)))
+        elif kind == _format.SCALAR:
+            records.append(_tree.scalar_record(path, leaf))
+        else:
+            records.append(_format.LeafRecord(path, kind))
+            iterator_states[i] = _tree.encode_iterator_state(path, leaf.get_state())
+
+    # IMPORTANT: start every device->host transfer before waiting on any of them.
+    for _, buf, _ in pending:
+        buf.copy_to_host_async()
+    for i, buf, index in pending:
+        shards.append(HostShard(i, index, np.array(buf, copy=True)))
+    records = [dataclasses.replace(r, keys=keys) for r, (_, keys, _) in zip(records, triples, strict=True)]
+    return Snapshot(tuple(records), shards, iterator_states, time.perf_counter() - start)
+
+
+def _array_record(path: str, leaf: jax.Array) -> _format.LeafRecord:
+    is_key = _tree.is_typed_key(leaf)
+    stored = jax.eval_shape(jax.random.key_data, leaf) if is_key else leaf
+    shard_shape = tuple(leaf.sharding.shard_shape(leaf.shape)) + tuple(stored.shape[leaf.ndim :])
+    chunk = tuple(max(1, n) for n in shard_shape)  # zarr chunks are never empty
+    return _format.LeafRecord(
+        path,
+        _format.ARRAY,
+        shape=tuple(leaf.shape),
+        dtype=str(leaf.dtype),
+        stored_shape=tuple(stored.shape),
+        stored_dtype=np.dtype(stored.dtype).name,
+        chunk_shape=chunk,
+        sharding=_sharding.describe(leaf.sharding),
+        key_impl=str(jax.random.key_impl(leaf)) if is_key else None,
+    )
