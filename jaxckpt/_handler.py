@@ -403,8 +403,17 @@ def _restore_leaf(
             leaf.set_state(state)
             return leaf
         return state
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(leaf, np.ndarray) or sharding is None:
+    sharding = None if isinstance(leaf, np.ndarray) else getattr(leaf, "sharding", None)
+    if sharding is None and record.kind == _format.ARRAY and not isinstance(leaf, np.ndarray):
+        # A jax.Array saved, no sharding asked for: lay it out as it was saved.
+        sharding = _sharding.rebuild(record.sharding)
+        if sharding is None:
+            raise ValueError(
+                f"[process {pi}] Leaf {record.path} at step {plan.step}: the saved sharding "
+                f"{record.sharding} uses devices this runtime does not have; give the target "
+                "a sharding (jax.ShapeDtypeStruct(shape, dtype, sharding=...))."
+            )
+    if sharding is None:
         data = restorer.host_array(i)
         return jax.random.wrap_key_data(data, impl=record.key_impl) if record.key_impl else data
     return restorer.array(i, sharding)
@@ -448,8 +457,10 @@ class TieredRestore(ocp.args.CheckpointArgs):
     Attributes:
       abstract_state: the target tree: `jax.ShapeDtypeStruct` (or arrays) with
         the shardings to restore onto (any mesh), fresh iterator objects whose
-        state is set in place, and placeholders for scalars. A leaf without a
-        sharding is restored as a numpy array. None restores everything to host.
+        state is set in place, and placeholders for scalars. A `np.ndarray`
+        leaf (or a leaf without a sharding where a numpy array was saved) is
+        restored as numpy; a saved jax.Array with no target sharding gets its
+        saved sharding. None restores everything to host (numpy).
     """
 
     abstract_state: Any = None

@@ -1,22 +1,32 @@
 """Chooses which processes hold the peer replicas of each process's memory tier.
 
 Placement is a pure function of the failure-domain layout, so every process
-computes the same answer without talking to the others.
+computes the same answer without talking to the others. It never places a
+replica in its owner's failure domain, balances how many replicas each process
+holds (memory on the holder's tmpfs), and, where balance allows, spreads each
+owner's replicas over distinct domains.
 """
 
+import collections
+import math
 from collections.abc import Sequence
 
 
 def place_replicas(domains: Sequence[str], replicas: int) -> tuple[tuple[int, ...], ...]:
     """Chooses the peers that hold copies of each process's data.
 
+    The processes are laid out on a ring that interleaves the failure domains
+    (largest domain first, round-robin), and each owner walks the ring from its
+    own position, taking the first candidates outside its domain: first at most
+    one per domain and none above the lower bound on the busiest holder's
+    load, then relaxing those preferences in turn. When every domain has the
+    same size this already gives each process exactly ``replicas`` replicas to
+    hold. Otherwise load is then evened out by moving replicas along paths from
+    the busiest holders to holders with at least two fewer, until no such path
+    exists, which minimises the busiest holder's load.
+
     The answer depends only on the arguments (never on hash seeds or on which
-    process asks), so every process computes the same placement. Owners are
-    served most-constrained first (processes of the largest domains), and each
-    replica goes to the candidate that, in order of preference, lies in a
-    failure domain this owner does not use yet, holds the fewest replicas so
-    far, and comes soonest after the owner in process order (a rotation that
-    spreads ties).
+    process asks), so every process computes the same placement.
 
     Args:
       domains: ``domains[p]`` is the failure domain (for example the hostname)
@@ -24,13 +34,14 @@ def place_replicas(domains: Sequence[str], replicas: int) -> tuple[tuple[int, ..
       replicas: How many copies of each process's data other processes hold.
 
     Returns:
-      ``holders`` where ``holders[p]`` lists, in order of preference, the
-      ``replicas`` distinct processes that hold copies of process ``p``'s data.
-      None of them is ``p`` or shares ``p``'s failure domain.
+      ``holders`` where ``holders[p]`` lists the ``replicas`` distinct processes
+      that hold copies of process ``p``'s data, none of them ``p`` or in ``p``'s
+      failure domain.
 
     Raises:
-      ValueError: If ``replicas`` is negative, or if some process has fewer than
-        ``replicas`` processes outside its failure domain.
+      ValueError: If ``replicas`` is negative, a domain is not a non-empty
+        string, or some process has fewer than ``replicas`` processes outside
+        its failure domain.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
         raise ValueError(f"replicas must be a non-negative int, got {replicas!r}.")
@@ -44,8 +55,8 @@ def place_replicas(domains: Sequence[str], replicas: int) -> tuple[tuple[int, ..
     if replicas == 0:
         return tuple(() for _ in range(n))
 
-    # Dicts keep insertion order; sets of str would make the answer depend on
-    # PYTHONHASHSEED and so differ between processes.
+    # IMPORTANT: dicts and lists only. Iterating a set of str depends on
+    # PYTHONHASHSEED, which would give each process a different placement.
     members: dict[str, list[int]] = {}
     for p, domain in enumerate(domains):
         members.setdefault(domain, []).append(p)
@@ -58,23 +69,84 @@ def place_replicas(domains: Sequence[str], replicas: int) -> tuple[tuple[int, ..
                 "lower TierOptions.replicas or spread processes over more failure domains."
             )
 
+    # Every holder carries `replicas` on average, and the owners of a domain
+    # of size s can only use the n - s processes outside it.
+    load_bound = max(
+        replicas, *(math.ceil(len(m) * replicas / (n - len(m))) for m in members.values())
+    )
+    groups = sorted(members.values(), key=lambda procs: (-len(procs), procs[0]))
+    ring = [g[i] for i in range(len(groups[0])) for g in groups if i < len(g)]
+
     load = [0] * n
-    holders: list[tuple[int, ...]] = [()] * n
-    # Most constrained owners first: a process in a big domain has few
-    # candidates, so it chooses before the others have filled them up.
-    order = sorted(range(n), key=lambda p: (-len(members[domains[p]]), p))
-    for owner in order:
-        own_domain = domains[owner]
-        used: dict[str, int] = {}
-        chosen: list[int] = []
-        candidates = [c for c in range(n) if domains[c] != own_domain]
-        for _ in range(replicas):
-            best = min(
-                (c for c in candidates if c not in chosen),
-                key=lambda c: (load[c], used.get(domains[c], 0), (c - owner) % n),
-            )
-            chosen.append(best)
-            load[best] += 1
-            used[domains[best]] = used.get(domains[best], 0) + 1
-        holders[owner] = tuple(chosen)
-    return tuple(holders)
+    holders: list[list[int]] = [[] for _ in range(n)]
+    position_of = {p: i for i, p in enumerate(ring)}
+    # Most constrained owners first: those in big domains have few candidates.
+    for owner in sorted(ring, key=lambda p: -len(members[domains[p]])):
+        position = position_of[owner]
+        chosen = holders[owner]
+        per_domain: collections.Counter[str] = collections.Counter()
+        # (one replica per domain?, load limit), from strictest to none.
+        for one_per_domain, limit in ((True, load_bound), (False, load_bound), (False, n)):
+            for step in range(1, n):
+                if len(chosen) == replicas:
+                    break
+                c = ring[(position + step) % n]
+                if domains[c] == domains[owner] or c in chosen or load[c] >= limit:
+                    continue
+                if one_per_domain and per_domain[domains[c]]:
+                    continue
+                chosen.append(c)
+                per_domain[domains[c]] += 1
+                load[c] += 1
+    _balance(domains, ring, holders, load)
+    return tuple(tuple(h) for h in holders)
+
+
+def _balance(domains: list[str], ring: list[int], holders: list[list[int]], load: list[int]) -> None:
+    """Evens out holder loads in place by moving replicas along augmenting paths.
+
+    A path starts at a holder with the maximum load ``top``, passes through
+    holders with load ``top - 1`` and ends at one with at most ``top - 2``; each
+    hop hands one owner's replica to the next holder. Applying it lowers one
+    maximum holder by one and leaves the intermediate loads unchanged. When no
+    path exists the maximum load is as low as it can be.
+    """
+    held: list[list[int]] = [[] for _ in load]
+    for owner, hs in enumerate(holders):
+        for h in hs:
+            held[h].append(owner)
+    while max(load) - min(load) > 1:
+        top = max(load)
+        starts = [h for h in ring if load[h] == top]
+        came_from: dict[int, tuple[int, int] | None] = dict.fromkeys(starts)
+        queue = collections.deque(starts)
+        end = None
+        while queue and end is None:
+            h = queue.popleft()
+            for owner in held[h]:
+                for h2 in ring:
+                    if (
+                        load[h2] >= top
+                        or h2 in came_from
+                        or domains[h2] == domains[owner]
+                        or h2 in holders[owner]
+                    ):
+                        continue
+                    came_from[h2] = (h, owner)
+                    if load[h2] <= top - 2:
+                        end = h2
+                        break
+                    queue.append(h2)
+                if end is not None:
+                    break
+        if end is None:
+            return
+        load[end] += 1
+        h2 = end
+        while (hop := came_from[h2]) is not None:
+            h, owner = hop
+            holders[owner][holders[owner].index(h)] = h2
+            held[h].remove(owner)
+            held[h2].append(owner)
+            h2 = h
+        load[h2] -= 1

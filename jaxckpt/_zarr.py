@@ -29,7 +29,7 @@ _CONTEXT = ts.Context({"file_io_concurrency": {"limit": 64}, "data_copy_concurre
 
 def checksum(data: np.ndarray) -> int:
     """CRC-32 of an array's bytes in C order (what a chunk record holds)."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(data)).cast("B"))
+    return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
 
 
 def kvstore_at(kvstore: dict[str, Any], *parts: str) -> dict[str, Any]:

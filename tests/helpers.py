@@ -1,0 +1,125 @@
+"""Helpers shared by the tests: states, managers, subprocess runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxckpt
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def mesh_1d(n: int = 8, name: str = "data") -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), (name,))
+
+
+def manager(
+    ckpt_dir: Any,
+    handler: jaxckpt.TieredCheckpointHandler,
+    *,
+    use_async: bool = True,
+    registry: bool = True,
+    **options: Any,
+) -> ocp.CheckpointManager:
+    """A plain CheckpointManager around `handler` for the item "train"."""
+    opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=use_async, **options)
+    if registry:
+        reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        reg.add("train", jaxckpt.TieredSave, handler)
+        reg.add("train", jaxckpt.TieredRestore, handler)
+        return ocp.CheckpointManager(ckpt_dir, handler_registry=reg, options=opts)
+    return ocp.CheckpointManager(ckpt_dir, item_handlers={"train": handler}, options=opts)
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state: Any, **items: Any) -> None:
+    mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state), **items))
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, target: Any) -> Any:
+    return mngr.restore(step, args=ocp.args.Composite(train=jaxckpt.TieredRestore(target))).train
+
+
+def sharded_state(mesh: Mesh, seed: int = 0) -> dict[str, Any]:
+    """Arrays of several shardings, a typed key, numpy and scalars."""
+    rng = np.random.default_rng(seed)
+    row = NamedSharding(mesh, P(mesh.axis_names[0]))
+    return {
+        "w": jax.device_put(rng.standard_normal((16, 6)).astype(np.float32), row),
+        "b": jax.device_put(rng.standard_normal(5).astype(np.float32), NamedSharding(mesh, P())),
+        "h": jax.device_put(rng.standard_normal((8, 4)).astype(jax.numpy.bfloat16), row),
+        "keys": jax.device_put(jax.random.split(jax.random.key(seed), 8), row),
+        "legacy_key": jax.random.PRNGKey(seed),
+        "table": rng.integers(0, 100, (3, 3)),
+        "step": 7,
+        "scale": np.float32(0.5),
+        "name": "run",
+    }
+
+
+def abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs with shardings for arrays; everything else as is."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def assert_tree_equal(a: Any, b: Any) -> None:
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, f"{ta} != {tb}"
+    for x, y in zip(la, lb, strict=True):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            assert jax.random.key_impl(x) == jax.random.key_impl(y)
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert type(np.asarray(x).dtype) is type(np.asarray(y).dtype)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def train_state(mesh: Mesh, data_seed: int = 0) -> tuple[dict[str, Any], Any]:
+    """A flax nnx model's params, optax adamw state, a typed key, a grain iterator and a step."""
+    model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    fsdp = NamedSharding(mesh, P(mesh.axis_names[0]))
+    params = jax.tree_util.tree_map(lambda x: jax.device_put(x, fsdp if x.ndim == 2 else NamedSharding(mesh, P())), params)
+    tx = optax.adamw(1e-2)
+    opt_state = tx.init(params)
+    grads = jax.tree_util.tree_map(jax.numpy.ones_like, params)
+    _, opt_state = tx.update(grads, opt_state, params)  # non-trivial moments
+    data = iter(grain.MapDataset.range(1000).shuffle(seed=data_seed).batch(4).to_iter_dataset())
+    next(data), next(data)
+    state = {"params": params, "opt_state": opt_state, "rng": jax.random.key(42), "data": data, "step": 2}
+    return state, tx
+
+
+def fresh_iterator(data_seed: int = 0) -> Any:
+    return iter(grain.MapDataset.range(1000).shuffle(seed=data_seed).batch(4).to_iter_dataset())
+
+
+def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 180) -> str:
+    """Runs `code` in a new interpreter (8 CPU devices); returns stdout, raises on failure."""
+    prelude = "import os, jax\njax.config.update('jax_num_cpu_devices', 8)\n"
+    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=timeout, env=full_env,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return proc.stdout

@@ -1,0 +1,371 @@
+"""The handler through a real ocp.CheckpointManager, in one process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from helpers import (
+    abstract,
+    assert_tree_equal,
+    fresh_iterator,
+    manager,
+    mesh_1d,
+    restore,
+    run_python,
+    save,
+    sharded_state,
+    train_state,
+)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import _persister
+
+
+def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
+    return jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, **kw))
+
+
+@pytest.mark.parametrize("use_async", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("registry", [True, False], ids=["registry", "item_handlers"])
+def test_round_trip_every_leaf_kind(memory_root, ckpt_dir, use_async, registry):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=1000)
+    with manager(ckpt_dir, h, use_async=use_async, registry=registry) as mngr:
+        save(mngr, 3, state)
+        mngr.wait_until_finished()
+        restored = restore(mngr, 3, abstract(state))
+    assert_tree_equal(restored, state)
+    assert restored["w"].sharding == state["w"].sharding
+    assert jax.random.key_impl(restored["keys"]) == jax.random.key_impl(state["keys"])
+    assert type(restored["scale"]) is np.float32 and type(restored["step"]) is int
+    assert h.last_restore_metrics["tier"] == "memory"
+
+
+def test_composite_with_json_item(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    with manager(ckpt_dir, handler(memory_root)) as mngr:
+        save(mngr, 1, state, metrics=ocp.args.JsonSave({"loss": 0.25}))
+        mngr.wait_until_finished()
+        out = mngr.restore(
+            1,
+            args=ocp.args.Composite(
+                train=jaxckpt.TieredRestore(abstract(state)), metrics=ocp.args.JsonRestore()
+            ),
+        )
+    assert out.metrics == {"loss": 0.25}
+    assert_tree_equal(out.train, state)
+
+
+def test_full_training_state_continues_identically(memory_root, ckpt_dir):
+    mesh = mesh_1d()
+    state, _ = train_state(mesh)
+    with manager(ckpt_dir, handler(memory_root)) as mngr:
+        save(mngr, 2, state)
+        mngr.wait_until_finished()
+        expected_next = next(state["data"])  # what training would read next
+        target = {**abstract({k: v for k, v in state.items() if k != "data"}), "data": fresh_iterator()}
+        restored = restore(mngr, 2, target)
+    assert restored["data"] is target["data"]  # set in place
+    np.testing.assert_array_equal(next(restored["data"]), expected_next)
+    assert jax.random.key_impl(restored["rng"]) == "threefry2x32"
+    np.testing.assert_array_equal(jax.random.key_data(restored["rng"]), jax.random.key_data(state["rng"]))
+    assert_tree_equal(restored["params"], state["params"])
+    assert_tree_equal(restored["opt_state"], state["opt_state"])
+    assert restored["step"] == 2
+
+
+def _targets(mesh: Mesh, state: dict) -> dict:
+    """Other shardings on `mesh` for every array of `sharded_state`."""
+    a = mesh.axis_names
+    t = abstract(state)
+    t["w"] = jax.ShapeDtypeStruct((16, 6), np.float32, sharding=NamedSharding(mesh, P(a)))
+    t["h"] = jax.ShapeDtypeStruct((8, 4), jax.numpy.bfloat16, sharding=NamedSharding(mesh, P(None, a[0])))
+    t["b"] = jax.ShapeDtypeStruct((5,), np.float32, sharding=NamedSharding(mesh, P()))
+    t["keys"] = jax.ShapeDtypeStruct((8,), state["keys"].dtype, sharding=NamedSharding(mesh, P(a[-1])))
+    return t
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1,)], ids=["2x4", "4x2", "one-device"])
+def test_reshard_onto_other_meshes(memory_root, ckpt_dir, shape):
+    state = sharded_state(mesh_1d())
+    n = int(np.prod(shape))
+    mesh = Mesh(np.array(jax.devices()[:n]).reshape(shape), ("a", "b")[: len(shape)])
+    target = _targets(mesh, state)
+    with manager(ckpt_dir, handler(memory_root)) as mngr:
+        save(mngr, 5, state)
+        mngr.wait_until_finished()
+        restored = restore(mngr, 5, target)
+    assert_tree_equal(restored, state)
+    for k in ("w", "h", "b", "keys"):
+        assert restored[k].sharding.is_equivalent_to(target[k].sharding, len(target[k].shape)), k
+
+
+def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypatch):
+    from jaxckpt import _restore
+
+    state = {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(16, 4), NamedSharding(mesh_1d(), P("data")))}
+    read = []
+    original = _restore.Restorer._read_chunk
+
+    async def spy(self, leaf, index):
+        read.append(index)
+        return await original(self, leaf, index)
+
+    monkeypatch.setattr(_restore.Restorer, "_read_chunk", spy)
+    h = handler(memory_root)
+    with manager(ckpt_dir, h) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        # Fully replicated on 8 devices: every chunk is read once, not once per device.
+        one = Mesh(np.array(jax.devices()), ("x",))
+        restored = restore(mngr, 1, {"w": jax.ShapeDtypeStruct((16, 4), np.float32, sharding=NamedSharding(one, P()))})
+        assert sorted(read) == [(i, 0) for i in range(8)]
+        np.testing.assert_array_equal(restored["w"], state["w"])
+        # A region of rows 3..6 touches saved chunks 1, 2 and 3 only.
+        read.clear()
+        plan = h._plan(ckpt_dir / "1" / "train", 1, h._memory, 0)
+        restorer = _restore.Restorer(plan, h._kvstore_for(ckpt_dir / "1" / "train", h._memory, 1), 0)
+        import asyncio
+
+        (rows,) = asyncio.run(restorer._read_regions(0, [(slice(3, 7), slice(0, 4))]))
+        assert sorted(read) == [(1, 0), (2, 0), (3, 0)]
+        np.testing.assert_array_equal(rows, np.asarray(state["w"])[3:7])
+
+
+def test_restore_from_memory_in_a_new_process(memory_root, ckpt_dir):
+    code = f"""
+        import numpy as np, jax, orbax.checkpoint as ocp, jaxckpt
+        from helpers import manager, save, restore, sharded_state, mesh_1d, abstract, assert_tree_equal
+        h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions({memory_root!r}, persist_every=1000))
+        mngr = manager({str(ckpt_dir)!r}, h)
+        state = sharded_state(mesh_1d(), seed=11)
+        if os.environ["MODE"] == "save":
+            save(mngr, 4, state)
+            mngr.wait_until_finished()
+            os._exit(0)  # a crash: no close(), nothing drained
+        out = restore(mngr, 4, abstract(state))
+        assert_tree_equal(out, state)
+        print("RESULT", h.last_restore_metrics["tier"], sorted(os.listdir({str(ckpt_dir)!r} + "/4/train")))
+    """
+    run_python(code, env={"MODE": "save"})
+    out = run_python(code, env={"MODE": "restore"})
+    # Restored from memory: the step was never persisted (no part_* in the item directory).
+    assert "RESULT memory ['commit_success.txt', 'index_00000.json']" in out, out
+
+
+def test_restore_from_persistent_after_memory_is_lost(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=2)
+    with manager(ckpt_dir, h) as mngr:
+        for step in range(5):
+            save(mngr, step, state)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+        shutil.rmtree(memory_root)
+        restored = restore(mngr, 4, abstract(state))
+        assert h.last_restore_metrics["tier"] == "persistent"
+        assert_tree_equal(restored, state)
+        with pytest.raises(FileNotFoundError, match=r"Step 3 cannot be restored.*newest restorable step is 4"):
+            restore(mngr, 3, abstract(state))
+
+
+def test_persisted_copy_is_compressed_and_complete(memory_root, ckpt_dir):
+    state = {"z": jax.device_put(np.zeros((64, 64), np.float32), NamedSharding(mesh_1d(), P("data")))}
+    h = handler(memory_root, persist_every=1, persist_compression="zstd")
+    with manager(ckpt_dir, h) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+        meta = json.loads((ckpt_dir / "1/train/part_00000/arrays/0/zarr.json").read_text())
+        assert [c["name"] for c in meta["codecs"]] == ["bytes", "zstd"]
+        shutil.rmtree(memory_root)
+        assert_tree_equal(restore(mngr, 1, abstract(state)), state)
+
+
+@pytest.fixture
+def slow_persistence(monkeypatch):
+    """Holds every persistence job until the test releases it."""
+    gate = threading.Event()
+    original = _persister.Persister._persist
+
+    def held(self, job):
+        assert gate.wait(60), "test never released persistence"
+        return original(self, job)
+
+    monkeypatch.setattr(_persister.Persister, "_persist", held)
+    yield gate
+    gate.set()
+
+
+def test_persistence_does_not_block_the_next_save(memory_root, ckpt_dir, slow_persistence):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=2)
+    with manager(ckpt_dir, h) as mngr:
+        save(mngr, 2, state)
+        save(mngr, 3, state)  # waits for step 2's commit futures, not for its persistence
+        mngr.wait_until_finished()
+        assert h.pending_persistence() == {2}
+        assert mngr.all_steps() == [2, 3]
+        assert not (ckpt_dir / "2/train/part_00000").exists()  # not durable yet
+        # A pending step is kept in memory whatever the retention says.
+        save(mngr, 4, state), save(mngr, 5, state), mngr.wait_until_finished()
+        assert 2 in h._memory.steps()
+        slow_persistence.set()
+    # close() drained the queue.
+    assert (ckpt_dir / "2/train/part_00000/manifest.json").exists()
+    assert (ckpt_dir / "4/train/part_00000/manifest.json").exists()
+
+
+def test_close_drains_pending_persistence(memory_root, ckpt_dir, slow_persistence):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=1)
+    mngr = manager(ckpt_dir, h)
+    save(mngr, 1, state)
+    mngr.wait_until_finished()
+    threading.Timer(0.5, slow_persistence.set).start()
+    mngr.close()
+    assert h.pending_persistence() == set()
+    assert (ckpt_dir / "1/train/part_00000/manifest.json").exists()
+
+
+def test_garbage_collection_keeps_steps_being_persisted(memory_root, ckpt_dir, slow_persistence):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=2)
+    policy = h.preservation_policy(ocp.checkpoint_managers.LatestN(n=1))
+    with manager(ckpt_dir, h, preservation_policy=policy) as mngr:
+        for step in (2, 3, 5):
+            save(mngr, step, state)
+        mngr.wait_until_finished()
+        assert 2 in mngr.all_steps()  # LatestN(1) alone would have deleted it
+        slow_persistence.set()
+        h.wait_for_persistence()
+        save(mngr, 7, state)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [7]  # persisted, so no longer protected
+    assert not list((ckpt_dir / ".jaxckpt-staging").iterdir())
+
+
+def test_garbage_collected_step_leaves_no_half_written_data(memory_root, ckpt_dir, slow_persistence):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=2)
+    with manager(ckpt_dir, h, max_to_keep=1) as mngr:
+        save(mngr, 2, state)
+        save(mngr, 3, state)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [3]
+        slow_persistence.set()
+        h.wait_for_persistence()
+        assert not (ckpt_dir / "2").exists()
+        assert not list((ckpt_dir / ".jaxckpt-staging").iterdir())
+        with pytest.raises(OSError, match="persist"):
+            h.close()
+
+
+def chunk_file(h, step, path, index):
+    """The memory-tier file of one chunk of the leaf at `path` (process 0's part)."""
+    manifest = h._memory.read_manifest(step, 0)
+    leaf = [r.path for r in manifest.leaves].index(path)
+    return h._memory.part_dir(step, 0).joinpath("arrays", str(leaf), "c", *map(str, index))
+
+
+def test_flipped_byte_in_memory_falls_back_to_persistent(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=1)
+    with manager(ckpt_dir, h) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+        chunk = chunk_file(h, 1, "['w']", (0, 0))
+        data = bytearray(chunk.read_bytes())
+        data[3] ^= 0x40
+        chunk.write_bytes(bytes(data))
+        restored = restore(mngr, 1, abstract(state))
+        assert_tree_equal(restored, state)
+        assert h.last_restore_metrics["fallbacks"] == 1
+        assert h.last_restore_metrics["bytes_by_tier"]["persistent"] > 0
+
+
+def test_flipped_byte_without_other_copy_raises(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=1000)
+    with manager(ckpt_dir, h) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        chunk = chunk_file(h, 1, "['w']", (3, 0))
+        data = bytearray(chunk.read_bytes())
+        data[-1] ^= 0x01
+        chunk.write_bytes(bytes(data))
+        with pytest.raises(FileNotFoundError, match=r"chunk \(3, 0\) of \['w'\].*checksum mismatch"):
+            restore(mngr, 1, abstract(state))
+
+
+def test_memory_of_another_run_is_never_used(memory_root, tmp_path):
+    state = sharded_state(mesh_1d())
+    first = tmp_path / "first"
+    with manager(first, handler(memory_root, persist_every=1000)) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+    # The same checkpoint directory wiped and reused by a new run that saved step 1
+    # again: the old memory copy's save id no longer matches the new index.
+    shutil.rmtree(first)
+    other = sharded_state(mesh_1d(), seed=5)
+    h = handler(memory_root, persist_every=1)
+    with manager(first, h) as mngr:
+        save(mngr, 1, other)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+    stale_part = h._memory.part_dir(1, 0)
+    (stale_part / "manifest.json").write_text((stale_part / "manifest.json").read_text().replace('"save_id":"', '"save_id":"x'))
+    h2 = handler(memory_root)
+    with manager(first, h2) as mngr:
+        assert_tree_equal(restore(mngr, 1, abstract(other)), other)
+        assert h2.last_restore_metrics["tier"] == "persistent"
+
+
+def test_retention_bounds_memory(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, memory_keep=2, persist_every=1000)
+    with manager(ckpt_dir, h) as mngr:
+        for step in range(6):
+            save(mngr, step, state)
+        mngr.wait_until_finished()
+        assert h._memory.steps() == [4, 5]
+        with pytest.raises(FileNotFoundError, match="newest restorable step is 5"):
+            restore(mngr, 2, abstract(state))
+
+
+def test_metadata_builds_a_restore_target(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    state["data"] = fresh_iterator()
+    next(state["data"])
+    with manager(ckpt_dir, handler(memory_root)) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        meta = mngr.item_metadata(1).train
+        assert meta["w"].shape == (16, 6) and meta["w"].dtype == np.float32
+        assert meta["w"].sharding == state["w"].sharding
+        assert meta["keys"].dtype == state["keys"].dtype
+        assert meta["step"] == 7
+        assert meta["data"].state == state["data"].get_state()
+        target = {**meta, "data": fresh_iterator()}
+        restored = restore(mngr, 1, target)
+    assert_tree_equal({k: v for k, v in restored.items() if k != "data"}, {k: v for k, v in state.items() if k != "data"})
+    assert restored["data"].get_state() == state["data"].get_state()
+
+
+def test_no_target_restores_to_host(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    with manager(ckpt_dir, handler(memory_root)) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        out = restore(mngr, 1, None)
+    assert isinstance(out["w"], np.ndarray)
+    np.testing.assert_array_equal(out["w"], state["w"])
+    assert out["step"] == 7
