@@ -1,0 +1,118 @@
+"""Bad input gets a clear error naming the leaf path, the process and the step."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxckpt
+
+
+def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
+    return jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, **kw))
+
+
+@pytest.fixture
+def saved(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    mngr = manager(ckpt_dir, handler(memory_root))
+    save(mngr, 3, state)
+    mngr.wait_until_finished()
+    yield mngr, state
+    mngr.close()
+
+
+def test_unsupported_leaf_names_its_path(memory_root, ckpt_dir):
+    with manager(ckpt_dir, handler(memory_root)) as mngr:
+        with pytest.raises(TypeError, match=r"leaf at \['opt'\]\['fn'\] of type function"):
+            save(mngr, 1, {"opt": {"fn": lambda x: x}, "w": np.ones(2)})
+        assert mngr.all_steps() == []
+
+
+def test_shape_mismatch_names_path_expected_and_actual(saved):
+    mngr, state = saved
+    target = abstract(state)
+    target["w"] = jax.ShapeDtypeStruct((16, 7), np.float32, sharding=state["w"].sharding)
+    with pytest.raises(ValueError, match=r"\[process 0\] Leaf \['w'\] at step 3: expected shape \(16, 6\) \(saved\), the target has \(16, 7\)"):
+        restore(mngr, 3, target)
+
+
+def test_dtype_mismatch_names_path(saved):
+    mngr, state = saved
+    target = abstract(state)
+    target["b"] = jax.ShapeDtypeStruct((5,), np.int32, sharding=state["b"].sharding)
+    with pytest.raises(ValueError, match=r"Leaf \['b'\] at step 3: expected dtype float32"):
+        restore(mngr, 3, target)
+
+
+def test_structure_mismatch_lists_missing_and_extra(saved):
+    mngr, state = saved
+    target = abstract(state)
+    del target["h"]
+    target["extra"] = jax.ShapeDtypeStruct((1,), np.float32)
+    with pytest.raises(ValueError, match=r"at step 3.*target has leaves the checkpoint lacks: \['extra'\].*checkpoint has leaves the target lacks: \['h'\]"):
+        restore(mngr, 3, target)
+
+
+def test_iterator_target_for_an_array_is_rejected(saved):
+    from helpers import fresh_iterator
+
+    mngr, state = saved
+    target = abstract(state)
+    target["w"] = fresh_iterator()
+    with pytest.raises(TypeError, match=r"Leaf \['w'\].*iterator"):
+        restore(mngr, 3, target)
+
+
+def test_a_failed_restore_harms_nothing(saved):
+    mngr, state = saved
+    target = abstract(state)
+    target["w"] = jax.ShapeDtypeStruct((2, 2), np.float32, sharding=NamedSharding(mesh_1d(), P()))
+    with pytest.raises(ValueError):
+        restore(mngr, 3, target)
+    assert_tree_equal(restore(mngr, 3, abstract(state)), state)
+
+
+def test_unknown_step_names_newest_restorable(saved, ckpt_dir):
+    mngr, state = saved
+    (ckpt_dir / "9" / "train").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"Step 9 cannot be restored: .* holds no jaxckpt index manifest. The newest restorable step is 3"):
+        mngr.restore(9, args=__import__("orbax.checkpoint").checkpoint.args.Composite(train=jaxckpt.TieredRestore(abstract(state))))
+
+
+def test_unwritable_memory_root_is_reported(tmp_path, ckpt_dir):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with manager(ckpt_dir, handler(str(blocker / "sub"))) as mngr:
+        with pytest.raises(PermissionError, match=r"\[process 0\] The memory tier .* is not writable"):
+            save(mngr, 1, {"w": np.ones(2)})
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"replicas": -1}, r"TierOptions.replicas must be an integer >= 0, got -1"),
+        ({"persist_every": 0}, r"TierOptions.persist_every must be an integer >= 1, got 0"),
+        ({"memory_keep": 0}, r"memory_keep"),
+        ({"persist_compression": "lz77"}, r"persist_compression must be one of"),
+        ({"timeout_s": 0}, r"timeout_s must be a positive"),
+        ({"run_id": "a/b"}, r"run_id may only hold"),
+        ({"replicas": True}, r"replicas must be an integer"),
+    ],
+)
+def test_options_are_validated(kw, match):
+    with pytest.raises(ValueError, match=match):
+        jaxckpt.TierOptions("/dev/shm/x", **kw)
+
+
+def test_options_need_a_memory_root():
+    with pytest.raises(ValueError, match="memory_root must be a non-empty path"):
+        jaxckpt.TierOptions("")
+
+
+def test_handler_needs_options():
+    with pytest.raises(TypeError, match="needs TierOptions"):
+        jaxckpt.TieredCheckpointHandler({"memory_root": "/dev/shm"})
