@@ -24,7 +24,9 @@ def region_key(region: Region) -> tuple[tuple[int, int], ...]:
     return tuple((s.start, s.stop) for s in region)
 
 
-def chunk_index_of(region: Sequence[slice], shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:
+def chunk_index_of(
+    region: Sequence[slice], shape: Sequence[int], chunk_shape: Sequence[int]
+) -> tuple[int, ...]:
     """The grid index of the chunk that is exactly `region`.
 
     Raises:
@@ -63,12 +65,17 @@ def chunks_overlapping(
 
 def intersect(a: Region, b: Region) -> Region:
     """The intersection of two explicit regions (may be empty)."""
-    return tuple(slice(max(x.start, y.start), max(max(x.start, y.start), min(x.stop, y.stop))) for x, y in zip(a, b, strict=True))
+    return tuple(
+        slice(max(x.start, y.start), max(max(x.start, y.start), min(x.stop, y.stop)))
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def relative(inner: Region, outer: Region) -> Region:
     """`inner` expressed in the coordinates of `outer` (which contains it)."""
-    return tuple(slice(i.start - o.start, i.stop - o.start) for i, o in zip(inner, outer, strict=True))
+    return tuple(
+        slice(i.start - o.start, i.stop - o.start) for i, o in zip(inner, outer, strict=True)
+    )
 
 
 def grid_shape(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:

@@ -176,8 +176,7 @@ class PartManifest:
             failure_domain=str(d["failure_domain"]),
             leaves=tuple(LeafRecord.from_dict(x) for x in d["leaves"]),
             chunks={
-                int(i): tuple(ChunkRecord.from_dict(c) for c in cs)
-                for i, cs in d["chunks"].items()
+                int(i): tuple(ChunkRecord.from_dict(c) for c in cs) for i, cs in d["chunks"].items()
             },
             iterator_states={int(i): s for i, s in d["iterator_states"].items()},
             created=float(d["created"]),

@@ -56,7 +56,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
     def __init__(self, options: TierOptions):
         if not isinstance(options, TierOptions):
-            raise TypeError(f"TieredCheckpointHandler needs TierOptions, got {type(options).__name__}.")
+            raise TypeError(
+                f"TieredCheckpointHandler needs TierOptions, got {type(options).__name__}."
+            )
         self._options = options
         self._persister = _persister.Persister(options.persist_compression, options.timeout_s)
         self._memory: _memory_tier.MemoryTier | None = None
@@ -75,8 +77,18 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         memory = self._memory_for(directory)
         pi = _multihost.process_index()
         snapshot = _snapshot.take(args.state, pi)
-        self.last_save_metrics = {"step": step, "stall_s": snapshot.stall_s, "bytes": snapshot.nbytes}
-        log.info("jaxckpt: [process %d] step %d: %d bytes to host in %.3f s", pi, step, snapshot.nbytes, snapshot.stall_s)
+        self.last_save_metrics = {
+            "step": step,
+            "stall_s": snapshot.stall_s,
+            "bytes": snapshot.nbytes,
+        }
+        log.info(
+            "jaxckpt: [process %d] step %d: %d bytes to host in %.3f s",
+            pi,
+            step,
+            snapshot.nbytes,
+            snapshot.stall_s,
+        )
         commit = self._commit(Path(os.fspath(directory)), step, snapshot, memory, pi)
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
@@ -123,7 +135,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             )
             chunks: dict[int, list[_format.ChunkRecord]] = {}
             for s, crc in zip(snapshot.shards, await crcs, strict=True):
-                chunks.setdefault(s.leaf, []).append(_format.ChunkRecord(s.index, crc, s.data.nbytes))
+                chunks.setdefault(s.leaf, []).append(
+                    _format.ChunkRecord(s.index, crc, s.data.nbytes)
+                )
             memory_s = time.perf_counter() - start
             manifest = _format.PartManifest(
                 step=step,
@@ -136,7 +150,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 chunks={leaf: tuple(cs) for leaf, cs in chunks.items()},
                 iterator_states=snapshot.iterator_states,
                 created=time.time(),
-                metrics={"stall_s": snapshot.stall_s, "memory_write_s": memory_s, "bytes": snapshot.nbytes},
+                metrics={
+                    "stall_s": snapshot.stall_s,
+                    "memory_write_s": memory_s,
+                    "bytes": snapshot.nbytes,
+                },
             )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
             committed = memory.commit(staging, step, pi)
@@ -146,10 +164,14 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # IMPORTANT: the index manifest is written only after the memory part is committed,
         # so an index never points at a memory copy that does not exist yet.
         _write_atomic(directory / _format.index_file(pi), manifest.to_json())
-        self.last_save_metrics.update(memory_write_s=memory_s, memory_write_bytes_per_s=snapshot.nbytes / max(memory_s, 1e-9))
+        self.last_save_metrics.update(
+            memory_write_s=memory_s, memory_write_bytes_per_s=snapshot.nbytes / max(memory_s, 1e-9)
+        )
         if step % self._options.persist_every == 0:
             self._persister.submit(
-                _persister.PersistJob(manifest, committed, directory, _paths.final_item_dir(directory))
+                _persister.PersistJob(
+                    manifest, committed, directory, _paths.final_item_dir(directory)
+                )
             )
         memory.retain(self._options.memory_keep, pinned=self._persister.pending_steps())
         for error in self._persister.take_errors():
@@ -170,7 +192,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         step = _step_of(directory, None)
         memory = self._memory_for(directory)
         pi = _multihost.process_index()
-        plan = self._plan(item_dir, step, memory, pi)
+        plan = self._plan_for(item_dir, step, memory, pi)
         if not plan.restorable:
             raise FileNotFoundError(self._not_restorable_message(item_dir, step, plan, memory, pi))
         target = args.abstract_state if args is not None else None
@@ -185,18 +207,24 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             "step": step,
             "seconds": time.perf_counter() - start,
             "bytes_by_tier": dict(restorer.bytes_by_tier),
-            "tier": max(restorer.bytes_by_tier, key=lambda t: _plan.TIER_ORDER.index(t), default="none"),
+            "tier": max(
+                restorer.bytes_by_tier, key=lambda t: _plan.TIER_ORDER.index(t), default="none"
+            ),
             "fallbacks": len(restorer.failures),
         }
         log.info("jaxckpt: [process %d] restored step %d: %s", pi, step, self.last_restore_metrics)
         return result
 
-    def _plan(self, item_dir: Path, step: int, memory: _memory_tier.MemoryTier, pi: int) -> _plan.StepPlan:
+    def _plan_for(
+        self, item_dir: Path, step: int, memory: _memory_tier.MemoryTier, pi: int
+    ) -> _plan.StepPlan:
         index = _restore.read_index(item_dir)
         held = {pi: _restore.memory_parts(memory, step, index)}
         return _plan.plan_step(step, index, pi, held, _restore.persisted_parts(item_dir, index))
 
-    def _kvstore_for(self, item_dir: Path, memory: _memory_tier.MemoryTier, step: int) -> _restore.KvstoreFor:
+    def _kvstore_for(
+        self, item_dir: Path, memory: _memory_tier.MemoryTier, step: int
+    ) -> _restore.KvstoreFor:
         def kvstore_for(source: _plan.Source, owner: int) -> dict[str, Any]:
             if source.tier == _plan.MEMORY:
                 return _zarr.file_kvstore(str(memory.part_dir(step, owner)))
@@ -211,7 +239,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         memory = self._memory_for(directory)
         pi = _multihost.process_index()
         steps = _paths.sibling_steps(directory)
-        return [s for s in sorted(steps, reverse=True) if self._plan(steps[s], s, memory, pi).restorable]
+        return [
+            s
+            for s in sorted(steps, reverse=True)
+            if self._plan_for(steps[s], s, memory, pi).restorable
+        ]
 
     def _newest_restorable_sentence(
         self, item_dir: Path, memory: _memory_tier.MemoryTier, pi: int, exclude: int
@@ -222,7 +254,12 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         return "No other step is restorable from any tier."
 
     def _not_restorable_message(
-        self, item_dir: Path, step: int, plan: _plan.StepPlan, memory: _memory_tier.MemoryTier, pi: int
+        self,
+        item_dir: Path,
+        step: int,
+        plan: _plan.StepPlan,
+        memory: _memory_tier.MemoryTier,
+        pi: int,
     ) -> str:
         if not plan.owners:
             why = f"{item_dir} holds no jaxckpt index manifest"
@@ -265,7 +302,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._persister.close()
         errors = self._persister.take_errors()
         if errors:
-            raise OSError(f"jaxckpt: {len(errors)} step(s) failed to persist; first: {errors[0]}") from errors[0]
+            raise OSError(
+                f"jaxckpt: {len(errors)} step(s) failed to persist; first: {errors[0]}"
+            ) from errors[0]
 
     def wait_for_persistence(self, timeout_s: float | None = None) -> None:
         """Blocks until every queued step is persisted (or failed)."""
@@ -323,7 +362,9 @@ def _leaf_metadata(record: _format.LeafRecord, iterator_state: Any) -> Any:
             dtype = jax.eval_shape(lambda: jax.random.key(0, impl=record.key_impl)).dtype
         else:
             dtype = np.dtype(record.dtype)
-        return jax.ShapeDtypeStruct(record.shape, dtype, sharding=_sharding.rebuild(record.sharding))
+        return jax.ShapeDtypeStruct(
+            record.shape, dtype, sharding=_sharding.rebuild(record.sharding)
+        )
     if record.kind == _format.NUMPY:
         assert record.shape is not None and record.dtype is not None
         return jax.ShapeDtypeStruct(record.shape, np.dtype(record.dtype))
@@ -332,13 +373,24 @@ def _leaf_metadata(record: _format.LeafRecord, iterator_state: Any) -> Any:
     return IteratorState(_tree.decode_iterator_state(iterator_state))
 
 
-def _restore_tree(restorer: _restore.Restorer, plan: _plan.StepPlan, target: Any, pi: int, step: int) -> Any:
+def _restore_tree(
+    restorer: _restore.Restorer, plan: _plan.StepPlan, target: Any, pi: int, step: int
+) -> Any:
     records = plan.leaves
     if target is None:
         values = []
         for i, r in enumerate(records):
             if r.kind in (_format.ARRAY, _format.NUMPY):
-                values.append((r.keys, restorer.host_array(i) if not r.key_impl else jax.random.wrap_key_data(restorer.host_array(i), impl=r.key_impl)))
+                values.append(
+                    (
+                        r.keys,
+                        restorer.host_array(i)
+                        if not r.key_impl
+                        else jax.random.wrap_key_data(
+                            jax.numpy.asarray(restorer.host_array(i)), impl=r.key_impl
+                        ),
+                    )
+                )
             elif r.kind == _format.SCALAR:
                 values.append((r.keys, _tree.scalar_value(r)))
             else:
@@ -352,9 +404,13 @@ def _restore_tree(restorer: _restore.Restorer, plan: _plan.StepPlan, target: Any
     if missing or extra:
         parts = []
         if missing:
-            parts.append(f"the target has leaves the checkpoint lacks: {_tree.describe_paths(missing)}")
+            parts.append(
+                f"the target has leaves the checkpoint lacks: {_tree.describe_paths(missing)}"
+            )
         if extra:
-            parts.append(f"the checkpoint has leaves the target lacks: {_tree.describe_paths(extra)}")
+            parts.append(
+                f"the checkpoint has leaves the target lacks: {_tree.describe_paths(extra)}"
+            )
         raise ValueError(
             f"[process {pi}] The restore target does not match the tree saved at step {step}: "
             + "; ".join(parts)
@@ -363,11 +419,16 @@ def _restore_tree(restorer: _restore.Restorer, plan: _plan.StepPlan, target: Any
     # Validate every leaf before reading any bytes.
     for path, leaf in pairs:
         _check_leaf(records[by_path[path]], leaf, pi, step, plan)
-    out = [_restore_leaf(restorer, by_path[path], records[by_path[path]], leaf, pi, plan) for path, leaf in pairs]
+    out = [
+        _restore_leaf(restorer, by_path[path], records[by_path[path]], leaf, pi, plan)
+        for path, leaf in pairs
+    ]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _check_leaf(record: _format.LeafRecord, leaf: Any, pi: int, step: int, plan: _plan.StepPlan) -> None:
+def _check_leaf(
+    record: _format.LeafRecord, leaf: Any, pi: int, step: int, plan: _plan.StepPlan
+) -> None:
     where = f"[process {pi}] Leaf {record.path or '<root>'} at step {step}"
     if record.kind == _format.ITERATOR:
         if _tree.is_iterator(leaf) and pi not in plan.manifests:
@@ -387,13 +448,20 @@ def _check_leaf(record: _format.LeafRecord, leaf: Any, pi: int, step: int, plan:
             f"array of shape {record.shape} and dtype {record.dtype}. Use a jax.ShapeDtypeStruct."
         )
     if tuple(shape) != record.shape:
-        raise ValueError(f"{where}: expected shape {record.shape} (saved), the target has {tuple(shape)}.")
+        raise ValueError(
+            f"{where}: expected shape {record.shape} (saved), the target has {tuple(shape)}."
+        )
     if str(dtype) != record.dtype:
         raise ValueError(f"{where}: expected dtype {record.dtype} (saved), the target has {dtype}.")
 
 
 def _restore_leaf(
-    restorer: _restore.Restorer, i: int, record: _format.LeafRecord, leaf: Any, pi: int, plan: _plan.StepPlan
+    restorer: _restore.Restorer,
+    i: int,
+    record: _format.LeafRecord,
+    leaf: Any,
+    pi: int,
+    plan: _plan.StepPlan,
 ) -> Any:
     if record.kind == _format.SCALAR:
         return _tree.scalar_value(record)
@@ -415,7 +483,11 @@ def _restore_leaf(
             )
     if sharding is None:
         data = restorer.host_array(i)
-        return jax.random.wrap_key_data(data, impl=record.key_impl) if record.key_impl else data
+        return (
+            jax.random.wrap_key_data(jax.numpy.asarray(data), impl=record.key_impl)
+            if record.key_impl
+            else data
+        )
     return restorer.array(i, sharding)
 
 

@@ -68,7 +68,15 @@ class MemoryTier:
             run_file = self.run_dir / "RUN.json"
             if not run_file.exists():
                 tmp = self.run_dir / f".RUN.json.{uuid.uuid4().hex}"
-                tmp.write_text(json.dumps({"run_id": self.run_id, "checkpoint_dir": checkpoint_dir, "created": time.time()}))
+                tmp.write_text(
+                    json.dumps(
+                        {
+                            "run_id": self.run_id,
+                            "checkpoint_dir": checkpoint_dir,
+                            "created": time.time(),
+                        }
+                    )
+                )
                 os.replace(tmp, run_file)
         except OSError as e:
             raise PermissionError(

@@ -79,9 +79,7 @@ class TierOptions:
     def resolved_failure_domain(self) -> str:
         """The failure domain this process is in."""
         return (
-            self.failure_domain
-            or os.environ.get("JAXCKPT_FAILURE_DOMAIN")
-            or socket.gethostname()
+            self.failure_domain or os.environ.get("JAXCKPT_FAILURE_DOMAIN") or socket.gethostname()
         )
 
 

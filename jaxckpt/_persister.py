@@ -52,7 +52,9 @@ class Persister:
         with self._lock:
             self._pending[job.manifest.step] = self._pending.get(job.manifest.step, 0) + 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="jaxckpt-persist", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="jaxckpt-persist", daemon=True
+                )
                 self._thread.start()
         self._queue.put(job)
 
@@ -99,8 +101,10 @@ class Persister:
             try:
                 start = time.perf_counter()
                 self._persist(job)
-                self.completed.append((job.manifest.step, time.perf_counter() - start, job.manifest.nbytes))
-            except BaseException as e:  # noqa: BLE001 -- reported through take_errors()
+                self.completed.append(
+                    (job.manifest.step, time.perf_counter() - start, job.manifest.nbytes)
+                )
+            except BaseException as e:
                 log.error("jaxckpt: persisting step %d failed: %s", job.manifest.step, e)
                 with self._lock:
                     self._errors.append(e)
@@ -115,8 +119,12 @@ class Persister:
     def _persist(self, job: PersistJob) -> None:
         manifest = job.manifest
         root = job.final_item_dir.parent.parent
-        staging = root / _paths.STAGING_DIR / (
-            f"{job.final_item_dir.parent.name}.{job.final_item_dir.name}.p{manifest.owner}.{uuid.uuid4().hex[:8]}"
+        staging = (
+            root
+            / _paths.STAGING_DIR
+            / (
+                f"{job.final_item_dir.parent.name}.{job.final_item_dir.name}.p{manifest.owner}.{uuid.uuid4().hex[:8]}"
+            )
         )
         staging.mkdir(parents=True)
         try:

@@ -52,7 +52,7 @@ def place_replicas(domains: Sequence[str], replicas: int) -> tuple[tuple[int, ..
                 f"The failure domain of process {p} must be a non-empty str, got {domain!r}."
             )
     n = len(domains)
-    if replicas == 0:
+    if replicas == 0 or n == 0:
         return tuple(() for _ in range(n))
 
     # IMPORTANT: dicts and lists only. Iterating a set of str depends on
@@ -102,51 +102,84 @@ def place_replicas(domains: Sequence[str], replicas: int) -> tuple[tuple[int, ..
     return tuple(tuple(h) for h in holders)
 
 
-def _balance(domains: list[str], ring: list[int], holders: list[list[int]], load: list[int]) -> None:
+def _balance(
+    domains: list[str], ring: list[int], holders: list[list[int]], load: list[int]
+) -> None:
     """Evens out holder loads in place by moving replicas along augmenting paths.
 
-    A path starts at a holder with the maximum load ``top``, passes through
-    holders with load ``top - 1`` and ends at one with at most ``top - 2``; each
-    hop hands one owner's replica to the next holder. Applying it lowers one
-    maximum holder by one and leaves the intermediate loads unchanged. When no
-    path exists the maximum load is as low as it can be.
+    A path starts at a holder with load ``level``, passes through holders with
+    load ``level - 1`` and ends at one with at most ``level - 2``; each hop hands
+    one owner's replica to the next holder. Applying it lowers the first holder
+    by one, raises the last by one and leaves the others unchanged, so the sum
+    of squared loads drops. When no path exists at any level, the loads are as
+    even as the domain constraints allow (in particular the busiest holder
+    holds as few replicas as possible).
     """
     held: list[list[int]] = [[] for _ in load]
     for owner, hs in enumerate(holders):
         for h in hs:
             held[h].append(owner)
-    while max(load) - min(load) > 1:
-        top = max(load)
-        starts = [h for h in ring if load[h] == top]
-        came_from: dict[int, tuple[int, int] | None] = dict.fromkeys(starts)
-        queue = collections.deque(starts)
-        end = None
-        while queue and end is None:
-            h = queue.popleft()
-            for owner in held[h]:
-                for h2 in ring:
-                    if (
-                        load[h2] >= top
-                        or h2 in came_from
-                        or domains[h2] == domains[owner]
-                        or h2 in holders[owner]
-                    ):
+    improved = True
+    while improved:
+        improved = False
+        for level in range(max(load), min(load) + 1, -1):
+            while _augment(level, domains, ring, holders, held, load):
+                improved = True
+
+
+def _augment(
+    level: int,
+    domains: list[str],
+    ring: list[int],
+    holders: list[list[int]],
+    held: list[list[int]],
+    load: list[int],
+) -> bool:
+    """Finds and applies one augmenting path from a holder at ``level``; False if none."""
+    starts = [h for h in ring if load[h] == level]
+    # Unvisited holders below `level`, by domain, so an owner skips its own
+    # domain in one step instead of one holder at a time.
+    free: dict[str, list[int]] = {}
+    for h in ring:
+        if load[h] < level:
+            free.setdefault(domains[h], []).append(h)
+    came_from: dict[int, tuple[int, int] | None] = dict.fromkeys(starts)
+    queue = collections.deque(starts)
+    while queue:
+        h = queue.popleft()
+        for owner in held[h]:
+            for domain in list(free):
+                if domain == domains[owner]:
+                    continue
+                kept = []
+                for h2 in free.pop(domain):
+                    if h2 in holders[owner] or h2 in came_from:
+                        kept.append(h2)
                         continue
                     came_from[h2] = (h, owner)
-                    if load[h2] <= top - 2:
-                        end = h2
-                        break
+                    if load[h2] <= level - 2:
+                        _apply(h2, came_from, holders, held, load)
+                        return True
                     queue.append(h2)
-                if end is not None:
-                    break
-        if end is None:
-            return
-        load[end] += 1
-        h2 = end
-        while (hop := came_from[h2]) is not None:
-            h, owner = hop
-            holders[owner][holders[owner].index(h)] = h2
-            held[h].remove(owner)
-            held[h2].append(owner)
-            h2 = h
-        load[h2] -= 1
+                if kept:
+                    free[domain] = kept
+    return False
+
+
+def _apply(
+    end: int,
+    came_from: dict[int, tuple[int, int] | None],
+    holders: list[list[int]],
+    held: list[list[int]],
+    load: list[int],
+) -> None:
+    """Moves one replica along each hop of the path that ends at ``end``."""
+    load[end] += 1
+    h2 = end
+    while (hop := came_from[h2]) is not None:
+        h, owner = hop
+        holders[owner][holders[owner].index(h)] = h2
+        held[h].remove(owner)
+        held[h2].append(owner)
+        h2 = h
+    load[h2] -= 1

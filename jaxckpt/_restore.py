@@ -57,7 +57,11 @@ def memory_parts(
     memory: _memory_tier.MemoryTier, step: int, index: dict[int, _format.PartManifest]
 ) -> set[int]:
     """Owners whose part of `step` this memory tier holds, from this very save."""
-    return {o for o in memory.parts(step) if o in index and matches(memory.read_manifest(step, o), index[o])}
+    return {
+        o
+        for o in memory.parts(step)
+        if o in index and matches(memory.read_manifest(step, o), index[o])
+    }
 
 
 def persisted_parts(item_dir: Path, index: dict[int, _format.PartManifest]) -> set[int]:
@@ -109,7 +113,7 @@ class Restorer:
             try:
                 array = await self._open(source, owner, leaf)
                 data = np.asarray(await array[region].read())
-            except Exception as e:  # noqa: BLE001 -- any failure of a source means: try the next
+            except Exception as e:
                 tried.append(f"{source.describe()}: {e}")
                 continue
             if _zarr.checksum(data) != expected.crc32:
@@ -118,7 +122,13 @@ class Restorer:
             self.bytes_by_tier[source.tier] = self.bytes_by_tier.get(source.tier, 0) + data.nbytes
             if tried:
                 self.failures.extend(tried)
-                log.warning("jaxckpt: chunk %s of %s: fell back to %s after %s", index, record.path, source.describe(), tried)
+                log.warning(
+                    "jaxckpt: chunk %s of %s: fell back to %s after %s",
+                    index,
+                    record.path,
+                    source.describe(),
+                    tried,
+                )
             return data
         raise ChunkUnavailableError(
             f"[process {self._process_index}] No verified copy of chunk {index} of {record.path} "
@@ -126,13 +136,29 @@ class Restorer:
             + ("; ".join(tried) if tried else "no source holds it")
         )
 
-    async def _read_regions(self, leaf: int, regions: Sequence[_chunking.Region]) -> list[np.ndarray]:
+    async def _read_regions(
+        self, leaf: int, regions: Sequence[_chunking.Region]
+    ) -> list[np.ndarray]:
         record = self._plan.leaves[leaf]
-        assert record.stored_shape is not None and record.chunk_shape is not None and record.stored_dtype
-        needed = sorted(
-            {i for r in regions for i in _chunking.chunks_overlapping(r, record.stored_shape, record.chunk_shape)}
+        assert (
+            record.stored_shape is not None
+            and record.chunk_shape is not None
+            and record.stored_dtype
         )
-        chunks = dict(zip(needed, await asyncio.gather(*(self._read_chunk(leaf, i) for i in needed)), strict=True))
+        needed = sorted(
+            {
+                i
+                for r in regions
+                for i in _chunking.chunks_overlapping(r, record.stored_shape, record.chunk_shape)
+            }
+        )
+        chunks = dict(
+            zip(
+                needed,
+                await asyncio.gather(*(self._read_chunk(leaf, i) for i in needed)),
+                strict=True,
+            )
+        )
         out = []
         for region in regions:
             buf = np.empty([s.stop - s.start for s in region], dtype=record.stored_dtype)
@@ -157,12 +183,17 @@ class Restorer:
         )
         index_map = data_sharding.addressable_devices_indices_map(record.stored_shape)
         devices = list(index_map)
-        regions = [_chunking.normalize_region(index_map[d], record.stored_shape) for d in devices]
+        regions = [
+            _chunking.normalize_region(index_map[d] or (), record.stored_shape) for d in devices
+        ]
         # Replicated targets ask for the same region on many devices: read it once.
         unique = {_chunking.region_key(r): r for r in regions}
         read = asyncio.run(self._read_regions(leaf, list(unique.values())))
         bufs = dict(zip(unique, read, strict=True))
-        arrays = [jax.device_put(bufs[_chunking.region_key(r)], d) for r, d in zip(regions, devices, strict=True)]
+        arrays = [
+            jax.device_put(bufs[_chunking.region_key(r)], d)
+            for r, d in zip(regions, devices, strict=True)
+        ]
         data = jax.make_array_from_single_device_arrays(record.stored_shape, data_sharding, arrays)
         return jax.random.wrap_key_data(data, impl=record.key_impl) if record.key_impl else data
 

@@ -22,7 +22,7 @@ def describe(sharding: jax.sharding.Sharding) -> dict[str, Any]:
         }
     if isinstance(sharding, SingleDeviceSharding):
         (device,) = sharding.device_set
-        return {"type": "single", "device_id": int(device.id)}
+        return {"type": "single", "device_id": int(device.id)}  # type: ignore[attr-defined]
     return {"type": "other", "repr": repr(sharding)}
 
 

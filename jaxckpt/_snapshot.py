@@ -90,7 +90,9 @@ def take(state: Any, process_index: int) -> Snapshot:
         buf.copy_to_host_async()
     for i, buf, index in pending:
         shards.append(HostShard(i, index, np.array(buf, copy=True)))
-    records = [dataclasses.replace(r, keys=keys) for r, (_, keys, _) in zip(records, triples, strict=True)]
+    records = [
+        dataclasses.replace(r, keys=keys) for r, (_, keys, _) in zip(records, triples, strict=True)
+    ]
     return Snapshot(tuple(records), shards, iterator_states, time.perf_counter() - start)
 
 

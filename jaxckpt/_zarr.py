@@ -20,7 +20,9 @@ _COMPRESSION_CODECS: dict[str | None, list[dict[str, Any]]] = {
     None: [],
     "zstd": [{"name": "zstd", "configuration": {"level": 1}}],
     "gzip": [{"name": "gzip", "configuration": {"level": 1}}],
-    "blosc": [{"name": "blosc", "configuration": {"cname": "lz4", "clevel": 5, "shuffle": "shuffle"}}],
+    "blosc": [
+        {"name": "blosc", "configuration": {"cname": "lz4", "clevel": 5, "shuffle": "shuffle"}}
+    ],
 }
 
 # Plenty of cache-free concurrency for many small chunks on tmpfs.
@@ -29,7 +31,7 @@ _CONTEXT = ts.Context({"file_io_concurrency": {"limit": 64}, "data_copy_concurre
 
 def checksum(data: np.ndarray) -> int:
     """CRC-32 of an array's bytes in C order (what a chunk record holds)."""
-    return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def kvstore_at(kvstore: dict[str, Any], *parts: str) -> dict[str, Any]:
@@ -55,7 +57,10 @@ def create(
     assert record.stored_shape is not None and record.chunk_shape is not None
     metadata = {
         "shape": list(record.stored_shape),
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(record.chunk_shape)}},
+        "chunk_grid": {
+            "name": "regular",
+            "configuration": {"chunk_shape": list(record.chunk_shape)},
+        },
         "chunk_key_encoding": {"name": "default"},
         "data_type": record.stored_dtype,
         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]
@@ -103,7 +108,9 @@ async def copy_chunks(
     assert record.stored_shape is not None and record.chunk_shape is not None
     source = await open_array(src)
     target = await create(dst, record, compression)
-    regions = [_chunking.chunk_region(c.index, record.stored_shape, record.chunk_shape) for c in chunks]
+    regions = [
+        _chunking.chunk_region(c.index, record.stored_shape, record.chunk_shape) for c in chunks
+    ]
     reads = [source[r].read() for r in regions]
     writes = []
     for chunk, region, read in zip(chunks, regions, reads, strict=True):

@@ -15,7 +15,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 
@@ -97,14 +98,22 @@ def train_state(mesh: Mesh, data_seed: int = 0) -> tuple[dict[str, Any], Any]:
     model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     fsdp = NamedSharding(mesh, P(mesh.axis_names[0]))
-    params = jax.tree_util.tree_map(lambda x: jax.device_put(x, fsdp if x.ndim == 2 else NamedSharding(mesh, P())), params)
+    params = jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, fsdp if x.ndim == 2 else NamedSharding(mesh, P())), params
+    )
     tx = optax.adamw(1e-2)
     opt_state = tx.init(params)
     grads = jax.tree_util.tree_map(jax.numpy.ones_like, params)
     _, opt_state = tx.update(grads, opt_state, params)  # non-trivial moments
     data = iter(grain.MapDataset.range(1000).shuffle(seed=data_seed).batch(4).to_iter_dataset())
     next(data), next(data)
-    state = {"params": params, "opt_state": opt_state, "rng": jax.random.key(42), "data": data, "step": 2}
+    state = {
+        "params": params,
+        "opt_state": opt_state,
+        "rng": jax.random.key(42),
+        "data": data,
+        "step": 2,
+    }
     return state, tx
 
 
@@ -115,11 +124,21 @@ def fresh_iterator(data_seed: int = 0) -> Any:
 def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 180) -> str:
     """Runs `code` in a new interpreter (8 CPU devices); returns stdout, raises on failure."""
     prelude = "import os, jax\njax.config.update('jax_num_cpu_devices', 8)\n"
-    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", **(env or {})}
+    full_env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+        **(env or {}),
+    }
     proc = subprocess.run(
         [sys.executable, "-c", prelude + textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=timeout, env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
     )
     if proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        )
     return proc.stdout

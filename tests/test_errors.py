@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 
@@ -36,7 +37,10 @@ def test_shape_mismatch_names_path_expected_and_actual(saved):
     mngr, state = saved
     target = abstract(state)
     target["w"] = jax.ShapeDtypeStruct((16, 7), np.float32, sharding=state["w"].sharding)
-    with pytest.raises(ValueError, match=r"\[process 0\] Leaf \['w'\] at step 3: expected shape \(16, 6\) \(saved\), the target has \(16, 7\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"\[process 0\] Leaf \['w'\] at step 3: expected shape \(16, 6\) \(saved\), the target has \(16, 7\)",
+    ):
         restore(mngr, 3, target)
 
 
@@ -53,7 +57,10 @@ def test_structure_mismatch_lists_missing_and_extra(saved):
     target = abstract(state)
     del target["h"]
     target["extra"] = jax.ShapeDtypeStruct((1,), np.float32)
-    with pytest.raises(ValueError, match=r"at step 3.*target has leaves the checkpoint lacks: \['extra'\].*checkpoint has leaves the target lacks: \['h'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"at step 3.*target has leaves the checkpoint lacks: \['extra'\].*checkpoint has leaves the target lacks: \['h'\]",
+    ):
         restore(mngr, 3, target)
 
 
@@ -79,16 +86,26 @@ def test_a_failed_restore_harms_nothing(saved):
 def test_unknown_step_names_newest_restorable(saved, ckpt_dir):
     mngr, state = saved
     (ckpt_dir / "9" / "train").mkdir(parents=True)
-    with pytest.raises(FileNotFoundError, match=r"Step 9 cannot be restored: .* holds no jaxckpt index manifest. The newest restorable step is 3"):
-        mngr.restore(9, args=__import__("orbax.checkpoint").checkpoint.args.Composite(train=jaxckpt.TieredRestore(abstract(state))))
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"Step 9 cannot be restored: .* holds no jaxckpt index manifest. The newest restorable step is 3",
+    ):
+        mngr.restore(
+            9,
+            args=__import__("orbax.checkpoint").checkpoint.args.Composite(
+                train=jaxckpt.TieredRestore(abstract(state))
+            ),
+        )
 
 
 def test_unwritable_memory_root_is_reported(tmp_path, ckpt_dir):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with manager(ckpt_dir, handler(str(blocker / "sub"))) as mngr:
-        with pytest.raises(PermissionError, match=r"\[process 0\] The memory tier .* is not writable"):
-            save(mngr, 1, {"w": np.ones(2)})
+    with (
+        manager(ckpt_dir, handler(str(blocker / "sub"))) as mngr,
+        pytest.raises(PermissionError, match=r"\[process 0\] The memory tier .* is not writable"),
+    ):
+        save(mngr, 1, {"w": np.ones(2)})
 
 
 @pytest.mark.parametrize(

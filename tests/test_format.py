@@ -11,15 +11,34 @@ from jaxckpt import _chunking, _format, _plan
 
 def manifest(owner: int, count: int = 2, step: int = 5) -> _format.PartManifest:
     leaf = _format.LeafRecord(
-        "['w']", _format.ARRAY, keys=(("d", "w"),), shape=(8, 2), dtype="float32",
-        stored_shape=(8, 2), stored_dtype="float32", chunk_shape=(4, 2),
-        sharding={"type": "named", "axis_names": ["x"], "mesh_shape": [2], "device_ids": [0, 1], "spec": ["x"]},
+        "['w']",
+        _format.ARRAY,
+        keys=(("d", "w"),),
+        shape=(8, 2),
+        dtype="float32",
+        stored_shape=(8, 2),
+        stored_dtype="float32",
+        chunk_shape=(4, 2),
+        sharding={
+            "type": "named",
+            "axis_names": ["x"],
+            "mesh_shape": [2],
+            "device_ids": [0, 1],
+            "spec": ["x"],
+        },
     )
     return _format.PartManifest(
-        step=step, run_id="run-1", save_id=f"s{owner}", owner=owner, process_count=count,
-        failure_domain=f"node{owner}", leaves=(leaf, _format.LeafRecord("['it']", _format.ITERATOR)),
+        step=step,
+        run_id="run-1",
+        save_id=f"s{owner}",
+        owner=owner,
+        process_count=count,
+        failure_domain=f"node{owner}",
+        leaves=(leaf, _format.LeafRecord("['it']", _format.ITERATOR)),
         chunks={0: (_format.ChunkRecord((owner, 0), 123 + owner, 32),)},
-        iterator_states={1: {"next_index": 3}}, created=1.5, metrics={"stall_s": 0.1},
+        iterator_states={1: {"next_index": 3}},
+        created=1.5,
+        metrics={"stall_s": 0.1},
     )
 
 
@@ -41,7 +60,11 @@ def test_chunk_grid_arithmetic():
     shape, chunk = (10, 4), (4, 4)
     assert _chunking.grid_shape(shape, chunk) == (3, 1)
     assert _chunking.chunk_region((2, 0), shape, chunk) == (slice(8, 10), slice(0, 4))
-    assert list(_chunking.chunks_overlapping((slice(3, 9), slice(None)), shape, chunk)) == [(0, 0), (1, 0), (2, 0)]
+    assert list(_chunking.chunks_overlapping((slice(3, 9), slice(None)), shape, chunk)) == [
+        (0, 0),
+        (1, 0),
+        (2, 0),
+    ]
     assert list(_chunking.chunks_overlapping((slice(4, 4), slice(None)), shape, chunk)) == []
     assert _chunking.chunk_index_of((slice(4, 8), slice(None)), shape, chunk) == (1, 0)
     with pytest.raises(ValueError, match="not aligned"):
@@ -57,8 +80,16 @@ def test_plan_prefers_own_memory_then_peers_then_persistent():
     index = {0: manifest(0), 1: manifest(1)}
     plan = _plan.plan_step(5, index, me=0, held={0: {0}, 1: {1}, 2: {0, 1}}, persisted={0, 1})
     assert plan.restorable
-    assert plan.sources[0] == (_plan.Source("memory", 0), _plan.Source("peer", 2), _plan.Source("persistent"))
-    assert plan.sources[1] == (_plan.Source("peer", 1), _plan.Source("peer", 2), _plan.Source("persistent"))
+    assert plan.sources[0] == (
+        _plan.Source("memory", 0),
+        _plan.Source("peer", 2),
+        _plan.Source("persistent"),
+    )
+    assert plan.sources[1] == (
+        _plan.Source("peer", 1),
+        _plan.Source("peer", 2),
+        _plan.Source("persistent"),
+    )
     assert plan.chunk_owners() == {(0, (0, 0)): 0, (0, (1, 0)): 1}
 
 

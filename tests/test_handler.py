@@ -22,7 +22,8 @@ from helpers import (
     sharded_state,
     train_state,
 )
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _persister
@@ -70,12 +71,17 @@ def test_full_training_state_continues_identically(memory_root, ckpt_dir):
         save(mngr, 2, state)
         mngr.wait_until_finished()
         expected_next = next(state["data"])  # what training would read next
-        target = {**abstract({k: v for k, v in state.items() if k != "data"}), "data": fresh_iterator()}
+        target = {
+            **abstract({k: v for k, v in state.items() if k != "data"}),
+            "data": fresh_iterator(),
+        }
         restored = restore(mngr, 2, target)
     assert restored["data"] is target["data"]  # set in place
     np.testing.assert_array_equal(next(restored["data"]), expected_next)
     assert jax.random.key_impl(restored["rng"]) == "threefry2x32"
-    np.testing.assert_array_equal(jax.random.key_data(restored["rng"]), jax.random.key_data(state["rng"]))
+    np.testing.assert_array_equal(
+        jax.random.key_data(restored["rng"]), jax.random.key_data(state["rng"])
+    )
     assert_tree_equal(restored["params"], state["params"])
     assert_tree_equal(restored["opt_state"], state["opt_state"])
     assert restored["step"] == 2
@@ -86,9 +92,13 @@ def _targets(mesh: Mesh, state: dict) -> dict:
     a = mesh.axis_names
     t = abstract(state)
     t["w"] = jax.ShapeDtypeStruct((16, 6), np.float32, sharding=NamedSharding(mesh, P(a)))
-    t["h"] = jax.ShapeDtypeStruct((8, 4), jax.numpy.bfloat16, sharding=NamedSharding(mesh, P(None, a[0])))
+    t["h"] = jax.ShapeDtypeStruct(
+        (8, 4), jax.numpy.bfloat16, sharding=NamedSharding(mesh, P(None, a[0]))
+    )
     t["b"] = jax.ShapeDtypeStruct((5,), np.float32, sharding=NamedSharding(mesh, P()))
-    t["keys"] = jax.ShapeDtypeStruct((8,), state["keys"].dtype, sharding=NamedSharding(mesh, P(a[-1])))
+    t["keys"] = jax.ShapeDtypeStruct(
+        (8,), state["keys"].dtype, sharding=NamedSharding(mesh, P(a[-1]))
+    )
     return t
 
 
@@ -110,7 +120,11 @@ def test_reshard_onto_other_meshes(memory_root, ckpt_dir, shape):
 def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypatch):
     from jaxckpt import _restore
 
-    state = {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(16, 4), NamedSharding(mesh_1d(), P("data")))}
+    state = {
+        "w": jax.device_put(
+            np.arange(64, dtype=np.float32).reshape(16, 4), NamedSharding(mesh_1d(), P("data"))
+        )
+    }
     read = []
     original = _restore.Restorer._read_chunk
 
@@ -125,13 +139,19 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
         mngr.wait_until_finished()
         # Fully replicated on 8 devices: every chunk is read once, not once per device.
         one = Mesh(np.array(jax.devices()), ("x",))
-        restored = restore(mngr, 1, {"w": jax.ShapeDtypeStruct((16, 4), np.float32, sharding=NamedSharding(one, P()))})
+        restored = restore(
+            mngr,
+            1,
+            {"w": jax.ShapeDtypeStruct((16, 4), np.float32, sharding=NamedSharding(one, P()))},
+        )
         assert sorted(read) == [(i, 0) for i in range(8)]
         np.testing.assert_array_equal(restored["w"], state["w"])
         # A region of rows 3..6 touches saved chunks 1, 2 and 3 only.
         read.clear()
-        plan = h._plan(ckpt_dir / "1" / "train", 1, h._memory, 0)
-        restorer = _restore.Restorer(plan, h._kvstore_for(ckpt_dir / "1" / "train", h._memory, 1), 0)
+        plan = h._plan_for(ckpt_dir / "1" / "train", 1, h._memory, 0)
+        restorer = _restore.Restorer(
+            plan, h._kvstore_for(ckpt_dir / "1" / "train", h._memory, 1), 0
+        )
         import asyncio
 
         (rows,) = asyncio.run(restorer._read_regions(0, [(slice(3, 7), slice(0, 4))]))
@@ -172,12 +192,16 @@ def test_restore_from_persistent_after_memory_is_lost(memory_root, ckpt_dir):
         restored = restore(mngr, 4, abstract(state))
         assert h.last_restore_metrics["tier"] == "persistent"
         assert_tree_equal(restored, state)
-        with pytest.raises(FileNotFoundError, match=r"Step 3 cannot be restored.*newest restorable step is 4"):
+        with pytest.raises(
+            FileNotFoundError, match=r"Step 3 cannot be restored.*newest restorable step is 4"
+        ):
             restore(mngr, 3, abstract(state))
 
 
 def test_persisted_copy_is_compressed_and_complete(memory_root, ckpt_dir):
-    state = {"z": jax.device_put(np.zeros((64, 64), np.float32), NamedSharding(mesh_1d(), P("data")))}
+    state = {
+        "z": jax.device_put(np.zeros((64, 64), np.float32), NamedSharding(mesh_1d(), P("data")))
+    }
     h = handler(memory_root, persist_every=1, persist_compression="zstd")
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)
@@ -252,7 +276,9 @@ def test_garbage_collection_keeps_steps_being_persisted(memory_root, ckpt_dir, s
     assert not list((ckpt_dir / ".jaxckpt-staging").iterdir())
 
 
-def test_garbage_collected_step_leaves_no_half_written_data(memory_root, ckpt_dir, slow_persistence):
+def test_garbage_collected_step_leaves_no_half_written_data(
+    memory_root, ckpt_dir, slow_persistence
+):
     state = sharded_state(mesh_1d())
     h = handler(memory_root, persist_every=2)
     with manager(ckpt_dir, h, max_to_keep=1) as mngr:
@@ -302,7 +328,9 @@ def test_flipped_byte_without_other_copy_raises(memory_root, ckpt_dir):
         data = bytearray(chunk.read_bytes())
         data[-1] ^= 0x01
         chunk.write_bytes(bytes(data))
-        with pytest.raises(FileNotFoundError, match=r"chunk \(3, 0\) of \['w'\].*checksum mismatch"):
+        with pytest.raises(
+            FileNotFoundError, match=r"chunk \(3, 0\) of \['w'\].*checksum mismatch"
+        ):
             restore(mngr, 1, abstract(state))
 
 
@@ -322,7 +350,9 @@ def test_memory_of_another_run_is_never_used(memory_root, tmp_path):
         mngr.wait_until_finished()
         h.wait_for_persistence()
     stale_part = h._memory.part_dir(1, 0)
-    (stale_part / "manifest.json").write_text((stale_part / "manifest.json").read_text().replace('"save_id":"', '"save_id":"x'))
+    (stale_part / "manifest.json").write_text(
+        (stale_part / "manifest.json").read_text().replace('"save_id":"', '"save_id":"x')
+    )
     h2 = handler(memory_root)
     with manager(first, h2) as mngr:
         assert_tree_equal(restore(mngr, 1, abstract(other)), other)
@@ -356,7 +386,10 @@ def test_metadata_builds_a_restore_target(memory_root, ckpt_dir):
         assert meta["data"].state == state["data"].get_state()
         target = {**meta, "data": fresh_iterator()}
         restored = restore(mngr, 1, target)
-    assert_tree_equal({k: v for k, v in restored.items() if k != "data"}, {k: v for k, v in state.items() if k != "data"})
+    assert_tree_equal(
+        {k: v for k, v in restored.items() if k != "data"},
+        {k: v for k, v in state.items() if k != "data"},
+    )
     assert restored["data"].get_state() == state["data"].get_state()
 
 

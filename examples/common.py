@@ -1,0 +1,424 @@
+"""Shared pieces of the jaxckpt examples: processes, mesh, sharding, data, training loop.
+
+The examples train a Flax NNX model with optax on a global mesh and checkpoint the
+whole training state after every step. That state is ONE pytree::
+
+    {
+        "params": nnx.State,          # model parameters, FSDP-sharded jax.Arrays
+        "opt_state": optax state,     # optax.adamw state (tuple of namedtuples of nnx.State)
+        "rng": jax.Array,             # typed PRNG key (jax.random.key), replicated, split per step
+        "data": grain DatasetIterator,  # this process's input iterator (get_state/set_state)
+        "step": int,                  # number of completed training steps
+    }
+
+Step ``s`` is saved right after the ``s``-th update, so a restore of step ``s`` resumes
+with the ``s+1``-th batch and reproduces the uninterrupted run bit for bit.
+
+Every process prints one JSON object per line on stdout (the launcher and the demo parse
+them)::
+
+    {"event": "start", "process": p, "num_processes": n, "devices": d, "mesh": {...}}
+    {"event": "restored", "step": s, "seconds": t, "process": p, "tier": "memory"|...|"unknown",
+     "bytes_by_tier": {...}}  # bytes_by_tier only when the handler reports it
+    {"event": "restore_failed", "step": s, "error": "...", "process": p}
+    {"event": "step", "step": s, "loss": l, "process": p}
+    {"event": "save", "step": s, "seconds": t, "process": p}
+    {"event": "done", "step": s, "seconds": t, "process": p}
+
+Environment (set by ``python -m jaxckpt.launch``; all optional):
+
+- ``JAXCKPT_COORDINATOR`` (``host:port``), ``JAXCKPT_NUM_PROCESSES``,
+  ``JAXCKPT_PROCESS_ID``: start ``jax.distributed`` on CPU devices with gloo collectives.
+- ``JAXCKPT_CPU_DEVICES``: CPU devices per process (default 2 when distributed).
+- ``JAXCKPT_MEMORY_ROOT``: default of ``--memory-root``.
+- ``JAXCKPT_KILL_AT_STEP`` / ``JAXCKPT_KILL_PROCESS``: failure injection; the named
+  process SIGKILLs itself right after the save of that step is issued.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import grain
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+ENV_COORDINATOR: Final = "JAXCKPT_COORDINATOR"
+ENV_NUM_PROCESSES: Final = "JAXCKPT_NUM_PROCESSES"
+ENV_PROCESS_ID: Final = "JAXCKPT_PROCESS_ID"
+ENV_CPU_DEVICES: Final = "JAXCKPT_CPU_DEVICES"
+ENV_MEMORY_ROOT: Final = "JAXCKPT_MEMORY_ROOT"
+ENV_KILL_AT_STEP: Final = "JAXCKPT_KILL_AT_STEP"
+ENV_KILL_PROCESS: Final = "JAXCKPT_KILL_PROCESS"
+
+DATA_AXIS: Final = "data"
+FSDP_AXIS: Final = "fsdp"
+
+PyTree = Any
+Batch = Any
+LossFn = Callable[[Any, Batch, jax.Array], jax.Array]  # (model, batch, dropout key)
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def setup_jax(cluster: bool = False) -> None:
+    """Configures jax and joins the distributed job, if there is one.
+
+    Must run before any other jax call. With ``JAXCKPT_COORDINATOR`` set, every process
+    runs on CPU devices with gloo collectives and meets the others on loopback; with
+    ``cluster`` it lets ``jax.distributed.initialize()`` detect a real cluster.
+
+    Args:
+        cluster: Call ``jax.distributed.initialize()`` without arguments (SLURM, TPU, ...).
+    """
+    coordinator = os.environ.get(ENV_COORDINATOR)
+    if coordinator or ENV_CPU_DEVICES in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", int(os.environ.get(ENV_CPU_DEVICES, "2")))
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            coordinator_bind_address=coordinator,
+            num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+            process_id=int(os.environ[ENV_PROCESS_ID]),
+            heartbeat_timeout_seconds=5,
+            initialization_timeout=60,
+            shutdown_timeout_seconds=60,
+        )
+    elif cluster:
+        jax.distributed.initialize()
+    # IMPORTANT: every process must touch the backend, or the ones that do wait for the
+    # global topology forever (see MULTIPROCESS.md).
+    jax.devices()
+
+
+def log_event(event: str, **fields: Any) -> None:
+    """Prints one JSON event line on stdout and flushes it."""
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def maybe_kill(step: int) -> None:
+    """SIGKILLs this process if the failure-injection env names this step and process."""
+    at = os.environ.get(ENV_KILL_AT_STEP)
+    who = os.environ.get(ENV_KILL_PROCESS, "0")
+    if at is not None and int(at) == step and int(who) == jax.process_index():
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def make_mesh(data_parallel: int = 1) -> Mesh:
+    """Builds a global ``(data, fsdp)`` mesh over all devices of all processes.
+
+    Args:
+        data_parallel: Size of the ``data`` axis (pure replicas); the rest is ``fsdp``.
+
+    Returns:
+        A mesh with Auto axes (``jax.make_mesh`` would default to Explicit axes, which
+        ``jax.jit(tx.init)`` rejects).
+
+    Raises:
+        ValueError: If the device count is not divisible by ``data_parallel``.
+    """
+    devices = np.array(jax.devices())
+    if data_parallel < 1 or devices.size % data_parallel:
+        raise ValueError(f"--data-parallel={data_parallel} must divide the {devices.size} devices.")
+    grid = devices.reshape(data_parallel, devices.size // data_parallel)
+    return Mesh(grid, (DATA_AXIS, FSDP_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def fsdp_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    """Shards the largest dimension divisible by the ``fsdp`` axis; replicates otherwise."""
+    size = mesh.shape[FSDP_AXIS]
+    candidates = [(dim, -i) for i, dim in enumerate(shape) if dim % size == 0 and dim >= size]
+    spec: list[str | None] = [None] * len(shape)
+    if size > 1 and candidates:
+        spec[-max(candidates)[1]] = FSDP_AXIS
+    return NamedSharding(mesh, P(*spec))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Splits the leading (batch) dimension over every device of the mesh."""
+    return NamedSharding(mesh, P((DATA_AXIS, FSDP_AXIS)))
+
+
+def with_fsdp_shardings(abstract: PyTree, mesh: Mesh) -> PyTree:
+    """Returns ``abstract`` (ShapeDtypeStructs) with an FSDP sharding on every leaf."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=fsdp_sharding(x.shape, mesh)),
+        abstract,
+    )
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def make_data_iterator(records: Sequence[Any] | np.ndarray, seed: int, global_batch: int) -> Any:
+    """Builds this process's grain iterator over its slice of every global batch.
+
+    The shuffled, endlessly repeated record stream is dealt round-robin to the processes;
+    global batch ``i`` is the union of every process's local batch ``i``. The order
+    depends only on ``seed`` and the process count.
+
+    Args:
+        records: The whole data set (every process holds it; the examples are small).
+        seed: Shuffle seed; each epoch is reshuffled.
+        global_batch: Global batch size; must be divisible by the process count.
+
+    Returns:
+        A ``grain`` ``DatasetIterator`` (has ``get_state()``/``set_state()``).
+    """
+    count, index = jax.process_count(), jax.process_index()
+    if global_batch % count:
+        raise ValueError(f"global batch {global_batch} is not divisible by {count} processes.")
+    ds = grain.MapDataset.source(records).shuffle(seed=seed).repeat()
+    ds = ds[index::count].batch(global_batch // count, drop_remainder=True)
+    options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    return iter(ds.to_iter_dataset(read_options=options))
+
+
+def to_global_batch(local: Batch, mesh: Mesh) -> Batch:
+    """Assembles the global batch from every process's local numpy batch."""
+    sharding = batch_sharding(mesh)
+
+    def assemble(x: np.ndarray) -> jax.Array:
+        shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+        return jax.make_array_from_process_local_data(sharding, x, shape)
+
+    return jax.tree.map(assemble, local)
+
+
+# ----------------------------------------------------------------------------- jaxckpt
+# The only place the examples touch jaxckpt / Orbax.
+
+
+def make_manager(
+    ckpt_dir: str, memory_root: str, replicas: int, persist_every: int
+) -> tuple[Any, Any]:
+    """Builds the CheckpointManager that saves the train state every step.
+
+    Args:
+        ckpt_dir: Persistent directory (local path or any tensorstore kvstore URL).
+        memory_root: This host's tmpfs directory for the memory tier.
+        replicas: Peer copies of each process's shards, in other failure domains.
+        persist_every: Persist every n-th step to ``ckpt_dir``.
+
+    Returns:
+        ``(manager, handler)``.
+    """
+    import orbax.checkpoint as ocp
+
+    import jaxckpt
+
+    handler = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root=memory_root, replicas=replicas, persist_every=persist_every)
+    )
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add("train", jaxckpt.TieredSave, handler)
+    registry.add("train", jaxckpt.TieredRestore, handler)
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=1, max_to_keep=3, keep_period=persist_every
+    )
+    return ocp.CheckpointManager(ckpt_dir, handler_registry=registry, options=options), handler
+
+
+def save(manager: Any, step: int, state: PyTree) -> None:
+    """Starts the save of ``state`` as ``step`` (returns after the device-to-host copy)."""
+    import orbax.checkpoint as ocp
+
+    import jaxckpt
+
+    manager.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state)))
+
+
+def restore_latest(manager: Any, handler: Any, abstract_state: PyTree) -> PyTree | None:
+    """Restores the newest restorable step, trying older ones on error.
+
+    Args:
+        manager: From :func:`make_manager`.
+        handler: From :func:`make_manager`; may report the tier it read from.
+        abstract_state: The state with ShapeDtypeStruct array leaves (with shardings), a
+            fresh grain iterator (its state is set in place) and a placeholder step.
+
+    Returns:
+        The restored state, or None when there is nothing to restore.
+    """
+    import orbax.checkpoint as ocp
+
+    import jaxckpt
+
+    for step in sorted(manager.all_steps(), reverse=True):
+        start = time.perf_counter()
+        try:
+            args = ocp.args.Composite(train=jaxckpt.TieredRestore(abstract_state))
+            restored = manager.restore(step, args=args).train
+        except Exception as e:  # any failure: fall back to the next older step
+            log_event("restore_failed", step=step, error=repr(e), process=jax.process_index())
+            continue
+        # The handler reports where the bytes came from, when it can.
+        metrics = getattr(handler, "last_restore_metrics", None) or {}
+        extra = {"bytes_by_tier": metrics["bytes_by_tier"]} if "bytes_by_tier" in metrics else {}
+        log_event(
+            "restored",
+            step=step,
+            seconds=round(time.perf_counter() - start, 4),
+            process=jax.process_index(),
+            tier=metrics.get("tier", "unknown"),
+            **extra,
+        )
+        return restored
+    return None
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What an example trains: a model, a data set and a loss.
+
+    Attributes:
+        make_model: Builds the model from ``nnx.Rngs``; must hold only ``nnx.Param`` state.
+        records: The data set; items are numpy arrays or dicts of them.
+        loss_fn: ``loss_fn(model, global_batch, dropout_key) -> scalar loss``.
+        global_batch: Global batch size (divisible by the device count).
+        learning_rate: Peak learning rate of adamw.
+    """
+
+    make_model: Callable[[nnx.Rngs], nnx.Module]
+    records: Sequence[Any] | np.ndarray
+    loss_fn: LossFn
+    global_batch: int
+    learning_rate: float
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Adds the flags shared by every example."""
+    parser.add_argument("--steps", type=int, default=20, help="total training steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny model and data, seconds")
+    parser.add_argument("--ckpt-dir", help="persistent checkpoint directory")
+    parser.add_argument(
+        "--memory-root",
+        default=os.environ.get(ENV_MEMORY_ROOT, "/dev/shm/jaxckpt"),
+        help="tmpfs directory of this host's memory tier (env JAXCKPT_MEMORY_ROOT)",
+    )
+    parser.add_argument("--replicas", type=int, default=1, help="peer copies per shard")
+    parser.add_argument("--persist-every", type=int, default=10, help="persist every n-th step")
+    parser.add_argument("--no-checkpoint", action="store_true", help="train without saving")
+    parser.add_argument("--data-parallel", type=int, default=1, help="size of the data axis")
+    parser.add_argument("--cluster", action="store_true", help="jax.distributed on a cluster")
+
+
+def train(args: argparse.Namespace, task: Task) -> int:
+    """Runs the training loop of an example, resuming from the newest checkpoint.
+
+    Args:
+        args: Parsed flags (see :func:`add_common_args`); ``setup_jax`` has run.
+        task: The model, data and loss.
+
+    Returns:
+        0 (the process exit code).
+    """
+    begin = time.perf_counter()
+    process = jax.process_index()
+    mesh = make_mesh(args.data_parallel)
+    log_event(
+        "start",
+        process=process,
+        num_processes=jax.process_count(),
+        devices=jax.device_count(),
+        mesh=dict(mesh.shape),
+    )
+    tx = optax.adamw(task.learning_rate)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: task.make_model(nnx.Rngs(0))))
+
+    def init() -> tuple[PyTree, PyTree, jax.Array]:
+        _, params = nnx.split(task.make_model(nnx.Rngs(params=args.seed)))
+        return params, tx.init(params), jax.random.key(args.seed)
+
+    abstract = with_fsdp_shardings(jax.eval_shape(init), mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    params_sh, opt_sh, rng_sh = shardings
+
+    @jax.jit
+    def train_step(
+        params: PyTree, opt_state: PyTree, rng: jax.Array, batch: Batch
+    ) -> tuple[PyTree, PyTree, jax.Array, jax.Array]:
+        rng, dropout_key = jax.random.split(rng)
+
+        def loss_of(p: PyTree) -> jax.Array:
+            return task.loss_fn(nnx.merge(graphdef, p), batch, dropout_key)
+
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        params = jax.lax.with_sharding_constraint(params, params_sh)
+        opt_state = jax.lax.with_sharding_constraint(opt_state, opt_sh)
+        return params, opt_state, jax.lax.with_sharding_constraint(rng, rng_sh), loss
+
+    data = make_data_iterator(task.records, args.seed, task.global_batch)
+    manager = handler = None
+    restored = None
+    if not args.no_checkpoint:
+        if not args.ckpt_dir:
+            raise ValueError("--ckpt-dir is required unless --no-checkpoint is given.")
+        ckpt_dir = os.path.abspath(args.ckpt_dir)
+        manager, handler = make_manager(
+            ckpt_dir, args.memory_root, args.replicas, args.persist_every
+        )
+        abstract_state = {
+            "params": abstract[0],
+            "opt_state": abstract[1],
+            "rng": abstract[2],
+            "data": data,
+            "step": 0,
+        }
+        restored = restore_latest(manager, handler, abstract_state)
+    if restored is None:
+        params, opt_state, rng = jax.jit(init, out_shardings=shardings)()
+        step = 0
+    else:
+        params, opt_state, rng = restored["params"], restored["opt_state"], restored["rng"]
+        data, step = restored["data"], int(restored["step"])
+
+    while step < args.steps:
+        batch = to_global_batch(next(data), mesh)
+        params, opt_state, rng, loss = train_step(params, opt_state, rng, batch)
+        step += 1
+        log_event("step", step=step, loss=float(loss), process=process)
+        if manager is not None:
+            start = time.perf_counter()
+            state = {
+                "params": params,
+                "opt_state": opt_state,
+                "rng": rng,
+                "data": data,
+                "step": step,
+            }
+            save(manager, step, state)
+            log_event(
+                "save", step=step, seconds=round(time.perf_counter() - start, 4), process=process
+            )
+        maybe_kill(step)
+    if manager is not None:
+        manager.wait_until_finished()
+        manager.close()
+    log_event("done", step=step, seconds=round(time.perf_counter() - begin, 3), process=process)
+    return 0

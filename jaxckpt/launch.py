@@ -1,0 +1,397 @@
+"""Local multi-process launcher with failure injection and recovery reports.
+
+Runs N copies of a command as one ``jax.distributed`` job on this machine, watches them,
+and when one dies or hangs kills the rest, restarts the whole set (the only recovery JAX
+allows, see MULTIPROCESS.md) and reports how the restart went::
+
+    python -m jaxckpt.launch -n 4 --kill 2@7 -- python examples/lm.py --quick --ckpt-dir /tmp/c
+
+Each child gets ``JAXCKPT_COORDINATOR=127.0.0.1:PORT``, ``JAXCKPT_NUM_PROCESSES``,
+``JAXCKPT_PROCESS_ID``, ``JAXCKPT_CPU_DEVICES``, ``JAXCKPT_FAILURE_DOMAIN=node<i>`` and
+``JAXCKPT_MEMORY_ROOT=<memory-base>/node<i>``, plus ``JAXCKPT_KILL_AT_STEP`` /
+``JAXCKPT_KILL_PROCESS`` in the first attempt when a failure is injected. Its output lines
+are echoed with a ``[p<i>]`` prefix; lines holding a JSON object with an ``event`` key
+(``step``, ``restored``) feed the report. The launcher does not import jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+PORT_IN_USE: Final = "Failed to add port"
+MAX_PORT_RETRIES: Final = 5
+POLL_S: Final = 0.05
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One run of the whole process set.
+
+    Attributes:
+        index: 0 for the first run, then 1, 2, ... per restart (port retries included).
+        num_processes: Processes in this run.
+        port: Coordinator port.
+        outcome: ``ok``, ``exit`` (non-zero code), ``signal``, ``hang`` or ``port``.
+        process: The process that failed first, if any.
+        returncode: Its return code (negative: killed by that signal).
+        detected_after_s: Time from its last sign of life (an output line, or the close of
+            its output when it died) to the detection.
+        last_step: Highest ``step`` event seen in this run (0 if none).
+        restored: Process -> its ``restored`` event.
+        seconds: Duration of the run.
+        first_step_s: Time from the start of the run to its first ``step`` event.
+    """
+
+    index: int
+    num_processes: int
+    port: int
+    outcome: str = "ok"
+    process: int | None = None
+    returncode: int | None = None
+    detected_after_s: float | None = None
+    last_step: int = 0
+    restored: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    first_step_s: float | None = None
+
+
+def free_port() -> int:
+    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_event(line: str) -> dict[str, Any] | None:
+    """Returns the JSON event of an output line, or None if it is not one."""
+    try:
+        event = json.loads(line) if line.lstrip().startswith("{") else None
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and "event" in event else None
+
+
+def parse_injection(spec: str) -> tuple[int, int]:
+    """Parses ``P@S`` (process P, step S)."""
+    try:
+        process, step = (int(part) for part in spec.split("@"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PROCESS@STEP, got {spec!r}") from None
+    return process, step
+
+
+def describe_returncode(code: int | None) -> str:
+    """Describes a return code as ``exit N`` or the signal name."""
+    if code is None:
+        return "still running"
+    if code >= 0:
+        return f"exit {code}"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+    return f"killed by {name}"
+
+
+def _pump(index: int, stream: Any, lines: queue.Queue[tuple[int, str | None]]) -> None:
+    for raw in iter(stream.readline, b""):
+        lines.put((index, raw.decode(errors="replace").rstrip("\n")))
+    lines.put((index, None))
+
+
+def _kill_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    # SIGKILL, not SIGTERM: JAX's preemption notifier swallows SIGTERM.
+    # Every group, even of an exited leader: its own children may still run.
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        proc.wait()
+
+
+def run_attempt(
+    attempt: Attempt,
+    command: Sequence[str],
+    memory_base: str,
+    cpu_devices: int,
+    hang_timeout: float,
+    injection: tuple[int, int] | None,
+) -> Attempt:
+    """Runs the process set once, until all exit 0 or one fails or hangs.
+
+    Args:
+        attempt: The run to perform; its result fields are filled in and it is returned.
+        command: The command every process runs.
+        memory_base: Parent of the per-process ``node<i>`` memory roots.
+        cpu_devices: ``JAXCKPT_CPU_DEVICES`` for every process.
+        hang_timeout: Seconds without output after which a running process counts as hung.
+        injection: ``(process, step)`` to SIGKILL, or None.
+
+    Returns:
+        ``attempt``, filled in.
+    """
+    n = attempt.num_processes
+    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+    procs: list[subprocess.Popen[bytes]] = []
+    start = time.monotonic()
+    for i in range(n):
+        env = dict(os.environ)
+        env.update(
+            JAXCKPT_COORDINATOR=f"127.0.0.1:{attempt.port}",
+            JAXCKPT_NUM_PROCESSES=str(n),
+            JAXCKPT_PROCESS_ID=str(i),
+            JAXCKPT_CPU_DEVICES=str(cpu_devices),
+            JAXCKPT_FAILURE_DOMAIN=f"node{i}",
+            JAXCKPT_MEMORY_ROOT=os.path.join(memory_base, f"node{i}"),
+            PYTHONUNBUFFERED="1",
+        )
+        if injection is not None:
+            env.update(
+                JAXCKPT_KILL_PROCESS=str(injection[0]), JAXCKPT_KILL_AT_STEP=str(injection[1])
+            )
+        proc = subprocess.Popen(
+            list(command),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: SIGKILL reaches its children too
+        )
+        procs.append(proc)
+        threading.Thread(target=_pump, args=(i, proc.stdout, lines), daemon=True).start()
+    last_output = [start] * n
+    open_streams = n
+    port_in_use = False
+
+    def read(timeout: float) -> bool:
+        """Handles one queued line (or end of stream); False if none came in time."""
+        nonlocal open_streams, port_in_use
+        try:
+            i, line = lines.get(timeout=timeout) if timeout else lines.get_nowait()
+        except queue.Empty:
+            return False
+        # A closed stream (the process died) counts as its last sign of life.
+        last_output[i] = time.monotonic()
+        if line is None:
+            open_streams -= 1
+            return True
+        print(f"[p{i}] {line}", flush=True)
+        port_in_use = port_in_use or PORT_IN_USE in line
+        event = parse_event(line) or {"event": None}
+        if event["event"] == "step" and isinstance(event.get("step"), int):
+            attempt.last_step = max(attempt.last_step, event["step"])
+            if attempt.first_step_s is None:
+                attempt.first_step_s = round(time.monotonic() - start, 3)
+        elif event["event"] == "restored":
+            attempt.restored[i] = event
+        return True
+
+    try:
+        while True:
+            # Bounded, so that a chatty child cannot starve the checks below.
+            if read(POLL_S):
+                for _ in range(10_000):
+                    if not read(0):
+                        break
+            now = time.monotonic()
+            codes = [proc.poll() for proc in procs]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            hung = [
+                i
+                for i, code in enumerate(codes)
+                if code is None and now - last_output[i] > hang_timeout
+            ]
+            if failed or hung:
+                # Prefer the injected victim when several died in the same poll.
+                victim = injection[0] if injection and injection[0] in failed else None
+                attempt.process = victim if victim is not None else (failed or hung)[0]
+                attempt.returncode = code = codes[attempt.process]
+                attempt.outcome = "hang" if code is None else "signal" if code < 0 else "exit"
+                attempt.detected_after_s = round(now - last_output[attempt.process], 3)
+                break
+            if all(code == 0 for code in codes) and open_streams == 0:
+                break
+    finally:
+        _kill_all(procs)
+    # Collect what the dead processes wrote before they died.
+    deadline = time.monotonic() + 2.0
+    while open_streams and time.monotonic() < deadline:
+        read(POLL_S)
+    if attempt.outcome != "ok" and port_in_use:
+        attempt.outcome = "port"
+    attempt.seconds = round(time.monotonic() - start, 3)
+    return attempt
+
+
+def failure_report(failed: Attempt, after: Attempt | None, node_lost: bool) -> dict[str, Any]:
+    """Summarizes one failure and the restart that followed it."""
+    report: dict[str, Any] = {
+        "attempt": failed.index,
+        "process": failed.process,
+        "kind": failed.outcome,
+        "status": describe_returncode(failed.returncode),
+        "detected_after_s": failed.detected_after_s,
+        "last_step": failed.last_step,
+        "node_lost": node_lost,
+    }
+    if after is not None:
+        steps = [int(after.restored.get(i, {}).get("step", 0)) for i in range(after.num_processes)]
+        restored_step = min(steps, default=0)
+        report["restart"] = {
+            "attempt": after.index,
+            "processes": after.num_processes,
+            "restored": {
+                str(i): {k: e.get(k) for k in ("step", "tier", "seconds")}
+                for i, e in sorted(after.restored.items())
+            },
+            "restored_step": restored_step,
+            "restore_seconds": max(
+                (e.get("seconds") or 0.0 for e in after.restored.values()), default=None
+            ),
+            "steps_lost": failed.last_step - restored_step,
+            "first_step_after_s": after.first_step_s,
+            "outcome": after.outcome,
+        }
+    return report
+
+
+def format_failure(report: dict[str, Any]) -> str:
+    """Renders a failure report as a few human-readable lines."""
+    text = (
+        f"failure in attempt {report['attempt']}: process {report['process']} {report['kind']}"
+        f" ({report['status']}), last step {report['last_step']},"
+        f" detected after {report['detected_after_s']} s"
+        + (", node memory deleted" if report["node_lost"] else "")
+    )
+    restart = report.get("restart")
+    if restart is None:
+        return text + "\n  no restart"
+    tiers = ", ".join(
+        f"p{i}: step {e['step']} from {e['tier']}" for i, e in restart["restored"].items()
+    )
+    return (
+        f"{text}\n  restart (attempt {restart['attempt']}, {restart['processes']} processes):"
+        f" restored step {restart['restored_step']} [{tiers or 'nothing restored'}],"
+        f" restore {restart['restore_seconds']} s, steps lost {restart['steps_lost']},"
+        f" first step {restart['first_step_after_s']} s after start, {restart['outcome']}"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Returns the launcher's argument parser."""
+    p = argparse.ArgumentParser(
+        prog="python -m jaxckpt.launch", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("-n", "--num-processes", type=int, required=True)
+    p.add_argument("--cpu-devices", type=int, default=2, help="CPU devices per process")
+    p.add_argument("--memory-base", help="parent of node<i> memory roots (default: /dev/shm)")
+    p.add_argument("--keep-memory", action="store_true", help="keep the default memory base")
+    p.add_argument("--hang-timeout", type=float, default=120.0, help="seconds without output")
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--kill", type=parse_injection, metavar="P@S", help="SIGKILL P at step S")
+    p.add_argument("--lose-node", type=parse_injection, metavar="P@S", help="--kill + lose memory")
+    p.add_argument("--processes-after-failure", type=int, metavar="M", help="restart with M")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- command and its arguments")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the launcher; returns 0 iff the last attempt ended with every process exiting 0."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given (put it after --)")
+    if args.num_processes < 1 or (args.processes_after_failure or 1) < 1:
+        parser.error("process counts must be at least 1")
+    if args.kill and args.lose_node:
+        parser.error("--kill and --lose-node are exclusive")
+    injection = args.lose_node or args.kill
+    if injection and not 0 <= injection[0] < args.num_processes:
+        parser.error(f"process {injection[0]} is not in 0..{args.num_processes - 1}")
+    own_base = args.memory_base is None
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    base = args.memory_base or tempfile.mkdtemp(prefix="jaxckpt-launch-", dir=shm)
+    os.makedirs(base, exist_ok=True)
+
+    start = time.monotonic()
+    attempts: list[Attempt] = []
+    failures: list[dict[str, Any]] = []
+    pending: tuple[Attempt, bool] | None = None  # failed attempt awaiting its restart
+    restarts = port_retries = 0
+    n = args.num_processes
+    try:
+        while True:
+            attempt = Attempt(index=len(attempts), num_processes=n, port=free_port())
+            first = all(a.outcome == "port" for a in attempts)
+            inject = injection if first else None
+            print(
+                f"[launch] attempt {attempt.index}: {n} processes, port {attempt.port}", flush=True
+            )
+            run_attempt(attempt, command, base, args.cpu_devices, args.hang_timeout, inject)
+            attempts.append(attempt)
+            if attempt.outcome == "port" and port_retries < MAX_PORT_RETRIES:
+                port_retries += 1
+                print(f"[launch] port {attempt.port} in use, retrying", flush=True)
+                continue
+            if pending is not None:
+                failures.append(failure_report(pending[0], attempt, pending[1]))
+                print("[launch] " + format_failure(failures[-1]), flush=True)
+                pending = None
+            if attempt.outcome == "ok":
+                break
+            lose = bool(args.lose_node) and inject is not None
+            if lose and attempt.process is not None:
+                shutil.rmtree(os.path.join(base, f"node{args.lose_node[0]}"), ignore_errors=True)
+            print(
+                f"[launch] process {attempt.process} failed: {attempt.outcome}"
+                f" ({describe_returncode(attempt.returncode)}) at step {attempt.last_step},"
+                f" detected after {attempt.detected_after_s} s; killed the others",
+                flush=True,
+            )
+            if restarts >= args.max_restarts:
+                failures.append(failure_report(attempt, None, lose))
+                print(f"[launch] giving up after {restarts} restarts", flush=True)
+                break
+            restarts += 1
+            pending = (attempt, lose)
+            n = args.processes_after_failure or n
+    finally:
+        if own_base and not args.keep_memory:
+            shutil.rmtree(base, ignore_errors=True)
+
+    ok = attempts[-1].outcome == "ok"
+    report = {
+        "command": list(command),
+        "num_processes": args.num_processes,
+        "success": ok,
+        "seconds": round(time.monotonic() - start, 3),
+        "restarts": restarts,
+        "attempts": [dataclasses.asdict(a) for a in attempts],
+        "failures": failures,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    print(
+        f"[launch] {'success' if ok else 'FAILED'} after {restarts} restarts, {report['seconds']} s",
+        flush=True,
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

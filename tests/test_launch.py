@@ -1,0 +1,165 @@
+"""Tests of the local launcher with tiny plain-Python children (no jax)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import textwrap
+
+import pytest
+
+from jaxckpt import launch
+
+# A fake training process: one step event every few ms, its step kept in its memory root
+# (the "memory tier"), restored from there at start, and the launcher's kill hook.
+CHILD = textwrap.dedent(
+    """
+    import json, os, pathlib, signal, sys, time
+
+    mode, steps, markers = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
+    env = os.environ
+    pid, n = int(env["JAXCKPT_PROCESS_ID"]), int(env["JAXCKPT_NUM_PROCESSES"])
+    root = pathlib.Path(env["JAXCKPT_MEMORY_ROOT"])
+    root.mkdir(parents=True, exist_ok=True)
+
+    def emit(event, **fields):
+        print(json.dumps({"event": event, "process": pid, **fields}), flush=True)
+
+    def once(name):
+        # True the first time any process of any attempt asks for this marker.
+        try:
+            (markers / name).touch(exist_ok=False)
+            return True
+        except FileExistsError:
+            return False
+
+    emit("env", coordinator=env["JAXCKPT_COORDINATOR"], n=n,
+         devices=env["JAXCKPT_CPU_DEVICES"], domain=env["JAXCKPT_FAILURE_DOMAIN"],
+         memory_root=str(root))
+    if mode == "port" and pid == 0 and once("port"):
+        print("F0101 Failed to add port to server", flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    step = start = 0
+    if (root / "step").exists():
+        step = start = int((root / "step").read_text())
+        emit("restored", step=step, seconds=0.01, tier="memory")
+    while step < steps:
+        time.sleep(0.02)
+        step += 1
+        print("some log line", flush=True)
+        emit("step", step=step, loss=1.0 / step)
+        (root / "step.tmp").write_text(str(step))
+        os.replace(root / "step.tmp", root / "step")  # atomic: the launcher kills at any time
+        if env.get("JAXCKPT_KILL_AT_STEP") == str(step) and env.get("JAXCKPT_KILL_PROCESS") == str(pid):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "hang" and pid == 1 and step == 3 and once("hang"):
+            time.sleep(3600)
+        if mode == "fail" and pid == 0 and step == start + 2:  # fails in every attempt
+            sys.exit(3)
+    emit("done", step=step)
+    """
+)
+
+
+@pytest.fixture
+def run(tmp_path: pathlib.Path):
+    """Runs the launcher on the fake child; returns (exit code, report)."""
+    child = tmp_path / "child.py"
+    child.write_text(CHILD)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+
+    def go(*flags: str, mode: str = "ok", steps: int = 8) -> tuple[int, dict]:
+        report = tmp_path / "report.json"
+        argv = [*flags, "--memory-base", str(tmp_path / "mem"), "--json", str(report)]
+        cmd = [sys.executable, str(child), mode, str(steps), str(markers)]
+        code = launch.main([*argv, "--", *cmd])
+        return code, json.loads(report.read_text())
+
+    return go
+
+
+def test_clean_run_passes_environment(run, capsys) -> None:
+    code, report = run("-n", "3", "--cpu-devices", "4")
+    assert code == 0 and report["success"] and report["restarts"] == 0
+    assert report["failures"] == [] and report["attempts"][0]["last_step"] == 8
+    events = [
+        json.loads(line.split("] ", 1)[1])
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("[p") and '"env"' in line
+    ]
+    assert sorted(e["process"] for e in events) == [0, 1, 2]
+    port = report["attempts"][0]["port"]
+    for e in events:
+        assert e["coordinator"] == f"127.0.0.1:{port}" and e["n"] == 3 and e["devices"] == "4"
+        assert e["domain"] == f"node{e['process']}"
+        assert e["memory_root"].endswith(f"mem/node{e['process']}")
+
+
+def test_kill_is_detected_and_restored(run, capsys) -> None:
+    code, report = run("-n", "3", "--kill", "1@3")
+    assert code == 0 and report["restarts"] == 1 and len(report["attempts"]) == 2
+    (failure,) = report["failures"]
+    assert failure["process"] == 1 and failure["kind"] == "signal"
+    assert failure["status"] == "killed by SIGKILL" and not failure["node_lost"]
+    assert 0 <= failure["detected_after_s"] < 2 and failure["last_step"] >= 3
+    restart = failure["restart"]
+    assert restart["restored"]["1"] == {"step": 3, "tier": "memory", "seconds": 0.01}
+    # A process that had not stepped yet when it was killed restores nothing (step 0).
+    steps = [restart["restored"].get(str(i), {"step": 0})["step"] for i in range(3)]
+    assert restart["restored_step"] == min(steps)
+    assert restart["steps_lost"] == failure["last_step"] - restart["restored_step"]
+    assert restart["outcome"] == "ok" and restart["first_step_after_s"] is not None
+    out = capsys.readouterr().out
+    assert "[p1] some log line" in out and "steps lost" in out
+
+
+def test_lose_node_deletes_memory_and_shrinks(run) -> None:
+    code, report = run("-n", "3", "--lose-node", "1@3", "--processes-after-failure", "2")
+    assert code == 0
+    (failure,) = report["failures"]
+    assert failure["node_lost"] and failure["process"] == 1
+    restart = failure["restart"]
+    # Node 1's memory is gone: it restores nothing, so the job restarts from scratch.
+    assert restart["processes"] == 2 and "1" not in restart["restored"]
+    assert restart["restored_step"] == 0 and restart["steps_lost"] == failure["last_step"]
+    assert report["attempts"][1]["num_processes"] == 2
+
+
+def test_hang_is_detected_and_killed(run) -> None:
+    code, report = run("-n", "2", "--hang-timeout", "2", mode="hang")
+    assert code == 0
+    (failure,) = report["failures"]
+    assert failure["kind"] == "hang" and failure["process"] == 1
+    assert failure["status"] == "still running" and failure["detected_after_s"] >= 2
+    assert failure["restart"]["restored"]["1"]["step"] == 3
+
+
+def test_max_restarts_exhausted_fails(run) -> None:
+    code, report = run("-n", "2", "--max-restarts", "1", mode="fail")
+    assert code == 1 and not report["success"]
+    assert [a["outcome"] for a in report["attempts"]] == ["exit", "exit"]
+    assert report["attempts"][0]["returncode"] == 3 and report["attempts"][1]["returncode"] == 3
+    assert len(report["failures"]) == 2 and "restart" not in report["failures"][-1]
+
+
+def test_port_in_use_is_retried_without_a_restart(run) -> None:
+    code, report = run("-n", "2", "--max-restarts", "0", mode="port")
+    assert code == 0 and report["restarts"] == 0 and report["failures"] == []
+    assert [a["outcome"] for a in report["attempts"]] == ["port", "ok"]
+
+
+def test_parsing_helpers() -> None:
+    assert launch.parse_event('{"event": "step", "step": 3}') == {"event": "step", "step": 3}
+    assert launch.parse_event("{not json") is None
+    assert launch.parse_event('{"no": "event"}') is None
+    assert launch.parse_injection("2@7") == (2, 7)
+    with pytest.raises(Exception, match="PROCESS@STEP"):
+        launch.parse_injection("2")
+    assert launch.describe_returncode(-9) == "killed by SIGKILL"
+    assert launch.describe_returncode(3) == "exit 3"
+    with pytest.raises(SystemExit):
+        launch.main(["-n", "2"])  # no command
+    with pytest.raises(SystemExit):
+        launch.main(["-n", "2", "--kill", "5@1", "--", "true"])  # no such process
