@@ -7,12 +7,16 @@ whole training state after every step. That state is ONE pytree::
         "params": nnx.State,          # model parameters, FSDP-sharded jax.Arrays
         "opt_state": optax state,     # optax.adamw state (tuple of namedtuples of nnx.State)
         "rng": jax.Array,             # typed PRNG key (jax.random.key), replicated, split per step
-        "data": grain DatasetIterator,  # this process's input iterator (get_state/set_state)
+        "data": grain DatasetIterator,  # input iterator; its state is the GLOBAL position
+                                        # {"next_index": i}, equal on every process
         "step": int,                  # number of completed training steps
     }
 
 Step ``s`` is saved right after the ``s``-th update, so a restore of step ``s`` resumes
-with the ``s+1``-th batch and reproduces the uninterrupted run bit for bit.
+with the ``s+1``-th batch and reproduces the uninterrupted run bit for bit. Global batch
+``i`` depends only on ``(seed, i)`` and each process reads its rows of it, so a restore
+onto another process count continues the same global data stream (see
+:func:`make_data_iterator` and docs/multihost.md).
 
 Every process prints one JSON object per line on stdout (the launcher and the demo parse
 them)::
@@ -21,9 +25,11 @@ them)::
     {"event": "restored", "step": s, "seconds": t, "process": p, "tier": "memory"|...|"unknown",
      "bytes_by_tier": {...}}  # bytes_by_tier only when the handler reports it
     {"event": "restore_failed", "step": s, "error": "...", "process": p}
-    {"event": "step", "step": s, "loss": l, "process": p}
+    {"event": "step", "step": s, "loss": l, "data": "<uint32 hex checksum of the global batch>",
+     "process": p}
     {"event": "save", "step": s, "seconds": t, "process": p}
     {"event": "done", "step": s, "seconds": t, "process": p}
+    {"event": "replicas_lowered", "asked": r, "used": u, "process": p}  # fewer processes
 
 Environment (set by ``python -m jaxckpt.launch``; all optional):
 
@@ -49,6 +55,7 @@ from typing import Any, Final
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -169,28 +176,75 @@ def with_fsdp_shardings(abstract: PyTree, mesh: Mesh) -> PyTree:
 # ----------------------------------------------------------------------------- data
 
 
-def make_data_iterator(records: Sequence[Any] | np.ndarray, seed: int, global_batch: int) -> Any:
+def process_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
+    """Returns the rows ``[lo, hi)`` of every global batch that this process feeds.
+
+    They are the rows :func:`batch_sharding` places on this process's devices, so the
+    global batch the model sees is exactly the global stream's batch, in order, whatever
+    the process count.
+
+    Raises:
+        ValueError: If the batch does not split evenly over the devices, or this process's
+            rows are not one contiguous block of the batch.
+    """
+    if global_batch % mesh.size:
+        raise ValueError(
+            f"The global batch {global_batch} must be divisible by the {mesh.size} devices "
+            f"of the mesh; pass --batch with a multiple of {mesh.size}."
+        )
+    indices = batch_sharding(mesh).addressable_devices_indices_map((global_batch,))
+    rows = sorted({r for index in indices.values() for r in range(*index[0].indices(global_batch))})
+    lo, hi = rows[0], rows[-1] + 1
+    if rows != list(range(lo, hi)) or lo % (hi - lo):
+        raise ValueError(
+            f"[process {jax.process_index()}] its devices hold rows {rows} of the global "
+            "batch, not one aligned block; order jax.devices() by process."
+        )
+    return lo, hi
+
+
+def make_data_iterator(
+    records: Sequence[Any] | np.ndarray, seed: int, global_batch: int, mesh: Mesh
+) -> Any:
     """Builds this process's grain iterator over its slice of every global batch.
 
-    The shuffled, endlessly repeated record stream is dealt round-robin to the processes;
-    global batch ``i`` is the union of every process's local batch ``i``. The order
-    depends only on ``seed`` and the process count.
+    The global stream is the shuffled, endlessly repeated record sequence cut into
+    ``global_batch``-sized batches: global batch ``i`` is a function of ``(seed, i)`` only.
+    Each process reads the rows of batch ``i`` that land on its devices
+    (:func:`process_rows`). The iterator's state is therefore ``{"next_index": i}``, the
+    GLOBAL position, identical on every process and meaningful for any process count:
+    a checkpoint saved by 4 processes resumes on 3 with the same global batches.
 
     Args:
         records: The whole data set (every process holds it; the examples are small).
         seed: Shuffle seed; each epoch is reshuffled.
-        global_batch: Global batch size; must be divisible by the process count.
+        global_batch: Global batch size; must be divisible by the device count.
+        mesh: The training mesh (see :func:`make_mesh`).
 
     Returns:
         A ``grain`` ``DatasetIterator`` (has ``get_state()``/``set_state()``).
     """
-    count, index = jax.process_count(), jax.process_index()
-    if global_batch % count:
-        raise ValueError(f"global batch {global_batch} is not divisible by {count} processes.")
-    ds = grain.MapDataset.source(records).shuffle(seed=seed).repeat()
-    ds = ds[index::count].batch(global_batch // count, drop_remainder=True)
+    ds = process_stream(records, seed, global_batch, *process_rows(mesh, global_batch))
     options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
     return iter(ds.to_iter_dataset(read_options=options))
+
+
+def process_stream(
+    records: Sequence[Any] | np.ndarray, seed: int, global_batch: int, lo: int, hi: int
+) -> grain.MapDataset:
+    """Rows ``[lo, hi)`` of every global batch of the stream, as a grain ``MapDataset``.
+
+    Element ``i`` is rows ``lo:hi`` of global batch ``i``, whatever the other processes
+    read: the position ``i`` means the same thing for any split of the batch.
+    """
+    local = hi - lo
+    if not 0 <= lo < hi <= global_batch or global_batch % local or lo % local:
+        raise ValueError(f"rows [{lo}, {hi}) are not an aligned block of a {global_batch} batch.")
+    # Micro-batches of `local` rows: global batch i is micro-batches i*k .. i*k + k-1, and
+    # this process takes the (lo // local)-th of each group.
+    k = global_batch // local
+    ds = grain.MapDataset.source(records).shuffle(seed=seed).repeat()
+    return ds.batch(local, drop_remainder=True)[lo // local :: k]
 
 
 def to_global_batch(local: Batch, mesh: Mesh) -> Batch:
@@ -204,20 +258,43 @@ def to_global_batch(local: Batch, mesh: Mesh) -> Batch:
     return jax.tree.map(assemble, local)
 
 
+def fingerprint(batch: Batch) -> jax.Array:
+    """A uint32 checksum of the global batch's bytes and their positions (jit-able).
+
+    Integer sums are exact and associative, so the value depends on the batch only, not
+    on how it is sharded: runs on different process counts can compare their data order.
+    """
+    total = jnp.uint32(0)
+    for x in jax.tree.leaves(batch):
+        if x.dtype.itemsize == 4:
+            x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        bits = x.astype(jnp.uint32).reshape(-1)
+        weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
+        total = total * jnp.uint32(31) + jnp.sum(bits * weights, dtype=jnp.uint32)
+    return total
+
+
 # ----------------------------------------------------------------------------- jaxckpt
 # The only place the examples touch jaxckpt / Orbax.
 
 
 def make_manager(
-    ckpt_dir: str, memory_root: str, replicas: int, persist_every: int
+    ckpt_dir: str,
+    memory_root: str,
+    replicas: int,
+    persist_every: int,
+    peer_host: str = "127.0.0.1",
 ) -> tuple[Any, Any]:
     """Builds the CheckpointManager that saves the train state every step.
 
     Args:
-        ckpt_dir: Persistent directory (local path or any tensorstore kvstore URL).
-        memory_root: This host's tmpfs directory for the memory tier.
+        ckpt_dir: Persistent directory; on several hosts, one that every host sees (a
+            shared filesystem such as NFS, Lustre or a GCS FUSE mount).
+        memory_root: This process's tmpfs directory for the memory tier.
         replicas: Peer copies of each process's shards, in other failure domains.
         persist_every: Persist every n-th step to ``ckpt_dir``.
+        peer_host: Address of this host that the other processes can reach; the peer
+            data service binds to it.
 
     Returns:
         ``(manager, handler)``.
@@ -227,7 +304,12 @@ def make_manager(
     import jaxckpt
 
     handler = jaxckpt.TieredCheckpointHandler(
-        jaxckpt.TierOptions(memory_root=memory_root, replicas=replicas, persist_every=persist_every)
+        jaxckpt.TierOptions(
+            memory_root=memory_root,
+            replicas=replicas,
+            persist_every=persist_every,
+            peer_host=peer_host,
+        )
     )
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add("train", jaxckpt.TieredSave, handler)
@@ -317,13 +399,18 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory-root",
         default=os.environ.get(ENV_MEMORY_ROOT, "/dev/shm/jaxckpt"),
-        help="tmpfs directory of this host's memory tier (env JAXCKPT_MEMORY_ROOT)",
+        help="tmpfs directory of this process's memory tier (env JAXCKPT_MEMORY_ROOT)",
     )
     parser.add_argument("--replicas", type=int, default=1, help="peer copies per shard")
     parser.add_argument("--persist-every", type=int, default=10, help="persist every n-th step")
     parser.add_argument("--no-checkpoint", action="store_true", help="train without saving")
     parser.add_argument("--data-parallel", type=int, default=1, help="size of the data axis")
     parser.add_argument("--cluster", action="store_true", help="jax.distributed on a cluster")
+    parser.add_argument(
+        "--peer-host",
+        default="127.0.0.1",
+        help="this host's address for the peer data service (on a cluster: its reachable IP)",
+    )
 
 
 def train(args: argparse.Namespace, task: Task) -> int:
@@ -360,7 +447,7 @@ def train(args: argparse.Namespace, task: Task) -> int:
     @jax.jit
     def train_step(
         params: PyTree, opt_state: PyTree, rng: jax.Array, batch: Batch
-    ) -> tuple[PyTree, PyTree, jax.Array, jax.Array]:
+    ) -> tuple[PyTree, PyTree, jax.Array, jax.Array, jax.Array]:
         rng, dropout_key = jax.random.split(rng)
 
         def loss_of(p: PyTree) -> jax.Array:
@@ -371,17 +458,23 @@ def train(args: argparse.Namespace, task: Task) -> int:
         params = optax.apply_updates(params, updates)
         params = jax.lax.with_sharding_constraint(params, params_sh)
         opt_state = jax.lax.with_sharding_constraint(opt_state, opt_sh)
-        return params, opt_state, jax.lax.with_sharding_constraint(rng, rng_sh), loss
+        rng = jax.lax.with_sharding_constraint(rng, rng_sh)
+        return params, opt_state, rng, loss, fingerprint(batch)
 
-    data = make_data_iterator(task.records, args.seed, task.global_batch)
+    data = make_data_iterator(task.records, args.seed, task.global_batch, mesh)
     manager = handler = None
     restored = None
     if not args.no_checkpoint:
         if not args.ckpt_dir:
             raise ValueError("--ckpt-dir is required unless --no-checkpoint is given.")
         ckpt_dir = os.path.abspath(args.ckpt_dir)
+        # A job shrunk to fewer processes than copies asked for keeps what it can: with
+        # one process left there is no peer to hold a copy.
+        replicas = min(args.replicas, jax.process_count() - 1)
+        if replicas < args.replicas:
+            log_event("replicas_lowered", asked=args.replicas, used=replicas, process=process)
         manager, handler = make_manager(
-            ckpt_dir, args.memory_root, args.replicas, args.persist_every
+            ckpt_dir, args.memory_root, replicas, args.persist_every, args.peer_host
         )
         abstract_state = {
             "params": abstract[0],
@@ -400,9 +493,10 @@ def train(args: argparse.Namespace, task: Task) -> int:
 
     while step < args.steps:
         batch = to_global_batch(next(data), mesh)
-        params, opt_state, rng, loss = train_step(params, opt_state, rng, batch)
+        params, opt_state, rng, loss, data_sum = train_step(params, opt_state, rng, batch)
         step += 1
-        log_event("step", step=step, loss=float(loss), process=process)
+        # `data`: checksum of the global batch of this step (compare runs' data order).
+        log_event("step", step=step, loss=float(loss), data=f"{int(data_sum):08x}", process=process)
         if manager is not None:
             start = time.perf_counter()
             state = {

@@ -24,11 +24,13 @@ from jaxckpt import (
     _memory_tier,
     _multihost,
     _paths,
+    _peers,
     _persister,
+    _placement,
     _plan,
     _restore,
-    _sharding,
     _snapshot,
+    _target,
     _tree,
     _zarr,
 )
@@ -62,6 +64,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._options = options
         self._persister = _persister.Persister(options.persist_compression, options.timeout_s)
         self._memory: _memory_tier.MemoryTier | None = None
+        self._peers: _peers.Peers | None = None
         self.last_save_metrics: dict[str, float] = {}
         self.last_restore_metrics: dict[str, Any] = {}
 
@@ -72,24 +75,33 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     # ---- save -----------------------------------------------------------------
 
     async def async_save(self, directory: epath.Path, args: TieredSave) -> list[Any]:
-        """Snapshots this process's shards to host and returns the commit future."""
-        step = _step_of(directory, args.step)
-        memory = self._memory_for(directory)
+        """Snapshots this process's shards to host and returns the commit future.
+
+        Bad input (an unsupported leaf, an unwritable memory root, ...) is logged
+        at once and raised by the returned future, that is by `mngr.save()` in a
+        synchronous manager and by `wait_until_finished()` or the next `save()`
+        in an asynchronous one. Raising here instead would strand Orbax's
+        directory-creation threads; the step is not finalized either way.
+        """
         pi = _multihost.process_index()
-        snapshot = _snapshot.take(args.state, pi)
-        self.last_save_metrics = {
-            "step": step,
-            "stall_s": snapshot.stall_s,
-            "bytes": snapshot.nbytes,
-        }
-        log.info(
-            "jaxckpt: [process %d] step %d: %d bytes to host in %.3f s",
-            pi,
-            step,
-            snapshot.nbytes,
-            snapshot.stall_s,
-        )
-        commit = self._commit(Path(os.fspath(directory)), step, snapshot, memory, pi)
+        try:
+            step = _step_of(directory, args.step)
+            memory = self._memory_for(directory)
+            self._connect(memory)
+            snapshot = _snapshot.take(args.state, pi)
+        except Exception as error:
+            log.error("jaxckpt: [process %d] save into %s refused: %s", pi, directory, error)
+            commit = _raise(error)
+        else:
+            self.last_save_metrics = {"step": step, "stall_s": snapshot.stall_s, "bytes": snapshot.nbytes}
+            log.info(
+                "jaxckpt: [process %d] step %d: %d bytes to host in %.3f s",
+                pi,
+                step,
+                snapshot.nbytes,
+                snapshot.stall_s,
+            )
+            commit = self._commit(Path(os.fspath(directory)), step, snapshot, memory, pi)
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
                 commit, name="jaxckpt_commit", timeout_secs=int(self._options.timeout_s)
@@ -164,6 +176,13 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # IMPORTANT: the index manifest is written only after the memory part is committed,
         # so an index never points at a memory copy that does not exist yet.
         _write_atomic(directory / _format.index_file(pi), manifest.to_json())
+        if self._peers is not None and self._options.replicas:
+            push_start = time.perf_counter()
+            sent = await self._peers.push_replicas(committed, step, pi)
+            push_s = time.perf_counter() - push_start
+            self.last_save_metrics.update(
+                replicate_s=push_s, replicate_bytes_per_s=sent / max(push_s, 1e-9)
+            )
         self.last_save_metrics.update(
             memory_write_s=memory_s, memory_write_bytes_per_s=snapshot.nbytes / max(memory_s, 1e-9)
         )
@@ -182,45 +201,78 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def restore(self, directory: epath.Path, args: TieredRestore | None = None) -> Any:
         """Restores the step in `directory` from the fastest verified copy of each part.
 
+        Collective: every process calls it for the same step. The processes
+        exchange what their memory tiers hold, and all reach the same verdict on
+        whether the step is restorable before any of them reads a byte.
+
         Raises:
           FileNotFoundError: if the step cannot be restored from any tier; the
             message names the newest step that can.
           ValueError, TypeError: if the target does not match the saved tree.
+          TimeoutError: if another process does not take part within the timeout.
         """
         start = time.perf_counter()
+        args = args if args is not None else TieredRestore()
         item_dir = Path(os.fspath(directory))
         step = _step_of(directory, None)
         memory = self._memory_for(directory)
         pi = _multihost.process_index()
-        plan = self._plan_for(item_dir, step, memory, pi)
+        index = _restore.read_index(item_dir)
+        count = _multihost.process_count()
+        fn = args.iterator_state_fn
+        if index:  # validate the target before any collective, so all fail alike
+            leaves = next(iter(index.values())).leaves
+            _target.check(leaves, args.abstract_state, index, fn, pi, count, step)
+        view = self._global_view(directory, memory)
+        plan = view.plan(step, item_dir)
         if not plan.restorable:
-            raise FileNotFoundError(self._not_restorable_message(item_dir, step, plan, memory, pi))
-        target = args.abstract_state if args is not None else None
-        restorer = _restore.Restorer(plan, self._kvstore_for(item_dir, memory, step), pi)
+            raise FileNotFoundError(view.not_restorable_message(item_dir, plan))
+        restorer = _restore.Restorer(
+            plan, self._kvstore_for(item_dir, memory, step), pi, self._redact
+        )
         try:
-            result = _restore_tree(restorer, plan, target, pi, step)
+            result = _target.fill(
+                restorer, plan.leaves, args.abstract_state, plan.manifests, fn, pi, count, step
+            )
         except _restore.ChunkUnavailableError as e:
             raise FileNotFoundError(
-                f"{e}. {self._newest_restorable_sentence(item_dir, memory, pi, exclude=step)}"
+                f"{self._redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
             ) from e
+        by_tier = restorer.bytes_by_tier
         self.last_restore_metrics = {
             "step": step,
             "seconds": time.perf_counter() - start,
-            "bytes_by_tier": dict(restorer.bytes_by_tier),
-            "tier": max(
-                restorer.bytes_by_tier, key=lambda t: _plan.TIER_ORDER.index(t), default="none"
-            ),
+            "bytes_by_tier": dict(by_tier),
+            "tier": max(by_tier, key=by_tier.__getitem__) if by_tier else "none",
             "fallbacks": len(restorer.failures),
         }
         log.info("jaxckpt: [process %d] restored step %d: %s", pi, step, self.last_restore_metrics)
         return result
 
-    def _plan_for(
-        self, item_dir: Path, step: int, memory: _memory_tier.MemoryTier, pi: int
-    ) -> _plan.StepPlan:
-        index = _restore.read_index(item_dir)
-        held = {pi: _restore.memory_parts(memory, step, index)}
-        return _plan.plan_step(step, index, pi, held, _restore.persisted_parts(item_dir, index))
+    def restorable_steps(self, directory: epath.Path) -> list[int]:
+        """Steps next to `directory` that can be restored now, newest first (collective)."""
+        view = self._global_view(directory, self._memory_for(directory))
+        return view.restorable_steps()
+
+    def _global_view(
+        self, directory: epath.Path | Path, memory: _memory_tier.MemoryTier
+    ) -> _restore.GlobalView:
+        """What every process holds in memory, for every finalized step (collective)."""
+        steps = _paths.sibling_steps(directory)
+        current = Path(os.fspath(directory))
+        step = _paths.step_of(directory)
+        if step is not None and current.is_dir():
+            steps[step] = current
+        local = {
+            s: _restore.memory_parts(memory, s, _restore.read_index(steps[s]))
+            for s in memory.steps()
+            if s in steps
+        }
+        peers = self._connect(memory)
+        inventories = (
+            peers.exchange_inventories(local) if peers else {_multihost.process_index(): local}
+        )
+        return _restore.GlobalView(steps, inventories, _multihost.process_index())
 
     def _kvstore_for(
         self, item_dir: Path, memory: _memory_tier.MemoryTier, step: int
@@ -228,50 +280,16 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         def kvstore_for(source: _plan.Source, owner: int) -> dict[str, Any]:
             if source.tier == _plan.MEMORY:
                 return _zarr.file_kvstore(str(memory.part_dir(step, owner)))
+            if source.tier == _plan.PEER and self._peers is not None and source.holder is not None:
+                return self._peers.part_kvstore(source.holder, step, owner)
             if source.tier == _plan.PERSISTENT:
                 return _zarr.file_kvstore(str(item_dir / _format.part_dir_name(owner)))
             raise ValueError(f"No reader for {source.describe()}.")
 
         return kvstore_for
 
-    def restorable_steps(self, directory: epath.Path) -> list[int]:
-        """Steps next to `directory` that this process could restore, newest first."""
-        memory = self._memory_for(directory)
-        pi = _multihost.process_index()
-        steps = _paths.sibling_steps(directory)
-        return [
-            s
-            for s in sorted(steps, reverse=True)
-            if self._plan_for(steps[s], s, memory, pi).restorable
-        ]
-
-    def _newest_restorable_sentence(
-        self, item_dir: Path, memory: _memory_tier.MemoryTier, pi: int, exclude: int
-    ) -> str:
-        newest = [s for s in self.restorable_steps(item_dir) if s != exclude]
-        if newest:
-            return f"The newest restorable step is {newest[0]}: restore that step instead."
-        return "No other step is restorable from any tier."
-
-    def _not_restorable_message(
-        self,
-        item_dir: Path,
-        step: int,
-        plan: _plan.StepPlan,
-        memory: _memory_tier.MemoryTier,
-        pi: int,
-    ) -> str:
-        if not plan.owners:
-            why = f"{item_dir} holds no jaxckpt index manifest"
-        else:
-            why = (
-                f"no verified copy of the part(s) of process(es) {plan.missing} exists in memory, "
-                "in a peer's memory or in persistent storage"
-            )
-        return (
-            f"[process {pi}] Step {step} cannot be restored: {why}. "
-            + self._newest_restorable_sentence(item_dir, memory, pi, exclude=step)
-        )
+    def _redact(self, text: str) -> str:
+        return self._peers.redact(text) if self._peers is not None else text
 
     # ---- metadata and lifecycle --------------------------------------------
 
@@ -287,7 +305,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         manifest = index.get(pi, next(iter(index.values())))
         entries = []
         for i, record in enumerate(manifest.leaves):
-            entries.append((record.keys, _leaf_metadata(record, manifest.iterator_states.get(i))))
+            entries.append(
+                (record.keys, _target.leaf_metadata(record, manifest.iterator_states.get(i)))
+            )
         return _tree.nest(entries)
 
     def finalize(self, directory: epath.Path) -> None:
@@ -299,7 +319,12 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         Raises:
           OSError: if a step failed to persist.
         """
-        self._persister.close()
+        try:
+            self._persister.close()
+        finally:
+            if self._peers is not None:
+                self._peers.close()
+                self._peers = None
         errors = self._persister.take_errors()
         if errors:
             raise OSError(
@@ -324,6 +349,24 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
     # ---- helpers --------------------------------------------------------------
 
+    def _connect(self, memory: _memory_tier.MemoryTier) -> _peers.Peers | None:
+        """Meets the other processes once per run (collective); None in one process.
+
+        Raises:
+          ValueError: if `replicas` cannot be placed outside each owner's failure domain.
+        """
+        if _multihost.process_count() == 1:
+            # The same placement rule, so that replicas=1 on one host fails clearly.
+            _placement.place_replicas(
+                [self._options.resolved_failure_domain], self._options.replicas
+            )
+            return None
+        if self._peers is None or self._peers.run_id != memory.run_id:
+            if self._peers is not None:
+                self._peers.close()
+            self._peers = _peers.Peers.connect(memory, self._options)
+        return self._peers
+
     def _memory_for(self, directory: epath.Path | Path) -> _memory_tier.MemoryTier:
         run_id = self._options.run_id or _paths.default_run_id(directory)
         if self._memory is None or self._memory.run_id != run_id:
@@ -345,150 +388,8 @@ class _KeepPersisting:
         return [k or c.step in pending for k, c in zip(keep, checkpoints, strict=True)]
 
 
-class IteratorState:
-    """Metadata leaf for a saved iterator: `state` is what `get_state()` returned."""
-
-    def __init__(self, state: Any):
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"IteratorState({self.state!r})"
-
-
-def _leaf_metadata(record: _format.LeafRecord, iterator_state: Any) -> Any:
-    if record.kind == _format.ARRAY:
-        assert record.shape is not None and record.dtype is not None
-        if record.key_impl:
-            dtype = jax.eval_shape(lambda: jax.random.key(0, impl=record.key_impl)).dtype
-        else:
-            dtype = np.dtype(record.dtype)
-        return jax.ShapeDtypeStruct(
-            record.shape, dtype, sharding=_sharding.rebuild(record.sharding)
-        )
-    if record.kind == _format.NUMPY:
-        assert record.shape is not None and record.dtype is not None
-        return jax.ShapeDtypeStruct(record.shape, np.dtype(record.dtype))
-    if record.kind == _format.SCALAR:
-        return _tree.scalar_value(record)
-    return IteratorState(_tree.decode_iterator_state(iterator_state))
-
-
-def _restore_tree(
-    restorer: _restore.Restorer, plan: _plan.StepPlan, target: Any, pi: int, step: int
-) -> Any:
-    records = plan.leaves
-    if target is None:
-        values = []
-        for i, r in enumerate(records):
-            if r.kind in (_format.ARRAY, _format.NUMPY):
-                values.append(
-                    (
-                        r.keys,
-                        restorer.host_array(i)
-                        if not r.key_impl
-                        else jax.random.wrap_key_data(
-                            jax.numpy.asarray(restorer.host_array(i)), impl=r.key_impl
-                        ),
-                    )
-                )
-            elif r.kind == _format.SCALAR:
-                values.append((r.keys, _tree.scalar_value(r)))
-            else:
-                values.append((r.keys, _tree.decode_iterator_state(restorer.iterator_state(i, pi))))
-        return _tree.nest(values)
-
-    pairs, treedef = _tree.flatten(target)
-    by_path = {r.path: i for i, r in enumerate(records)}
-    missing = [p for p, _ in pairs if p not in by_path]
-    extra = sorted(set(by_path) - {p for p, _ in pairs})
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(
-                f"the target has leaves the checkpoint lacks: {_tree.describe_paths(missing)}"
-            )
-        if extra:
-            parts.append(
-                f"the checkpoint has leaves the target lacks: {_tree.describe_paths(extra)}"
-            )
-        raise ValueError(
-            f"[process {pi}] The restore target does not match the tree saved at step {step}: "
-            + "; ".join(parts)
-            + ". Build the target from the same state structure (mngr.item_metadata(step) shows it)."
-        )
-    # Validate every leaf before reading any bytes.
-    for path, leaf in pairs:
-        _check_leaf(records[by_path[path]], leaf, pi, step, plan)
-    out = [
-        _restore_leaf(restorer, by_path[path], records[by_path[path]], leaf, pi, plan)
-        for path, leaf in pairs
-    ]
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _check_leaf(
-    record: _format.LeafRecord, leaf: Any, pi: int, step: int, plan: _plan.StepPlan
-) -> None:
-    where = f"[process {pi}] Leaf {record.path or '<root>'} at step {step}"
-    if record.kind == _format.ITERATOR:
-        if _tree.is_iterator(leaf) and pi not in plan.manifests:
-            raise ValueError(
-                f"{where}: the checkpoint holds iterator states of {len(plan.owners)} processes and "
-                f"none for process {pi}; restore with the same process count."
-            )
-        return
-    if record.kind == _format.SCALAR:
-        return
-    if _tree.is_iterator(leaf):
-        raise TypeError(f"{where}: the target is an iterator but the checkpoint holds an array.")
-    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-    if shape is None or dtype is None:
-        raise TypeError(
-            f"{where}: the target {type(leaf).__name__} is not array-like; the checkpoint holds an "
-            f"array of shape {record.shape} and dtype {record.dtype}. Use a jax.ShapeDtypeStruct."
-        )
-    if tuple(shape) != record.shape:
-        raise ValueError(
-            f"{where}: expected shape {record.shape} (saved), the target has {tuple(shape)}."
-        )
-    if str(dtype) != record.dtype:
-        raise ValueError(f"{where}: expected dtype {record.dtype} (saved), the target has {dtype}.")
-
-
-def _restore_leaf(
-    restorer: _restore.Restorer,
-    i: int,
-    record: _format.LeafRecord,
-    leaf: Any,
-    pi: int,
-    plan: _plan.StepPlan,
-) -> Any:
-    if record.kind == _format.SCALAR:
-        return _tree.scalar_value(record)
-    if record.kind == _format.ITERATOR:
-        state = restorer.iterator_state(i, pi)
-        if _tree.is_iterator(leaf):
-            leaf.set_state(state)
-            return leaf
-        return state
-    sharding = None if isinstance(leaf, np.ndarray) else getattr(leaf, "sharding", None)
-    if sharding is None and record.kind == _format.ARRAY and not isinstance(leaf, np.ndarray):
-        # A jax.Array saved, no sharding asked for: lay it out as it was saved.
-        sharding = _sharding.rebuild(record.sharding)
-        if sharding is None:
-            raise ValueError(
-                f"[process {pi}] Leaf {record.path} at step {plan.step}: the saved sharding "
-                f"{record.sharding} uses devices this runtime does not have; give the target "
-                "a sharding (jax.ShapeDtypeStruct(shape, dtype, sharding=...))."
-            )
-    if sharding is None:
-        data = restorer.host_array(i)
-        return (
-            jax.random.wrap_key_data(jax.numpy.asarray(data), impl=record.key_impl)
-            if record.key_impl
-            else data
-        )
-    return restorer.array(i, sharding)
+async def _raise(error: BaseException) -> None:
+    raise error
 
 
 def _step_of(directory: epath.Path | Path, explicit: int | None) -> int:
@@ -533,6 +434,11 @@ class TieredRestore(ocp.args.CheckpointArgs):
         leaf (or a leaf without a sharding where a numpy array was saved) is
         restored as numpy; a saved jax.Array with no target sharding gets its
         saved sharding. None restores everything to host (numpy).
+      iterator_state_fn: only needed to restore iterators onto another process
+        count when each process saved a different state: called as
+        `fn(saved_states, process_index, process_count)`, it returns this
+        process's state. Not needed when the saved states are identical.
     """
 
     abstract_state: Any = None
+    iterator_state_fn: _target.IteratorStateFn | None = None

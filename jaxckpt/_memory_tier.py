@@ -84,8 +84,12 @@ class MemoryTier:
                 "Point TierOptions.memory_root at a writable tmpfs directory such as /dev/shm/jaxckpt."
             ) from e
 
+    @staticmethod
+    def step_name(step: int) -> str:
+        return f"step_{step:012d}"
+
     def step_dir(self, step: int) -> Path:
-        return self.run_dir / f"step_{step:012d}"
+        return self.run_dir / self.step_name(step)
 
     def part_dir(self, step: int, owner: int) -> Path:
         return self.step_dir(step) / _format.part_dir_name(owner)

@@ -80,8 +80,15 @@ def persisted_parts(item_dir: Path, index: dict[int, _format.PartManifest]) -> s
 class Restorer:
     """Reads the leaves of one planned step into the shapes and shardings of a target."""
 
-    def __init__(self, plan: _plan.StepPlan, kvstore_for: KvstoreFor, process_index: int):
+    def __init__(
+        self,
+        plan: _plan.StepPlan,
+        kvstore_for: KvstoreFor,
+        process_index: int,
+        redact: Callable[[str], str] = str,
+    ):
         self._plan = plan
+        self._redact = redact
         self._kvstore_for = kvstore_for
         self._process_index = process_index
         self._owners = plan.chunk_owners()
@@ -114,7 +121,7 @@ class Restorer:
                 array = await self._open(source, owner, leaf)
                 data = np.asarray(await array[region].read())
             except Exception as e:
-                tried.append(f"{source.describe()}: {e}")
+                tried.append(f"{source.describe()}: {self._redact(str(e))}")
                 continue
             if _zarr.checksum(data) != expected.crc32:
                 tried.append(f"{source.describe()}: checksum mismatch")
@@ -208,3 +215,45 @@ class Restorer:
         """The iterator state that process `process_index` saved for a leaf."""
         manifest = self._plan.manifests[process_index]
         return _tree.decode_iterator_state(manifest.iterator_states[leaf])
+
+
+class GlobalView:
+    """What every process holds in memory for every finalized step, plus persistence."""
+
+    def __init__(
+        self, steps: dict[int, Path], inventories: dict[int, dict[int, set[int]]], me: int
+    ):
+        self.steps = steps  # step -> item directory
+        self.inventories = inventories  # process -> step -> owners held
+        self.me = me
+
+    def plan(self, step: int, item_dir: Path | None = None) -> _plan.StepPlan:
+        item_dir = item_dir or self.steps[step]
+        index = read_index(item_dir)
+        held = {p: inv.get(step, set()) for p, inv in self.inventories.items()}
+        return _plan.plan_step(step, index, self.me, held, persisted_parts(item_dir, index))
+
+    def restorable_steps(self, exclude: int | None = None) -> list[int]:
+        """Restorable steps, newest first."""
+        return [
+            s for s in sorted(self.steps, reverse=True) if s != exclude and self.plan(s).restorable
+        ]
+
+    def newest_restorable_sentence(self, exclude: int) -> str:
+        steps = self.restorable_steps(exclude)
+        if steps:
+            return f"The newest restorable step is {steps[0]}: restore that step instead."
+        return "No other step is restorable from any tier."
+
+    def not_restorable_message(self, item_dir: Path, plan: _plan.StepPlan) -> str:
+        if not plan.owners:
+            why = f"{item_dir} holds no jaxckpt index manifest"
+        else:
+            why = (
+                f"no verified copy of the part(s) of process(es) {plan.missing} exists in any "
+                "process's memory or in persistent storage"
+            )
+        return (
+            f"[process {self.me}] Step {plan.step} cannot be restored: {why}. "
+            + self.newest_restorable_sentence(exclude=plan.step)
+        )

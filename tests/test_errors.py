@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
@@ -30,7 +32,11 @@ def test_unsupported_leaf_names_its_path(memory_root, ckpt_dir):
     with manager(ckpt_dir, handler(memory_root)) as mngr:
         with pytest.raises(TypeError, match=r"leaf at \['opt'\]\['fn'\] of type function"):
             save(mngr, 1, {"opt": {"fn": lambda x: x}, "w": np.ones(2)})
+            mngr.wait_until_finished()
         assert mngr.all_steps() == []
+        save(mngr, 2, {"w": np.ones(2)})  # the manager still works
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [2]
 
 
 def test_shape_mismatch_names_path_expected_and_actual(saved):
@@ -101,11 +107,13 @@ def test_unknown_step_names_newest_restorable(saved, ckpt_dir):
 def test_unwritable_memory_root_is_reported(tmp_path, ckpt_dir):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with (
-        manager(ckpt_dir, handler(str(blocker / "sub"))) as mngr,
-        pytest.raises(PermissionError, match=r"\[process 0\] The memory tier .* is not writable"),
-    ):
+    mngr = manager(ckpt_dir, handler(str(blocker / "sub")))
+    with pytest.raises(PermissionError, match=r"\[process 0\] The memory tier .* is not writable"):
         save(mngr, 1, {"w": np.ones(2)})
+        mngr.wait_until_finished()
+    assert mngr.all_steps() == []
+    with contextlib.suppress(PermissionError):  # Orbax reports a failed save once more
+        mngr.close()
 
 
 @pytest.mark.parametrize(

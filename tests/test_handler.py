@@ -148,7 +148,7 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
         np.testing.assert_array_equal(restored["w"], state["w"])
         # A region of rows 3..6 touches saved chunks 1, 2 and 3 only.
         read.clear()
-        plan = h._plan_for(ckpt_dir / "1" / "train", 1, h._memory, 0)
+        plan = h._global_view(ckpt_dir / "1" / "train", h._memory).plan(1)
         restorer = _restore.Restorer(
             plan, h._kvstore_for(ckpt_dir / "1" / "train", h._memory, 1), 0
         )

@@ -18,17 +18,22 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from jaxckpt._peer_service import (
-    TEMP_PREFIX,
-    TOKEN_HEADER,
+from jaxckpt._peer_client import (
     PeerAddress,
-    PeerServer,
     delete_path,
     fetch_file,
     http_kvstore_spec,
     list_dir,
     push_directory,
     redact_token,
+)
+from jaxckpt._peer_server import PeerServer
+from jaxckpt._peer_wire import (
+    TEMP_PREFIX,
+    TOKEN_HEADER,
+    decode_push_header,
+    encode_push_header,
+    push_body_length,
 )
 
 TOKEN = "s3cret-token-value"
@@ -412,3 +417,22 @@ def test_argument_validation() -> None:
         "base_url": "http://h:1/files/run1/",
         "headers": [f"{TOKEN_HEADER}: {TOKEN}"],
     }
+
+
+def test_push_header_round_trip_and_rejections() -> None:
+    files = [("a/b", 3), ("c", 0)]
+    header = encode_push_header(files)
+    assert decode_push_header(header) == files
+    assert push_body_length(len(header), files) == 4 + len(header) + 3 + 4 + 0 + 4
+    bad = {
+        b"not json": "Malformed push header",
+        b'{"files": []}': "Malformed push header",
+        b'{"version": 2, "files": []}': "version 2 unsupported",
+        b'{"version": 1, "files": [{"path": "../x", "size": 1}]}': "Malformed push header",
+        b'{"version": 1, "files": [{"path": "x", "size": -1}]}': "non-negative ints",
+        b'{"version": 1, "files": [{"path": "x", "size": true}]}': "non-negative ints",
+        b'{"version": 1, "files": [{"path": "x", "size": 1}, {"path": "x/", "size": 1}]}': "twice",
+    }
+    for data, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            decode_push_header(data)

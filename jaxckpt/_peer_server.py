@@ -1,0 +1,218 @@
+"""Peer service server: serves a process's memory tier to other processes over HTTP.
+
+Each process runs one `PeerServer` (a daemon thread in the training process)
+that serves ``root/run_id/`` to peers in the wire format of `_peer_wire`. Peers
+read files with plain HTTP GET (with ``Range``), so tensorstore's ``http``
+kvstore driver can open the zarr3 arrays there directly, and push whole
+directories in one request that the server commits atomically. Each request is
+answered by a `PeerRequestHandler` on its own thread.
+"""
+
+import contextlib
+import http.server
+import logging
+import os
+import socket
+import socketserver
+import threading
+import uuid
+from typing import Any
+
+from jaxckpt._peer_client import PeerAddress
+from jaxckpt._peer_handler import PeerRequestHandler, remove_entry
+from jaxckpt._peer_wire import TEMP_PREFIX, check_run_id, check_token
+
+logger = logging.getLogger(__name__)
+
+
+class PeerHTTPServer(http.server.ThreadingHTTPServer):
+    """Threaded HTTP server that tracks its connections so `close` can abort them.
+
+    Holds what `PeerRequestHandler` needs: the run directory, run id, token,
+    limits, and the lock that serialises renames in the run directory.
+    """
+
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 128
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        run_dir: str,
+        run_id: str,
+        token: str,
+        max_push_bytes: int,
+        io_timeout: float,
+    ) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.run_dir, self.run_id, self.token = run_dir, run_id, token.encode()
+        self.max_push_bytes, self.io_timeout = max_push_bytes, io_timeout
+        self.commit_lock = threading.Lock()
+        self._live_lock = threading.Lock()
+        self._live: dict[threading.Thread, socket.socket] = {}
+        super().__init__(address, PeerRequestHandler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind calls getfqdn(), which can block on DNS.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def temp_name(self, purpose: str) -> str:
+        return f"{TEMP_PREFIX}{os.getpid()}-{purpose}-{uuid.uuid4().hex}"
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        thread = threading.Thread(
+            target=self._serve_one,
+            args=(request, client_address),
+            daemon=True,
+            name=f"jaxckpt-peer-{client_address}",
+        )
+        with self._live_lock:
+            self._live[thread] = request
+        thread.start()
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._live_lock:
+                self._live.pop(threading.current_thread(), None)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("peer service: request from %s failed", client_address, exc_info=True)
+
+    def abort_requests(self, timeout: float) -> None:
+        """Shuts every open connection and joins the handler threads."""
+        with self._live_lock:
+            live = list(self._live.items())
+        for _, sock in live:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread, _ in live:
+            thread.join(timeout)
+
+
+class PeerServer:
+    """Serves ``root/run_id/`` to the other processes of a run.
+
+    The server binds on construction (so `address` is known at once) and
+    serves from a daemon thread after `start`; each connection gets its own
+    daemon thread whose socket operations time out after ``io_timeout``.
+    Usable as a context manager (start on enter, close on exit).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        run_id: str,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_push_bytes: int = 1 << 40,
+        io_timeout: float = 60.0,
+    ) -> None:
+        """Binds the listening socket.
+
+        Args:
+          root: Memory-tier root; the server serves and writes ``root/run_id/``.
+          run_id: Identifies the run; requests naming another run are refused.
+          token: Shared secret every request must carry.
+          host: Interface to listen on; a wildcard (``0.0.0.0``, ``::``) is
+            advertised under this machine's hostname.
+          port: TCP port; 0 picks a free one.
+          max_push_bytes: Largest push body accepted; bigger ones get HTTP 413.
+          io_timeout: Seconds any one recv/send on a connection may block.
+
+        Raises:
+          ValueError: If an argument is invalid.
+          OSError: If the socket cannot be bound.
+        """
+        check_run_id(run_id)
+        check_token(token)
+        if isinstance(max_push_bytes, bool) or not isinstance(max_push_bytes, int):
+            raise ValueError(f"max_push_bytes must be an int, got {max_push_bytes!r}.")
+        if max_push_bytes <= 0 or not io_timeout > 0:
+            raise ValueError(
+                f"max_push_bytes and io_timeout must be positive, got {max_push_bytes!r} "
+                f"and {io_timeout!r}."
+            )
+        run_dir = os.path.realpath(os.path.join(os.fspath(root), run_id))
+        os.makedirs(run_dir, exist_ok=True)
+        self._httpd = PeerHTTPServer(
+            (host, port),
+            run_dir=run_dir,
+            run_id=run_id,
+            token=token,
+            max_push_bytes=max_push_bytes,
+            io_timeout=io_timeout,
+        )
+        advertised = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+        self._address = PeerAddress(advertised, self._httpd.server_address[1])
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def address(self) -> PeerAddress:
+        """Where peers reach this server."""
+        return self._address
+
+    def start(self) -> None:
+        """Starts serving; idempotent.
+
+        First removes temporary entries (`TEMP_PREFIX`) left in the run
+        directory by processes of this host that no longer run (judged by the
+        pid in their name), such as a push cut short by a crash.
+
+        Raises:
+          RuntimeError: If the server was closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"PeerServer at {self._address} is closed; make a new one.")
+            if self._thread is not None:
+                return
+            _remove_stale_temps(self._httpd.run_dir)
+            self._thread = threading.Thread(
+                target=self._httpd.serve_forever,
+                kwargs={"poll_interval": 0.1},
+                daemon=True,
+                name=f"jaxckpt-peer-server-{self._address.port}",
+            )
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stops serving, aborts open connections, joins threads; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            self._httpd.shutdown()
+            thread.join()
+        self._httpd.server_close()
+        self._httpd.abort_requests(timeout=self._httpd.io_timeout)
+
+    def __enter__(self) -> "PeerServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _remove_stale_temps(run_dir: str) -> None:
+    for name in os.listdir(run_dir):
+        if not name.startswith(TEMP_PREFIX):
+            continue
+        pid = name.removeprefix(TEMP_PREFIX).split("-", 1)[0]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            remove_entry(os.path.join(run_dir, name))
+        except (ValueError, PermissionError):
+            pass  # Not ours to judge, or the process is alive under another user.

@@ -1,0 +1,123 @@
+"""The other processes: their addresses, who holds whose replicas, and what they hold.
+
+`Peers.connect` is collective (every process calls it once per run): process 0
+makes the run's secret token, every process starts its peer data service on
+`TierOptions.peer_host`, and addresses and failure domains are exchanged
+through jax.distributed. Replica placement is then a pure function of the
+failure domains, so every process agrees on it without another message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxckpt import _format, _multihost, _placement
+from jaxckpt._memory_tier import MemoryTier
+from jaxckpt._options import TierOptions
+from jaxckpt._peer_client import PeerAddress, http_kvstore_spec, push_directory, redact_token
+from jaxckpt._peer_server import PeerServer
+
+Inventory = dict[int, set[int]]  # step -> owners whose verified part a process holds
+
+
+class Peers:
+    """This process's connection to every other process's memory tier."""
+
+    def __init__(
+        self,
+        server: PeerServer,
+        token: str,
+        run_id: str,
+        addresses: list[PeerAddress],
+        domains: list[str],
+        holders: tuple[tuple[int, ...], ...],
+        timeout_s: float,
+    ):
+        self._server = server
+        self._token = token
+        self.run_id = run_id
+        self.addresses = addresses
+        self.domains = domains
+        self.holders = holders
+        self._timeout_s = timeout_s
+
+    @classmethod
+    def connect(cls, memory: MemoryTier, options: TierOptions) -> Peers:
+        """Starts this process's peer service and meets the others (collective).
+
+        Raises:
+          ValueError: if `options.replicas` cannot be placed in other failure domains.
+          TimeoutError: if another process does not show up within the timeout.
+        """
+        tag = f"peers/{memory.run_id}"
+        token = _multihost.broadcast(
+            secrets.token_hex(32) if _multihost.process_index() == 0 else None,
+            tag=f"{tag}/token",
+            timeout_s=options.timeout_s,
+        )
+        server = PeerServer(
+            memory.run_dir.parent, run_id=memory.run_id, token=token, host=options.peer_host
+        )
+        server.start()
+        try:
+            me = {"address": server.address.to_dict(), "domain": options.resolved_failure_domain}
+            everyone = _multihost.allgather(me, tag=f"{tag}/hello", timeout_s=options.timeout_s)
+            domains = [str(p["domain"]) for p in everyone]
+            holders = _placement.place_replicas(domains, options.replicas)
+        except BaseException:
+            server.close()
+            raise
+        addresses = [PeerAddress.from_dict(p["address"]) for p in everyone]
+        return cls(server, token, memory.run_id, addresses, domains, holders, options.timeout_s)
+
+    def close(self) -> None:
+        self._server.close()
+
+    def redact(self, text: str) -> str:
+        """`text` without the run's token (tensorstore errors quote whole specs)."""
+        return redact_token(text, self._token)
+
+    def part_kvstore(self, holder: int, step: int, owner: int) -> dict[str, Any]:
+        """Tensorstore kvstore of `owner`'s part of `step` in `holder`'s memory tier."""
+        spec = http_kvstore_spec(self.addresses[holder], self._token, self.run_id)
+        return {**spec, "path": f"{MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}/"}
+
+    async def push_replicas(self, part_dir: Path, step: int, owner: int) -> int:
+        """Copies a committed part to every holder of `owner`'s replicas; bytes sent."""
+        dest = f"{MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
+
+        def push(holder: int) -> int:
+            try:
+                return push_directory(
+                    self.addresses[holder],
+                    token=self._token,
+                    run_id=self.run_id,
+                    src_dir=part_dir,
+                    dest_relpath=dest,
+                    timeout=self._timeout_s,
+                )
+            except OSError as e:
+                raise OSError(
+                    f"[process {owner}] Pushing the replica of step {step} to process {holder} "
+                    f"({self.addresses[holder]}) failed: {self.redact(str(e))}"
+                ) from e
+
+        sent = await asyncio.gather(*(asyncio.to_thread(push, h) for h in self.holders[owner]))
+        return sum(sent)
+
+    def exchange_inventories(self, local: Inventory) -> dict[int, Inventory]:
+        """process -> its inventory, for every process (collective)."""
+        wire = {str(step): sorted(owners) for step, owners in local.items()}
+        everyone = _multihost.allgather(
+            wire, tag=f"inventory/{self.run_id}", timeout_s=self._timeout_s
+        )
+        return {p: {int(s): set(o) for s, o in inv.items()} for p, inv in enumerate(everyone)}
+
+
+def held_at(inventories: Mapping[int, Inventory], step: int) -> dict[int, set[int]]:
+    """process -> owners whose part of `step` it holds."""
+    return {p: inv.get(step, set()) for p, inv in inventories.items()}
