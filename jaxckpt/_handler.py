@@ -13,13 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 
 from jaxckpt import (
+    _faults,
     _format,
     _memory_tier,
     _multihost,
@@ -89,11 +88,16 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             memory = self._memory_for(directory)
             self._connect(memory)
             snapshot = _snapshot.take(args.state, pi)
+            _faults.maybe_crash("snapshot", step, pi)
         except Exception as error:
             log.error("jaxckpt: [process %d] save into %s refused: %s", pi, directory, error)
             commit = _raise(error)
         else:
-            self.last_save_metrics = {"step": step, "stall_s": snapshot.stall_s, "bytes": snapshot.nbytes}
+            self.last_save_metrics = {
+                "step": step,
+                "stall_s": snapshot.stall_s,
+                "bytes": snapshot.nbytes,
+            }
             log.info(
                 "jaxckpt: [process %d] step %d: %d bytes to host in %.3f s",
                 pi,
@@ -169,13 +173,16 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 },
             )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
+            _faults.maybe_crash("memory_write", step, pi)
             committed = memory.commit(staging, step, pi)
+            _faults.maybe_crash("memory_commit", step, pi)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         # IMPORTANT: the index manifest is written only after the memory part is committed,
         # so an index never points at a memory copy that does not exist yet.
         _write_atomic(directory / _format.index_file(pi), manifest.to_json())
+        _faults.maybe_crash("index", step, pi)
         if self._peers is not None and self._options.replicas:
             push_start = time.perf_counter()
             sent = await self._peers.push_replicas(committed, step, pi)
@@ -183,6 +190,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             self.last_save_metrics.update(
                 replicate_s=push_s, replicate_bytes_per_s=sent / max(push_s, 1e-9)
             )
+            _faults.maybe_crash("replicated", step, pi)
         self.last_save_metrics.update(
             memory_write_s=memory_s, memory_write_bytes_per_s=snapshot.nbytes / max(memory_s, 1e-9)
         )

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _format, _multihost, _placement
+from jaxckpt import _faults, _format, _multihost, _placement
 from jaxckpt._memory_tier import MemoryTier
 from jaxckpt._options import TierOptions
 from jaxckpt._peer_client import PeerAddress, http_kvstore_spec, push_directory, redact_token
@@ -91,6 +91,7 @@ class Peers:
         dest = f"{MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
 
         def push(holder: int) -> int:
+            _faults.maybe_crash("replicate", step, owner)
             try:
                 return push_directory(
                     self.addresses[holder],

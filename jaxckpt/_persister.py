@@ -19,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from jaxckpt import _format, _memory_tier, _paths, _zarr
+from jaxckpt import _faults, _format, _memory_tier, _paths, _zarr
 
 log = logging.getLogger("jaxckpt")
 
@@ -130,6 +130,7 @@ class Persister:
         try:
             asyncio.run(self._copy(manifest, job.source_part, staging))
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
+            _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
             self._wait_for_finalized(job, manifest.step)
             # IMPORTANT: the rename is the durability marker; it comes after every byte is
             # written, and never recreates a step directory that garbage collection removed.
@@ -143,6 +144,7 @@ class Persister:
                 raise FileNotFoundError(
                     f"Step {manifest.step} was deleted (garbage-collected) before it was persisted."
                 ) from e
+            _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 

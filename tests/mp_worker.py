@@ -1,0 +1,198 @@
+"""Scenarios run by tests/multiproc.py: one JAX process per "host" on loopback.
+
+Each scenario prints one `RESULT <json>` line. The saved state is a pure
+function of the step, so any process count can check what it restored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+    coordinator_address=os.environ["MP_COORDINATOR"],
+    coordinator_bind_address=os.environ["MP_COORDINATOR"],
+    num_processes=int(os.environ["MP_NUM_PROCESSES"]),
+    process_id=int(os.environ["MP_PROCESS_ID"]),
+    heartbeat_timeout_seconds=5,
+    initialization_timeout=60,
+)
+
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxckpt  # noqa: E402
+
+ROWS = 48  # divisible by 8, 6 and 4 devices
+
+
+class Position:
+    """An iterator whose state is a global position (the same on every process)."""
+
+    def __init__(self, pos: int = 0, local: bool = False):
+        self.pos, self.local = pos, local
+
+    def get_state(self):
+        return {"pos": self.pos, **({"process": jax.process_index()} if self.local else {})}
+
+    def set_state(self, state):
+        self.pos = state["pos"]
+        self.state = state
+
+
+def expected(step: int) -> dict[str, np.ndarray]:
+    return {
+        "w": (np.arange(ROWS * 8, dtype=np.float32).reshape(ROWS, 8) + 1000 * step),
+        "b": np.full((ROWS,), step, dtype=jax.numpy.bfloat16),
+        "keys": np.stack(
+            [np.arange(ROWS, dtype=np.uint32) + step, np.arange(ROWS, dtype=np.uint32)], axis=1
+        ),
+    }
+
+
+def mesh(shape: tuple[int, ...] | None = None) -> Mesh:
+    devices = np.array(jax.devices())
+    shape = shape or (devices.size,)
+    return Mesh(devices.reshape(shape), ("a", "b")[: len(shape)])
+
+
+def shardings(m: Mesh, transposed: bool = False) -> dict[str, NamedSharding]:
+    axes = m.axis_names
+    return {
+        "w": NamedSharding(m, P(None, axes[-1]) if transposed else P(axes)),
+        "b": NamedSharding(m, P()),
+        "keys": NamedSharding(m, P(axes[0])),
+    }
+
+
+def state(step: int, m: Mesh, local_iterator: bool = False) -> dict:
+    exp, sh = expected(step), shardings(m)
+
+    def make(name):
+        return jax.make_array_from_callback(exp[name].shape, sh[name], lambda idx: exp[name][idx])
+
+    keys_sharding = NamedSharding(m, P(m.axis_names[0], None))
+    key_data = jax.make_array_from_callback(
+        exp["keys"].shape, keys_sharding, lambda idx: exp["keys"][idx]
+    )
+    return {
+        "w": make("w"),
+        "b": make("b"),
+        "keys": jax.random.wrap_key_data(key_data, impl="threefry2x32"),
+        "data": Position(step * 10, local_iterator),
+        "step": step,
+    }
+
+
+def target(m: Mesh, transposed: bool = False) -> dict:
+    sh = shardings(m, transposed)
+    key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
+    return {
+        "w": jax.ShapeDtypeStruct((ROWS, 8), np.float32, sharding=sh["w"]),
+        "b": jax.ShapeDtypeStruct((ROWS,), jax.numpy.bfloat16, sharding=sh["b"]),
+        "keys": jax.ShapeDtypeStruct((ROWS,), key_dtype, sharding=sh["keys"]),
+        "data": Position(),
+        "step": 0,
+    }
+
+
+def check(restored: dict, step: int) -> list[str]:
+    """Problems with `restored` (empty: every addressable shard holds the saved values)."""
+    exp, bad = expected(step), []
+    for name in ("w", "b", "keys"):
+        arr = restored[name]
+        if name == "keys":
+            arr = jax.random.key_data(arr)
+        for shard in arr.addressable_shards:
+            if not np.array_equal(np.asarray(shard.data), exp[name][shard.index]):
+                bad.append(f"{name}{shard.index}")
+    if restored["step"] != step or restored["data"].pos != step * 10:
+        bad.append(f"step/data: {restored['step']} {restored['data'].pos}")
+    return bad
+
+
+def manager(
+    ckpt_dir: str, **options
+) -> tuple[ocp.CheckpointManager, jaxckpt.TieredCheckpointHandler]:
+    handler = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(os.environ["MP_MEMORY_ROOT"], timeout_s=60, **options)
+    )
+    mngr = ocp.CheckpointManager(
+        ckpt_dir,
+        item_handlers={"train": handler},
+        options=ocp.CheckpointManagerOptions(create=True),
+    )
+    return mngr, handler
+
+
+def scenario_save(args: dict) -> dict:
+    """Saves args["steps"]; with args["crash"], exits like a crash (nothing drained)."""
+    mngr, h = manager(
+        args["ckpt"],
+        replicas=args["replicas"],
+        persist_every=args["persist_every"],
+        memory_keep=args.get("keep", 2),
+    )
+    m = mesh()
+    for step in args["steps"]:
+        local = step in args.get("local_iterator_steps", ())
+        mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state(step, m, local))))
+    mngr.wait_until_finished()
+    h.wait_for_persistence()
+    out = {
+        "steps": mngr.all_steps(),
+        "replicate_bytes_per_s": h.last_save_metrics.get("replicate_bytes_per_s"),
+    }
+    if args.get("crash"):
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)
+    mngr.close()
+    return out
+
+
+def scenario_restore(args: dict) -> dict:
+    """Restores each of args["restores"] ({step, mesh?, transposed?, iterator_fn?}) in turn,
+    then optionally saves args["then_save"] (re-replication after a recovery)."""
+    mngr, h = manager(
+        args["ckpt"], replicas=args["replicas"], persist_every=args.get("persist_every", 1000)
+    )
+    results = []
+    for req in args["restores"]:
+        m = mesh(tuple(req["mesh"]) if req.get("mesh") else None)
+        kw = {}
+        if req.get("iterator_fn"):
+            kw["iterator_state_fn"] = lambda states, p, n: {"pos": min(s["pos"] for s in states)}
+        try:
+            tgt = target(m, req.get("transposed", False))
+            restored = mngr.restore(
+                req["step"], args=ocp.args.Composite(train=jaxckpt.TieredRestore(tgt, **kw))
+            ).train
+        except Exception as e:  # reported to the test
+            results.append({"error": f"{type(e).__name__}: {e}"})
+            continue
+        results.append({"bad": check(restored, req["step"]), **h.last_restore_metrics})
+    if args.get("then_save") is not None:
+        step = args["then_save"]
+        mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state(step, mesh()))))
+        mngr.wait_until_finished()
+    mngr.close()
+    return {"restores": results}
+
+
+if __name__ == "__main__":
+    scenario, raw = sys.argv[1], json.loads(sys.argv[2])
+    try:
+        result = globals()[f"scenario_{scenario}"](raw)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+    print("RESULT " + json.dumps(result), flush=True)

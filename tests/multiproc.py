@@ -1,0 +1,103 @@
+"""Runs a scenario of `mp_worker.py` in N JAX processes on loopback (one "host" each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+@dataclass
+class ProcessResult:
+    returncode: int
+    result: dict[str, Any] | None
+    output: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(
+    scenario: str,
+    roots: list[str],
+    domains: list[str],
+    args: dict[str, Any],
+    *,
+    timeout: float = 240,
+    env: dict[int, dict[str, str]] | None = None,
+    expect_ok: bool = True,
+) -> list[ProcessResult]:
+    """Starts len(roots) processes; process i uses memory root roots[i] in failure domain domains[i].
+
+    Returns each process's parsed `RESULT` line. With `expect_ok`, any process
+    exiting non-zero fails the caller with every process's output.
+    """
+    for attempt in range(3):
+        results = _run_once(scenario, roots, domains, args, timeout, env or {})
+        if not any("Failed to add port" in r.output for r in results):
+            break
+        time.sleep(0.5 + attempt)
+    if expect_ok and any(r.returncode != 0 or r.result is None for r in results):
+        dump = "\n".join(
+            f"--- process {i} rc={r.returncode}\n{r.output[-6000:]}" for i, r in enumerate(results)
+        )
+        raise AssertionError(f"scenario {scenario} failed:\n{dump}")
+    return results
+
+
+def _run_once(scenario, roots, domains, args, timeout, env) -> list[ProcessResult]:
+    n = len(roots)
+    port = free_port()
+    procs = []
+    for i in range(n):
+        proc_env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": f"{REPO}:{HERE}",
+            "MP_COORDINATOR": f"127.0.0.1:{port}",
+            "MP_NUM_PROCESSES": str(n),
+            "MP_PROCESS_ID": str(i),
+            "JAXCKPT_FAILURE_DOMAIN": domains[i],
+            "MP_MEMORY_ROOT": roots[i],
+            **env.get(i, {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(HERE / "mp_worker.py"), scenario, json.dumps(args)],
+                env=proc_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += "\n[multiproc] TIMEOUT: killed"
+        outputs.append(out)
+    results = []
+    for p, out in zip(procs, outputs, strict=True):
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        results.append(
+            ProcessResult(p.returncode, json.loads(lines[-1][7:]) if lines else None, out)
+        )
+    return results
