@@ -16,10 +16,10 @@ ENV: Final = "JAXCKPT_FAULT"
 PHASES: Final = (
     "snapshot",  # after the device->host copy, before async_save returns
     "memory_write",  # chunks written to the memory staging directory, not committed
-    "memory_commit",  # memory part committed, index manifest not written
-    "index",  # index manifest written, replicas not pushed
+    "memory_commit",  # memory part committed, replicas not pushed
     "replicate",  # replicas being pushed
-    "replicated",  # replicas pushed, commit future not finished
+    "replicated",  # replicas pushed, index manifest not written
+    "index",  # index manifest written, commit future not finished
     "persist_write",  # persisted chunks staged, not renamed into place
     "persist_commit",  # part durable in the checkpoint directory
 )

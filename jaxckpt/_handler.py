@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
+from absl import logging as log
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 
@@ -35,8 +35,6 @@ from jaxckpt import (
 )
 from jaxckpt._options import TierOptions
 
-log = logging.getLogger("jaxckpt")
-
 
 class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     """Saves the whole training state to memory tiers every step, persists some steps.
@@ -55,17 +53,26 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     background queue) the persistent copy happen after it returns.
     """
 
-    def __init__(self, options: TierOptions):
+    def __init__(
+        self,
+        options: TierOptions,
+        *,
+        on_metrics: Callable[[dict[str, Any]], None] | None = None,
+    ):
         if not isinstance(options, TierOptions):
             raise TypeError(
                 f"TieredCheckpointHandler needs TierOptions, got {type(options).__name__}."
             )
         self._options = options
-        self._persister = _persister.Persister(options.persist_compression, options.timeout_s)
+        self._persister = _persister.Persister(
+            options.persist_compression, options.timeout_s, on_persisted=self._publish
+        )
         self._memory: _memory_tier.MemoryTier | None = None
         self._peers: _peers.Peers | None = None
-        self.last_save_metrics: dict[str, float] = {}
+        self._on_metrics = on_metrics
+        self.last_save_metrics: dict[str, Any] = {}
         self.last_restore_metrics: dict[str, Any] = {}
+        self.last_persist_metrics: dict[str, Any] = {}
 
     @property
     def options(self) -> TierOptions:
@@ -83,6 +90,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         directory-creation threads; the step is not finalized either way.
         """
         pi = _multihost.process_index()
+        started = time.perf_counter()
         try:
             step = _step_of(directory, args.step)
             memory = self._memory_for(directory)
@@ -93,19 +101,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             log.error("jaxckpt: [process %d] save into %s refused: %s", pi, directory, error)
             commit = _raise(error)
         else:
-            self.last_save_metrics = {
-                "step": step,
-                "stall_s": snapshot.stall_s,
-                "bytes": snapshot.nbytes,
-            }
-            log.info(
-                "jaxckpt: [process %d] step %d: %d bytes to host in %.3f s",
-                pi,
-                step,
-                snapshot.nbytes,
-                snapshot.stall_s,
+            metrics = {"event": "save", "step": step, "process": pi, "bytes": snapshot.nbytes}
+            metrics["stall_s"] = time.perf_counter() - started
+            commit = self._commit(
+                Path(os.fspath(directory)), step, snapshot, memory, pi, metrics, started
             )
-            commit = self._commit(Path(os.fspath(directory)), step, snapshot, memory, pi)
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
                 commit, name="jaxckpt_commit", timeout_secs=int(self._options.timeout_s)
@@ -128,6 +128,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         snapshot: _snapshot.Snapshot,
         memory: _memory_tier.MemoryTier,
         pi: int,
+        metrics: dict[str, Any],
+        started: float,
     ) -> None:
         start = time.perf_counter()
         by_leaf: dict[int, list[_snapshot.HostShard]] = {}
@@ -154,7 +156,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 chunks.setdefault(s.leaf, []).append(
                     _format.ChunkRecord(s.index, crc, s.data.nbytes)
                 )
-            memory_s = time.perf_counter() - start
+            metrics["memory_write_s"] = memory_s = time.perf_counter() - start
+            metrics["memory_write_bytes_per_s"] = snapshot.nbytes / max(memory_s, 1e-9)
             manifest = _format.PartManifest(
                 step=step,
                 run_id=memory.run_id,
@@ -166,11 +169,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 chunks={leaf: tuple(cs) for leaf, cs in chunks.items()},
                 iterator_states=snapshot.iterator_states,
                 created=time.time(),
-                metrics={
-                    "stall_s": snapshot.stall_s,
-                    "memory_write_s": memory_s,
-                    "bytes": snapshot.nbytes,
-                },
+                metrics=dict(metrics),
             )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
             _faults.maybe_crash("memory_write", step, pi)
@@ -179,21 +178,21 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        # IMPORTANT: the index manifest is written only after the memory part is committed,
-        # so an index never points at a memory copy that does not exist yet.
-        _write_atomic(directory / _format.index_file(pi), manifest.to_json())
-        _faults.maybe_crash("index", step, pi)
+        metrics["safe_in_memory_s"] = time.perf_counter() - started
         if self._peers is not None and self._options.replicas:
             push_start = time.perf_counter()
             sent = await self._peers.push_replicas(committed, step, pi)
-            push_s = time.perf_counter() - push_start
-            self.last_save_metrics.update(
-                replicate_s=push_s, replicate_bytes_per_s=sent / max(push_s, 1e-9)
-            )
+            metrics["replicate_s"] = push_s = time.perf_counter() - push_start
+            metrics["replicate_bytes"] = sent
+            metrics["replicate_bytes_per_s"] = sent / max(push_s, 1e-9)
+            metrics["safe_on_peers_s"] = time.perf_counter() - started
             _faults.maybe_crash("replicated", step, pi)
-        self.last_save_metrics.update(
-            memory_write_s=memory_s, memory_write_bytes_per_s=snapshot.nbytes / max(memory_s, 1e-9)
-        )
+        # IMPORTANT: the index manifest is written only after the memory part is committed
+        # (and replicated), so an index never points at copies that do not exist yet.
+        manifest = dataclasses.replace(manifest, metrics=dict(metrics))
+        _write_atomic(directory / _format.index_file(pi), manifest.to_json())
+        _faults.maybe_crash("index", step, pi)
+        self._publish(metrics)
         if step % self._options.persist_every == 0:
             self._persister.submit(
                 _persister.PersistJob(
@@ -247,14 +246,17 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"{self._redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
             ) from e
         by_tier = restorer.bytes_by_tier
-        self.last_restore_metrics = {
-            "step": step,
-            "seconds": time.perf_counter() - start,
-            "bytes_by_tier": dict(by_tier),
-            "tier": max(by_tier, key=by_tier.__getitem__) if by_tier else "none",
-            "fallbacks": len(restorer.failures),
-        }
-        log.info("jaxckpt: [process %d] restored step %d: %s", pi, step, self.last_restore_metrics)
+        self._publish(
+            {
+                "event": "restore",
+                "process": pi,
+                "step": step,
+                "seconds": time.perf_counter() - start,
+                "bytes_by_tier": dict(by_tier),
+                "tier": max(by_tier, key=by_tier.__getitem__) if by_tier else "none",
+                "fallbacks": len(restorer.failures),
+            }
+        )
         return result
 
     def restorable_steps(self, directory: epath.Path) -> list[int]:
@@ -295,6 +297,18 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             raise ValueError(f"No reader for {source.describe()}.")
 
         return kvstore_for
+
+    def _publish(self, metrics: dict[str, Any]) -> None:
+        """Hands a save's or restore's measurements to the log and the user's callback."""
+        if metrics["event"] == "save":
+            self.last_save_metrics = metrics
+        elif metrics["event"] == "restore":
+            self.last_restore_metrics = metrics
+        else:
+            self.last_persist_metrics = metrics
+        log.info("jaxckpt: %s", metrics)
+        if self._on_metrics is not None:
+            self._on_metrics(dict(metrics))
 
     def _redact(self, text: str) -> str:
         return self._peers.redact(text) if self._peers is not None else text

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import queue
 import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from absl import logging as log
 
 from jaxckpt import _faults, _format, _memory_tier, _paths, _zarr
-
-log = logging.getLogger("jaxckpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +38,14 @@ class PersistJob:
 class Persister:
     """A single background worker that persists parts in submission order."""
 
-    def __init__(self, compression: str | None, timeout_s: float):
+    def __init__(
+        self,
+        compression: str | None,
+        timeout_s: float,
+        on_persisted: Callable[[dict[str, Any]], None] | None = None,
+    ):
         self._compression = compression
+        self._on_persisted = on_persisted
         self._timeout_s = timeout_s
         self._queue: queue.Queue[PersistJob | None] = queue.Queue()
         self._pending: dict[int, int] = {}  # step -> jobs queued or running
@@ -46,7 +53,6 @@ class Persister:
         self._idle = threading.Condition(self._lock)
         self._errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
-        self.completed: list[tuple[int, float, int]] = []  # (step, seconds, bytes)
 
     def submit(self, job: PersistJob) -> None:
         with self._lock:
@@ -99,11 +105,9 @@ class Persister:
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             try:
-                start = time.perf_counter()
-                self._persist(job)
-                self.completed.append(
-                    (job.manifest.step, time.perf_counter() - start, job.manifest.nbytes)
-                )
+                metrics = self._persist(job)
+                if self._on_persisted is not None:
+                    self._on_persisted(metrics)
             except BaseException as e:
                 log.error("jaxckpt: persisting step %d failed: %s", job.manifest.step, e)
                 with self._lock:
@@ -116,7 +120,8 @@ class Persister:
                         del self._pending[step]
                     self._idle.notify_all()
 
-    def _persist(self, job: PersistJob) -> None:
+    def _persist(self, job: PersistJob) -> dict[str, Any]:
+        start = time.perf_counter()
         manifest = job.manifest
         root = job.final_item_dir.parent.parent
         staging = (
@@ -129,6 +134,18 @@ class Persister:
         staging.mkdir(parents=True)
         try:
             asyncio.run(self._copy(manifest, job.source_part, staging))
+            seconds = time.perf_counter() - start
+            metrics = {
+                "event": "persist",
+                "step": manifest.step,
+                "process": manifest.owner,
+                "bytes": manifest.nbytes,
+                "persist_s": seconds,
+                "persist_bytes_per_s": manifest.nbytes / max(seconds, 1e-9),
+            }
+            manifest = dataclasses.replace(
+                manifest, metrics={**manifest.metrics, "persist_s": seconds}
+            )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
             _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
             self._wait_for_finalized(job, manifest.step)
@@ -145,6 +162,7 @@ class Persister:
                     f"Step {manifest.step} was deleted (garbage-collected) before it was persisted."
                 ) from e
             _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
+            return metrics
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 

@@ -9,17 +9,15 @@ intersect this process's target shards are read.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from absl import logging as log
 
 from jaxckpt import _chunking, _format, _memory_tier, _plan, _sharding, _tree, _zarr
-
-log = logging.getLogger("jaxckpt")
 
 KvstoreFor = Callable[[_plan.Source, int], dict[str, Any]]  # (source, owner) -> part kvstore
 

@@ -402,3 +402,27 @@ def test_no_target_restores_to_host(memory_root, ckpt_dir):
     assert isinstance(out["w"], np.ndarray)
     np.testing.assert_array_equal(out["w"], state["w"])
     assert out["step"] == 7
+
+
+def test_metrics_reach_the_callback_the_log_and_the_manifest(memory_root, ckpt_dir):
+    events = []
+    h = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=1), on_metrics=events.append
+    )
+    state = sharded_state(mesh_1d())
+    with manager(ckpt_dir, h) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+        restore(mngr, 1, abstract(state))
+    kinds = [e["event"] for e in events]
+    assert sorted(kinds) == ["persist", "restore", "save"]
+    saved = next(e for e in events if e["event"] == "save")
+    assert saved["bytes"] > 0 and saved["stall_s"] > 0 and saved["memory_write_s"] > 0
+    assert saved["safe_in_memory_s"] >= saved["stall_s"]
+    persisted = next(e for e in events if e["event"] == "persist")
+    assert persisted["step"] == 1 and persisted["persist_s"] > 0
+    index = json.loads((ckpt_dir / "1/train/index_00000.json").read_text())
+    assert index["metrics"]["stall_s"] == saved["stall_s"]
+    durable = json.loads((ckpt_dir / "1/train/part_00000/manifest.json").read_text())
+    assert durable["metrics"]["persist_s"] == persisted["persist_s"]
