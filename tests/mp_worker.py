@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 
 import jax
@@ -121,10 +122,10 @@ def check(restored: dict, step: int) -> list[str]:
 
 
 def manager(
-    ckpt_dir: str, **options
+    ckpt_dir: str, timeout_s: float = 60, **options
 ) -> tuple[ocp.CheckpointManager, jaxckpt.TieredCheckpointHandler]:
     handler = jaxckpt.TieredCheckpointHandler(
-        jaxckpt.TierOptions(os.environ["MP_MEMORY_ROOT"], timeout_s=60, **options)
+        jaxckpt.TierOptions(os.environ["MP_MEMORY_ROOT"], timeout_s=timeout_s, **options)
     )
     mngr = ocp.CheckpointManager(
         ckpt_dir,
@@ -163,21 +164,30 @@ def scenario_restore(args: dict) -> dict:
     """Restores each of args["restores"] ({step, mesh?, transposed?, iterator_fn?}) in turn,
     then optionally saves args["then_save"] (re-replication after a recovery)."""
     mngr, h = manager(
-        args["ckpt"], replicas=args["replicas"], persist_every=args.get("persist_every", 1000)
+        args["ckpt"],
+        replicas=args["replicas"],
+        persist_every=args.get("persist_every", 1000),
+        timeout_s=args.get("timeout_s", 60),
     )
+    if jax.process_index() in args.get("absent", ()):
+        time.sleep(args["absent_s"])  # alive, but never takes part in the restore
+        return {"absent": True}
     results = []
     for req in args["restores"]:
         m = mesh(tuple(req["mesh"]) if req.get("mesh") else None)
         kw = {}
         if req.get("iterator_fn"):
             kw["iterator_state_fn"] = lambda states, p, n: {"pos": min(s["pos"] for s in states)}
+        started = time.perf_counter()
         try:
             tgt = target(m, req.get("transposed", False))
             restored = mngr.restore(
                 req["step"], args=ocp.args.Composite(train=jaxckpt.TieredRestore(tgt, **kw))
             ).train
         except Exception as e:  # reported to the test
-            results.append({"error": f"{type(e).__name__}: {e}"})
+            results.append(
+                {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - started}
+            )
             continue
         results.append({"bad": check(restored, req["step"]), **h.last_restore_metrics})
     if args.get("then_save") is not None:

@@ -139,3 +139,22 @@ def test_kill_during_replication_keeps_the_previous_step(tmp_path):
     assert not (Path(ckpt) / "2").exists()  # step 2 never finalized
     (after,) = restores(run("restore", roots, domains, {**common, "restores": [{"step": 1}]}))
     assert all(r["bad"] == [] for r in after), after
+
+
+def test_a_process_that_never_answers_gives_a_timeout_not_a_hang(tmp_path):
+    roots = [str(tmp_path / f"node{i}") for i in range(2)]
+    domains = ["node0", "node1"]
+    ckpt = str(tmp_path / "ckpt")
+    run("save", roots, domains, {"ckpt": ckpt, "replicas": 1, "persist_every": 1000, "steps": [1]})
+    args = {
+        "ckpt": ckpt,
+        "replicas": 1,
+        "timeout_s": 4,
+        "absent": [1],
+        "absent_s": 8,
+        "restores": [{"step": 1}],
+    }
+    results = run("restore", roots, domains, args, timeout=120)
+    (answer,) = results[0].result["restores"]
+    assert answer["error"].startswith("TimeoutError") and "[1]" in answer["error"], answer
+    assert answer["seconds"] < 15, answer  # bounded by timeout_s, with margin for a loaded machine
