@@ -94,8 +94,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         try:
             step = _step_of(directory, args.step)
             memory = self._memory_for(directory)
-            self._connect(memory)
-            snapshot = _snapshot.take(args.state, pi)
+            snapshot = _snapshot.take(args.state, pi)  # validates every leaf first
+            self._connect(memory)  # collective, once per run: after local validation
             _faults.maybe_crash("snapshot", step, pi)
         except Exception as error:
             log.error("jaxckpt: [process %d] save into %s refused: %s", pi, directory, error)
