@@ -95,7 +95,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             step = _step_of(directory, args.step)
             memory = self._memory_for(directory)
             snapshot = _snapshot.take(args.state, pi)  # validates every leaf first
-            self._connect(memory)  # collective, once per run: after local validation
+            peers = self._connect(memory)  # collective, once per run: after local validation
+            self._check_placement(peers)
             _faults.maybe_crash("snapshot", step, pi)
         except Exception as error:
             log.error("jaxckpt: [process %d] save into %s refused: %s", pi, directory, error)
@@ -196,7 +197,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         if step % self._options.persist_every == 0:
             self._persister.submit(
                 _persister.PersistJob(
-                    manifest, committed, directory, _paths.final_item_dir(directory)
+                    manifest,
+                    committed,
+                    directory,
+                    _paths.final_item_dir(directory),
+                    pin=memory.pin(step),
                 )
             )
         memory.retain(self._options.memory_keep, pinned=self._persister.pending_steps())
@@ -298,6 +303,15 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
         return kvstore_for
 
+    def _check_placement(self, peers: _peers.Peers | None) -> None:
+        """Raises ValueError if `replicas` copies cannot live outside each owner's domain."""
+        if peers is not None:
+            peers.holders  # noqa: B018 -- computing the placement validates it
+        else:
+            _placement.place_replicas(
+                [self._options.resolved_failure_domain], self._options.replicas
+            )
+
     def _publish(self, metrics: dict[str, Any]) -> None:
         """Hands a save's or restore's measurements to the log and the user's callback."""
         if metrics["event"] == "save":
@@ -372,16 +386,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     # ---- helpers --------------------------------------------------------------
 
     def _connect(self, memory: _memory_tier.MemoryTier) -> _peers.Peers | None:
-        """Meets the other processes once per run (collective); None in one process.
-
-        Raises:
-          ValueError: if `replicas` cannot be placed outside each owner's failure domain.
-        """
+        """Meets the other processes once per run (collective); None in one process."""
         if _multihost.process_count() == 1:
-            # The same placement rule, so that replicas=1 on one host fails clearly.
-            _placement.place_replicas(
-                [self._options.resolved_failure_domain], self._options.replicas
-            )
             return None
         if self._peers is None or self._peers.run_id != memory.run_id:
             if self._peers is not None:

@@ -132,15 +132,44 @@ class MemoryTier:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    def pin(self, step: int) -> Path:
+        """Marks `step` as in use by this process (e.g. waiting to be persisted).
+
+        Pins are files, so that every process sharing this memory root (several
+        processes on one host) respects them; a pin of a dead process is ignored.
+        """
+        path = self.step_dir(step) / f".pin-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        path.touch()
+        return path
+
+    def is_pinned(self, step: int) -> bool:
+        """Whether a live process holds a pin on `step`."""
+        for pin in self.step_dir(step).glob(".pin-*"):
+            try:
+                os.kill(int(pin.name.split("-")[1]), 0)
+                return True
+            except PermissionError:
+                return True  # alive, another user's
+            except (ProcessLookupError, ValueError, IndexError):
+                continue
+        return False
+
     def retain(self, keep: int, pinned: Iterable[int] = ()) -> list[int]:
         """Deletes all but the newest `keep` steps, never a pinned one.
+
+        Every process sharing the memory root computes the same newest steps,
+        so they agree on what to delete.
 
         Returns:
           The steps deleted.
         """
         pinned = set(pinned)
         steps = self.steps()
-        doomed = [s for s in steps[: max(0, len(steps) - keep)] if s not in pinned]
+        doomed = [
+            s
+            for s in steps[: max(0, len(steps) - keep)]
+            if s not in pinned and not self.is_pinned(s)
+        ]
         for step in doomed:
             trash = self.run_dir / ".staging" / f"trash.{step}.{uuid.uuid4().hex}"
             try:

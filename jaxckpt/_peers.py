@@ -34,7 +34,7 @@ class Peers:
         run_id: str,
         addresses: list[PeerAddress],
         domains: list[str],
-        holders: tuple[tuple[int, ...], ...],
+        replicas: int,
         timeout_s: float,
     ):
         self._server = server
@@ -42,7 +42,8 @@ class Peers:
         self.run_id = run_id
         self.addresses = addresses
         self.domains = domains
-        self.holders = holders
+        self.replicas = replicas
+        self._holders: tuple[tuple[int, ...], ...] | None = None
         self._timeout_s = timeout_s
 
     @classmethod
@@ -66,13 +67,26 @@ class Peers:
         try:
             me = {"address": server.address.to_dict(), "domain": options.resolved_failure_domain}
             everyone = _multihost.allgather(me, tag=f"{tag}/hello", timeout_s=options.timeout_s)
-            domains = [str(p["domain"]) for p in everyone]
-            holders = _placement.place_replicas(domains, options.replicas)
         except BaseException:
             server.close()
             raise
         addresses = [PeerAddress.from_dict(p["address"]) for p in everyone]
-        return cls(server, token, memory.run_id, addresses, domains, holders, options.timeout_s)
+        domains = [str(p["domain"]) for p in everyone]
+        return cls(
+            server, token, memory.run_id, addresses, domains, options.replicas, options.timeout_s
+        )
+
+    @property
+    def holders(self) -> tuple[tuple[int, ...], ...]:
+        """holders[owner]: the processes that keep copies of `owner`'s parts.
+
+        Raises:
+          ValueError: if `replicas` cannot be placed outside each owner's failure
+            domain (only saving needs placement; restoring never does).
+        """
+        if self._holders is None:
+            self._holders = _placement.place_replicas(self.domains, self.replicas)
+        return self._holders
 
     def close(self) -> None:
         self._server.close()

@@ -33,6 +33,7 @@ class PersistJob:
     source_part: Path
     item_dir: Path  # where the manager is writing the step now
     final_item_dir: Path  # where it will be once the manager finalizes the step
+    pin: Path | None = None  # memory-tier pin on the source step, removed when done
 
 
 class Persister:
@@ -113,6 +114,8 @@ class Persister:
                 with self._lock:
                     self._errors.append(e)
             finally:
+                if job.pin is not None:
+                    job.pin.unlink(missing_ok=True)
                 with self._idle:
                     step = job.manifest.step
                     self._pending[step] -= 1

@@ -119,6 +119,18 @@ def test_restore_from_memory_onto_fewer_hosts_and_another_mesh(tmp_path):
     assert all("iterator_state_fn" in r["error"] for r in refused), refused
     assert all(r["bad"] == [] for r in mapped), mapped
 
+    # One host left: its memory root holds its own parts and the other host's replicas.
+    # Restoring needs no replica placement, although replicas=1 cannot be met any more.
+    (alone,) = restores(
+        run(
+            "restore",
+            [roots[0]],
+            ["hostA"],
+            {"ckpt": ckpt, "replicas": 1, "restores": [{"step": 1, "mesh": [2]}]},
+        )
+    )
+    assert alone[0]["bad"] == [] and set(alone[0]["bytes_by_tier"]) == {"memory"}, alone
+
 
 def test_kill_during_replication_keeps_the_previous_step(tmp_path):
     base = tmp_path / "hosts"

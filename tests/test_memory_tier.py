@@ -1,0 +1,67 @@
+"""The memory tier's layout, commit, retention and pins (no jax needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from jaxckpt._memory_tier import MemoryTier
+
+
+def commit_step(tier: MemoryTier, step: int, owner: int = 0) -> None:
+    staging = tier.new_staging_dir(step, owner)
+    (staging / "manifest.json").write_text("{}")
+    tier.commit(staging, step, owner)
+
+
+def test_commit_is_atomic_and_replaces(tmp_path):
+    tier = MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    commit_step(tier, 5)
+    staging = tier.new_staging_dir(5, 0)
+    (staging / "new").write_text("x")
+    tier.commit(staging, 5, 0)
+    assert sorted(p.name for p in tier.part_dir(5, 0).iterdir()) == ["new"]
+    assert tier.inventory() == {5: [0]}
+
+
+def test_retention_keeps_newest_and_pinned_steps(tmp_path):
+    tier = MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    for step in range(1, 6):
+        commit_step(tier, step)
+    pin = tier.pin(2)
+    assert tier.retain(2, pinned={3}) == [1]
+    assert tier.steps() == [2, 3, 4, 5]
+    pin.unlink()
+    assert tier.retain(2) == [2, 3]
+
+
+def test_pins_of_dead_processes_are_ignored(tmp_path):
+    """Processes sharing one memory root see each other's pins; a dead one's pin is void."""
+    tier = MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    for step in (1, 2, 3):
+        commit_step(tier, step)
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from jaxckpt._memory_tier import MemoryTier; MemoryTier({str(tmp_path)!r}, 'run-a').pin(1)",
+        ],
+        check=True,
+    )
+    assert other.returncode == 0
+    assert not tier.is_pinned(1)  # that process has exited
+    live = tier.pin(1)
+    assert tier.is_pinned(1)
+    assert tier.retain(1) == [2] and tier.steps() == [1, 3]
+    live.unlink()
+
+
+def test_runs_are_kept_apart(tmp_path):
+    a, b = MemoryTier(str(tmp_path), "run-a"), MemoryTier(str(tmp_path), "run-b")
+    a.prepare("ckpt-a", 0)
+    b.prepare("ckpt-b", 0)
+    commit_step(a, 1)
+    assert b.steps() == [] and a.steps() == [1]
