@@ -55,11 +55,14 @@ class Attempt:
         restored: Process -> its ``restored`` event.
         seconds: Duration of the run.
         first_step_s: Time from the start of the run to its first ``step`` event.
+        nodes: The simulated node (memory root ``node<k>``, failure domain ``node<k>``)
+            each process runs on.
     """
 
     index: int
     num_processes: int
     port: int
+    nodes: list[int] = dataclasses.field(default_factory=list)
     outcome: str = "ok"
     process: int | None = None
     returncode: int | None = None
@@ -68,6 +71,20 @@ class Attempt:
     restored: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     first_step_s: float | None = None
+
+
+def next_nodes(nodes: list[int], lost: int | None, count: int | None) -> list[int]:
+    """The nodes of the restarted job.
+
+    The same nodes when the job keeps its size (a lost node comes back empty, like
+    a spare); when it shrinks, the surviving nodes in order, the lost one first out;
+    when it grows, fresh nodes.
+    """
+    if count is None or count == len(nodes):
+        return list(nodes)
+    survivors = [k for k in nodes if k != lost]
+    fresh = range(max(nodes) + 1, max(nodes) + 1 + max(0, count - len(survivors)))
+    return (survivors + list(fresh))[:count]
 
 
 def free_port() -> int:
@@ -153,8 +170,8 @@ def run_attempt(
             JAXCKPT_NUM_PROCESSES=str(n),
             JAXCKPT_PROCESS_ID=str(i),
             JAXCKPT_CPU_DEVICES=str(cpu_devices),
-            JAXCKPT_FAILURE_DOMAIN=f"node{i}",
-            JAXCKPT_MEMORY_ROOT=os.path.join(memory_base, f"node{i}"),
+            JAXCKPT_FAILURE_DOMAIN=f"node{attempt.nodes[i]}",
+            JAXCKPT_MEMORY_ROOT=os.path.join(memory_base, f"node{attempt.nodes[i]}"),
             PYTHONUNBUFFERED="1",
         )
         if injection is not None:
@@ -332,14 +349,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures: list[dict[str, Any]] = []
     pending: tuple[Attempt, bool] | None = None  # failed attempt awaiting its restart
     restarts = port_retries = 0
-    n = args.num_processes
+    nodes = list(range(args.num_processes))
     try:
         while True:
-            attempt = Attempt(index=len(attempts), num_processes=n, port=free_port())
+            attempt = Attempt(
+                index=len(attempts), num_processes=len(nodes), port=free_port(), nodes=nodes
+            )
             first = all(a.outcome == "port" for a in attempts)
             inject = injection if first else None
             print(
-                f"[launch] attempt {attempt.index}: {n} processes, port {attempt.port}", flush=True
+                f"[launch] attempt {attempt.index}: {len(nodes)} processes on nodes {nodes},"
+                f" port {attempt.port}",
+                flush=True,
             )
             run_attempt(attempt, command, base, args.cpu_devices, args.hang_timeout, inject)
             attempts.append(attempt)
@@ -354,8 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if attempt.outcome == "ok":
                 break
             lose = bool(args.lose_node) and inject is not None
+            lost_node = None
             if lose and attempt.process is not None:
-                shutil.rmtree(os.path.join(base, f"node{args.lose_node[0]}"), ignore_errors=True)
+                lost_node = nodes[args.lose_node[0]]
+                shutil.rmtree(os.path.join(base, f"node{lost_node}"), ignore_errors=True)
             print(
                 f"[launch] process {attempt.process} failed: {attempt.outcome}"
                 f" ({describe_returncode(attempt.returncode)}) at step {attempt.last_step},"
@@ -368,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
             restarts += 1
             pending = (attempt, lose)
-            n = args.processes_after_failure or n
+            nodes = next_nodes(nodes, lost_node, args.processes_after_failure)
     finally:
         if own_base and not args.keep_memory:
             shutil.rmtree(base, ignore_errors=True)

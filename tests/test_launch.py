@@ -121,10 +121,18 @@ def test_lose_node_deletes_memory_and_shrinks(run) -> None:
     (failure,) = report["failures"]
     assert failure["node_lost"] and failure["process"] == 1
     restart = failure["restart"]
-    # Node 1's memory is gone: it restores nothing, so the job restarts from scratch.
-    assert restart["processes"] == 2 and "1" not in restart["restored"]
-    assert restart["restored_step"] == 0 and restart["steps_lost"] == failure["last_step"]
+    # Node 1 is gone; the job continues on nodes 0 and 2, whose memory survived.
+    assert report["attempts"][1]["nodes"] == [0, 2]
+    assert restart["processes"] == 2 and set(restart["restored"]) == {"0", "1"}
     assert report["attempts"][1]["num_processes"] == 2
+
+
+def test_next_nodes() -> None:
+    assert launch.next_nodes([0, 1, 2], None, None) == [0, 1, 2]
+    assert launch.next_nodes([0, 1, 2], 1, None) == [0, 1, 2]  # a spare replaces node 1
+    assert launch.next_nodes([0, 1, 2], 1, 2) == [0, 2]
+    assert launch.next_nodes([0, 1, 2], None, 2) == [0, 1]
+    assert launch.next_nodes([0, 2], None, 3) == [0, 2, 3]
 
 
 def test_hang_is_detected_and_killed(run) -> None:
