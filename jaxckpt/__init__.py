@@ -1,9 +1,9 @@
 """jaxckpt: checkpoint every step to host memory and peers; persist lazily with tensorstore."""
 
+from jaxckpt._format import JAXCKPT_VERSION as __version__
 from jaxckpt._handler import TieredCheckpointHandler as TieredCheckpointHandler
 from jaxckpt._handler import TieredRestore as TieredRestore
 from jaxckpt._handler import TieredSave as TieredSave
 from jaxckpt._options import TierOptions as TierOptions
 
-__all__ = ["TierOptions", "TieredCheckpointHandler", "TieredRestore", "TieredSave"]
-__version__ = "0.1.0"
+__all__ = ["TierOptions", "TieredCheckpointHandler", "TieredRestore", "TieredSave", "__version__"]

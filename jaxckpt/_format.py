@@ -22,6 +22,7 @@ from typing import Any, Final
 
 FORMAT_NAME: Final = "jaxckpt"
 FORMAT_VERSION: Final = 1
+JAXCKPT_VERSION: Final = "0.1.0"  # the writer's version, informational
 MANIFEST_FILE: Final = "manifest.json"
 ARRAYS_DIR: Final = "arrays"
 
@@ -135,7 +136,7 @@ class PartManifest:
     chunks: Mapping[int, tuple[ChunkRecord, ...]]
     iterator_states: Mapping[int, Any]
     created: float
-    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -156,6 +157,7 @@ class PartManifest:
             "iterator_states": {str(i): s for i, s in self.iterator_states.items()},
             "created": self.created,
             "metrics": dict(self.metrics),
+            "jaxckpt_version": JAXCKPT_VERSION,
         }
 
     @classmethod

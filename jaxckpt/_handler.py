@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import shutil
@@ -69,6 +70,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         )
         self._memory: _memory_tier.MemoryTier | None = None
         self._peers: _peers.Peers | None = None
+        self._retainer = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="jaxckpt-retain"
+        )
         self._on_metrics = on_metrics
         self.last_save_metrics: dict[str, Any] = {}
         self.last_restore_metrics: dict[str, Any] = {}
@@ -204,7 +208,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                     pin=memory.pin(step),
                 )
             )
-        memory.retain(self._options.memory_keep, pinned=self._persister.pending_steps())
+        # IMPORTANT: older steps leave memory only once this one is finalized, so that
+        # a crash at any moment leaves a finalized step in memory.
+        self._retainer.submit(self._retain, memory, directory, step)
         for error in self._persister.take_errors():
             log.error("jaxckpt: [process %d] an earlier persistence failed: %s", pi, error)
 
@@ -303,6 +309,17 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
         return kvstore_for
 
+    def _retain(self, memory: _memory_tier.MemoryTier, directory: Path, step: int) -> None:
+        """Once `step` is finalized, bounds the memory tier to `memory_keep` steps."""
+        try:
+            _paths.wait_finalized(
+                directory, _paths.final_item_dir(directory), step, self._options.timeout_s
+            )
+        except OSError as e:  # not finalized: keep everything
+            log.warning("jaxckpt: memory retention skipped after step %d: %s", step, e)
+            return
+        memory.retain(self._options.memory_keep, upto=step, pinned=self._persister.pending_steps())
+
     def _check_placement(self, peers: _peers.Peers | None) -> None:
         """Raises ValueError if `replicas` copies cannot live outside each owner's domain."""
         if peers is not None:
@@ -356,6 +373,10 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           OSError: if a step failed to persist.
         """
         try:
+            self._retainer.shutdown(wait=True)
+            self._retainer = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="jaxckpt-retain"
+            )
             self._persister.close()
         finally:
             if self._peers is not None:
@@ -368,7 +389,14 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             ) from errors[0]
 
     def wait_for_persistence(self, timeout_s: float | None = None) -> None:
-        """Blocks until every queued step is persisted (or failed)."""
+        """Blocks until the background work queued so far (memory retention,
+        persistence) is done, or failed.
+
+        Raises:
+          TimeoutError: if it is not done within `timeout_s` (default: the options').
+        """
+        timeout_s = self._options.timeout_s if timeout_s is None else timeout_s
+        self._retainer.submit(lambda: None).result(timeout=timeout_s)
         self._persister.drain(timeout_s)
 
     def pending_persistence(self) -> set[int]:
@@ -399,7 +427,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         run_id = self._options.run_id or _paths.default_run_id(directory)
         if self._memory is None or self._memory.run_id != run_id:
             memory = _memory_tier.MemoryTier(self._options.memory_root, run_id)
-            memory.prepare(str(_paths.checkpoint_root(directory)), _multihost.process_index())
+            memory.prepare(
+                str(_paths.checkpoint_root(directory)),
+                _multihost.process_index(),
+                self._options.resolved_failure_domain,
+            )
             memory.clear_staging(older_than_s=self._options.timeout_s)
             self._memory = memory
         return self._memory

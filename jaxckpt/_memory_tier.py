@@ -54,7 +54,7 @@ class MemoryTier:
         self.run_dir = Path(memory_root) / run_id
         self.run_id = run_id
 
-    def prepare(self, checkpoint_dir: str, process_index: int) -> None:
+    def prepare(self, checkpoint_dir: str, process_index: int, failure_domain: str = "") -> None:
         """Creates the run directory and checks that it is writable.
 
         Raises:
@@ -154,17 +154,18 @@ class MemoryTier:
                 continue
         return False
 
-    def retain(self, keep: int, pinned: Iterable[int] = ()) -> list[int]:
-        """Deletes all but the newest `keep` steps, never a pinned one.
+    def retain(self, keep: int, upto: int, pinned: Iterable[int] = ()) -> list[int]:
+        """Of the steps up to `upto`, deletes all but the newest `keep`; never a pinned one.
 
-        Every process sharing the memory root computes the same newest steps,
-        so they agree on what to delete.
+        Steps after `upto` (still being saved) are never touched. Every process
+        sharing the memory root computes the same newest steps, so they agree
+        on what to delete.
 
         Returns:
           The steps deleted.
         """
         pinned = set(pinned)
-        steps = self.steps()
+        steps = [s for s in self.steps() if s <= upto]
         doomed = [
             s
             for s in steps[: max(0, len(steps) - keep)]

@@ -24,9 +24,10 @@ class TierOptions:
         when `step % persist_every == 0`; other steps live only in memory tiers.
       failure_domain: this process's failure domain (a host, a rack); defaults
         to the `JAXCKPT_FAILURE_DOMAIN` environment variable, else the hostname.
-      memory_keep: how many of the newest steps each memory tier keeps; older
-        ones are deleted once a newer step is committed (a step still waiting to
-        be persisted is kept until it is).
+      memory_keep: how many of the newest finalized steps each memory tier
+        keeps; older ones are deleted once a newer step is finalized by the
+        CheckpointManager (a step still waiting to be persisted is kept until it
+        is), so a crash at any moment leaves a finalized step in memory.
       persist_compression: zarr3 codec for persisted chunks (`None`, "zstd",
         "gzip" or "blosc"); memory tiers are always uncompressed.
       run_id: names this run's data in memory tiers; defaults to a hash of the
@@ -41,7 +42,7 @@ class TierOptions:
     replicas: int = 0
     persist_every: int = 100
     failure_domain: str | None = None
-    memory_keep: int = 2
+    memory_keep: int = 1
     persist_compression: str | None = None
     run_id: str | None = None
     timeout_s: float = 120.0

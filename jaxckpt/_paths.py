@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from pathlib import Path
 
 # CheckpointManager writes into `<root>/<step>.orbax-checkpoint-tmp[-<n>]/<item>.orbax-checkpoint-tmp[-<n>]`
@@ -54,3 +55,27 @@ def sibling_steps(directory: os.PathLike | str) -> dict[int, Path]:
             if match and (p / item).is_dir():
                 out[int(match.group(1))] = p / item
     return out
+
+
+def wait_finalized(item_dir: Path, final_item_dir: Path, step: int, timeout_s: float) -> None:
+    """Waits until the manager has renamed the step `item_dir` to `final_item_dir`.
+
+    Raises:
+      FileNotFoundError: if the step vanished instead (the save failed, or
+        garbage collection removed it).
+      TimeoutError: if it is not finalized within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    final_step, tmp_step = final_item_dir.parent, item_dir.parent
+    while not final_item_dir.is_dir():
+        # Checking the final name again closes the race with the manager's rename.
+        if not final_step.exists() and not tmp_step.exists() and not final_step.exists():
+            raise FileNotFoundError(
+                f"Step {step} vanished from {final_step.parent} before it was finalized "
+                "(the save failed or the step was garbage-collected)."
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"Step {step} was not finalized at {final_item_dir} within {timeout_s:.0f} s."
+            )
+        time.sleep(0.02)

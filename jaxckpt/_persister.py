@@ -151,7 +151,7 @@ class Persister:
             )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
             _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
-            self._wait_for_finalized(job, manifest.step)
+            _paths.wait_finalized(job.item_dir, job.final_item_dir, manifest.step, self._timeout_s)
             # IMPORTANT: the rename is the durability marker; it comes after every byte is
             # written, and never recreates a step directory that garbage collection removed.
             try:
@@ -183,21 +183,3 @@ class Persister:
                 for leaf, chunks in manifest.chunks.items()
             )
         )
-
-    def _wait_for_finalized(self, job: PersistJob, step: int) -> None:
-        """Waits until the manager has renamed the step to its final name."""
-        deadline = time.monotonic() + self._timeout_s
-        while not job.final_item_dir.is_dir():
-            final_step, tmp_step = job.final_item_dir.parent, job.item_dir.parent
-            # Checking the final name again closes the race with the manager's rename.
-            if not final_step.exists() and not tmp_step.exists() and not final_step.exists():
-                raise FileNotFoundError(
-                    f"Step {step} vanished from {job.final_item_dir.parent.parent} before it "
-                    "was persisted (the save failed or the step was garbage-collected)."
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"Step {step} was not finalized at {job.final_item_dir} within {self._timeout_s:.0f} s "
-                    "(the save failed, or the step was garbage-collected first); it is not persisted."
-                )
-            time.sleep(0.02)

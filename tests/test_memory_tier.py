@@ -31,10 +31,11 @@ def test_retention_keeps_newest_and_pinned_steps(tmp_path):
     for step in range(1, 6):
         commit_step(tier, step)
     pin = tier.pin(2)
-    assert tier.retain(2, pinned={3}) == [1]
+    assert tier.retain(2, upto=5, pinned={3}) == [1]
     assert tier.steps() == [2, 3, 4, 5]
     pin.unlink()
-    assert tier.retain(2) == [2, 3]
+    assert tier.retain(2, upto=4) == [2]
+    assert tier.steps() == [3, 4, 5]  # 5 is after `upto`: still being saved
 
 
 def test_pins_of_dead_processes_are_ignored(tmp_path):
@@ -55,7 +56,7 @@ def test_pins_of_dead_processes_are_ignored(tmp_path):
     assert not tier.is_pinned(1)  # that process has exited
     live = tier.pin(1)
     assert tier.is_pinned(1)
-    assert tier.retain(1) == [2] and tier.steps() == [1, 3]
+    assert tier.retain(1, upto=3) == [2] and tier.steps() == [1, 3]
     live.unlink()
 
 

@@ -1,0 +1,380 @@
+"""`jaxckpt advise`: checkpoint intervals from measured costs and the failure rate.
+
+With a save cost C (seconds of training lost per checkpoint), a restore time R
+and a mean time between failures M, checkpointing every tau seconds of work
+loses, to first order, the fraction
+
+    W(tau) = C / tau + (tau / 2 + R) / M
+
+of the time: C per interval, and per failure half an interval of recomputed
+work plus the restore. Young (1974) minimises it at tau = sqrt(2 C M); Daly
+(2006) adds the higher-order terms,
+
+    tau = sqrt(2 C M) * [1 + sqrt(C / 2M) / 3 + (C / 2M) / 9] - C    if C < 2M
+    tau = M                                                           otherwise.
+
+The costs come from the step manifests the handler writes (`metrics`), the
+restore times from measured bandwidths unless given; every number says where
+it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxckpt import _catalog, _format, _table
+
+COVERS = {
+    "memory": "a process crash (the host and its tmpfs survive)",
+    "peer": "the loss of hosts in up to `replicas` failure domains",
+    "persistent": "anything, including every memory tier",
+}
+
+
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    """Young's interval sqrt(2 C M), in seconds of work between checkpoints."""
+    _check(cost_s, mtbf_s)
+    return math.sqrt(2 * cost_s * mtbf_s)
+
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order interval (seconds of work between checkpoints)."""
+    _check(cost_s, mtbf_s)
+    if cost_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = cost_s / (2 * mtbf_s)
+    return math.sqrt(2 * cost_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - cost_s
+
+
+def waste_fraction(interval_s: float, cost_s: float, restore_s: float, mtbf_s: float) -> float:
+    """The first-order fraction of time lost, C/tau + (tau/2 + R)/M."""
+    _check(cost_s, mtbf_s)
+    if interval_s <= 0:
+        return math.inf if cost_s > 0 else restore_s / mtbf_s
+    return cost_s / interval_s + (interval_s / 2 + restore_s) / mtbf_s
+
+
+def _check(cost_s: float, mtbf_s: float) -> None:
+    if not mtbf_s > 0:
+        raise ValueError(f"The MTBF must be a positive number of seconds, got {mtbf_s!r}.")
+    if not cost_s >= 0:
+        raise ValueError(f"The checkpoint cost must be >= 0 seconds, got {cost_s!r}.")
+
+
+def parse_timestamp(text: str) -> float:
+    """Epoch seconds from epoch seconds or an ISO 8601 time (naive times are UTC).
+
+    Raises:
+      ValueError: if `text` is neither.
+    """
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        t = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is neither epoch seconds nor an ISO 8601 time (2026-01-31T12:00:00Z)."
+        ) from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=datetime.UTC)
+    return t.timestamp()
+
+
+def mtbf_from_log(lines: Iterable[str]) -> tuple[float, int, float]:
+    """The MTBF from a failure log: one timestamp per line (blank and # lines skipped).
+
+    n failures span n - 1 intervals between failures, so MTBF = span / (n - 1).
+
+    Returns:
+      (mtbf_s, failures, span_s).
+
+    Raises:
+      ValueError: on an unreadable line (naming it) or fewer than two failures.
+    """
+    times = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            times.append(parse_timestamp(line))
+        except ValueError as e:
+            raise ValueError(f"Failure log line {number}: {e}") from None
+    if len(times) < 2:
+        raise ValueError(
+            f"A failure log needs at least two timestamps to give an MTBF, got {len(times)}; "
+            "pass --mtbf-hours instead."
+        )
+    span = max(times) - min(times)
+    if span <= 0:
+        raise ValueError("Every timestamp in the failure log is the same; cannot tell an MTBF.")
+    return span / (len(times) - 1), len(times), span
+
+
+# ---- measurements -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TierCost:
+    """Cost and restore time of one tier, and where each number came from."""
+
+    tier: str
+    cost_s: float
+    cost_from: str
+    restore_s: float
+    restore_from: str
+
+
+def _num(metrics: Mapping[str, Any], key: str) -> float | None:
+    v = metrics.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _median_of_max(per_step: list[list[float]]) -> float | None:
+    """The slowest process sets a step's cost; the median over steps resists outliers."""
+    values = [max(v) for v in per_step if v]
+    return statistics.median(values) if values else None
+
+
+def _recorded_persist_s(part_dir: Path) -> float | None:
+    """The persistence time the persisted copy's manifest records, if any."""
+    try:
+        metrics = json.loads((part_dir / _format.MANIFEST_FILE).read_text()).get("metrics", {})
+        return _num(metrics, "persist_s")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _persist_s_from_files(part_dir: Path) -> float | None:
+    """A persisted part's copy time from its files: the persister writes the manifest last."""
+    try:
+        first = min(p.stat().st_mtime for p in part_dir.rglob("*") if p.is_file())
+        return max(0.0, (part_dir / _format.MANIFEST_FILE).stat().st_mtime - first)
+    except (OSError, ValueError):
+        return None
+
+
+def _persistent_cost(
+    infos: list[_catalog.StepInfo], per_process: float, bytes_per_s: float | None
+) -> tuple[float | None, str]:
+    """(cost, where it came from) of persisting a step; None when nothing tells."""
+    durable = [
+        [i.item_dir / _format.part_dir_name(o) for o in i.owners]
+        for i in infos
+        if i.durable and i.item_dir is not None
+    ]
+    per_step = [
+        [t for p in parts if (t := _recorded_persist_s(p)) is not None] for parts in durable
+    ]
+    if (cost := _median_of_max(per_step)) is not None:
+        used = sum(1 for v in per_step if v)
+        return cost, f"median over {used} persisted step(s) of the slowest persist_s"
+    if bytes_per_s:
+        given = f"given {_size_rate(bytes_per_s)}"
+        return (
+            per_process / bytes_per_s,
+            f"estimate: {_table.size(per_process)} per process / {given}",
+        )
+    per_step = [
+        [t for p in parts if (t := _persist_s_from_files(p)) is not None] for parts in durable
+    ]
+    if (cost := _median_of_max(per_step)) is not None:
+        return cost, f"file times of {len(durable)} persisted step(s) (no persist_s recorded)"
+    return None, ""
+
+
+def measure(
+    catalog: _catalog.Catalog,
+    *,
+    last: int = 50,
+    persist_bytes_per_s: float | None = None,
+    restart_s: float = 0.0,
+    restore_s: Mapping[str, float] | None = None,
+) -> tuple[list[TierCost], float | None, str, list[str]]:
+    """Per-tier costs from the newest `last` finalized steps' manifests.
+
+    Returns:
+      (tier costs, step seconds or None, where the step time came from, notes).
+    """
+    infos = [catalog.step(s) for s in sorted(catalog.step_dirs)[-last:]]
+    infos = [i for i in infos if i.index]
+    notes: list[str] = []
+    stall, peer, sizes = [], [], []
+    bandwidth: dict[str, list[float]] = {"memory": [], "peer": []}
+    for info in infos:
+        ms = [m.metrics for m in info.index.values()]
+        stall.append([v for m in ms if (v := _num(m, "stall_s")) is not None])
+        peer.append(
+            [
+                (_num(m, "stall_s") or 0.0) + r
+                for m in ms
+                if (r := _num(m, "replicate_s")) is not None
+            ]
+        )
+        sizes.append([float(m.nbytes) for m in info.index.values()])
+        bandwidth["memory"] += [v for m in ms if (v := _num(m, "memory_write_bytes_per_s"))]
+        bandwidth["peer"] += [v for m in ms if (v := _num(m, "replicate_bytes_per_s"))]
+    per_process = _median_of_max(sizes) or 0.0
+    given = dict(restore_s or {})
+    extra = f" + {_table.duration(restart_s)} restart" if restart_s else ""
+    costs = []
+
+    def add(tier: str, cost: float, cost_from: str, bw: float | None, bw_name: str) -> None:
+        if tier in given:
+            r, r_from = given[tier], "given (--restore-seconds)"
+        elif bw:
+            r = per_process / bw + restart_s
+            r_from = f"estimate: {_table.size(per_process)} per process / {_size_rate(bw)} {bw_name}{extra}"
+        else:
+            r, r_from = restart_s, "unknown (no bandwidth measured); pass --restore-seconds"
+        costs.append(TierCost(tier, cost, cost_from, r, r_from))
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    n = f"median over {len(infos)} step(s) of the slowest process's"
+    mem = _median_of_max(stall)
+    if mem is None:
+        notes.append("No stall_s in the manifests: the memory and peer tiers cannot be costed.")
+    else:
+        add("memory", mem, f"{n} stall_s", median(bandwidth["memory"]), "memory write bandwidth")
+    if (cost := _median_of_max(peer)) is not None:
+        bw = median(bandwidth["peer"])
+        add("peer", cost, f"{n} stall_s + replicate_s", bw, "replication bandwidth")
+    elif mem is not None:
+        notes.append("No replicate_s in the manifests (replicas=0?): no peer tier row.")
+    persist, persist_from = _persistent_cost(infos, per_process, persist_bytes_per_s)
+    if persist is None:
+        notes.append("No persisted step and no --persist-mbps: no persistent tier row.")
+    else:
+        bw = per_process / persist if persist > 0 else None
+        add("persistent", persist, persist_from, bw, "persist bandwidth (reads assumed as fast)")
+    step_s, step_from = _step_seconds(infos)
+    return costs, step_s, step_from, notes
+
+
+def _size_rate(bytes_per_s: float | None) -> str:
+    return "-" if bytes_per_s is None else f"{_table.size(bytes_per_s)}/s"
+
+
+def _step_seconds(infos: list[_catalog.StepInfo]) -> tuple[float | None, str]:
+    """Seconds per training step from the save times of consecutive saved steps."""
+    rates = []
+    for a, b in itertools.pairwise(infos):
+        if a.created is not None and b.created is not None and b.created > a.created:
+            rates.append((b.created - a.created) / (b.step - a.step))
+    if not rates:
+        return None, "unknown (fewer than two saved steps); pass --step-seconds"
+    return statistics.median(rates), f"median over {len(rates)} pairs of consecutive saves"
+
+
+# ---- advice -----------------------------------------------------------------------
+
+
+def advise(
+    costs: list[TierCost],
+    mtbf_s: float,
+    step_s: float | None,
+    persistent_mtbf_s: float | None = None,
+    *,
+    mtbf_from: str = "given",
+    step_from: str = "given",
+    notes: Iterable[str] = (),
+) -> dict[str, Any]:
+    """Intervals and time lost per tier, and the options to set (JSON-able).
+
+    Each tier row assumes every failure is recovered from that tier. The
+    persistent row uses `persistent_mtbf_s` (failures the memory and peer
+    copies do not survive) when given.
+    """
+    rows = []
+    for c in costs:
+        m = persistent_mtbf_s if c.tier == "persistent" and persistent_mtbf_s else mtbf_s
+        young, daly = young_interval(c.cost_s, m), daly_interval(c.cost_s, m)
+        steps = max(1, round(daly / step_s)) if step_s else None
+        interval = steps * step_s if steps and step_s else daly
+        rows.append(
+            {
+                **dataclasses.asdict(c),
+                "mtbf_s": m,
+                "covers": COVERS[c.tier],
+                "young_s": young,
+                "daly_s": daly,
+                "interval_steps": steps,
+                "interval_s": interval,
+                "waste_fraction": waste_fraction(interval, c.cost_s, c.restore_s, m),
+            }
+        )
+    by_tier = {r["tier"]: r for r in rows}
+    save_row = by_tier.get("peer") or by_tier.get("memory")
+    recommended: dict[str, Any] = {}
+    if save_row and save_row["interval_steps"]:
+        every = save_row["interval_steps"]
+        recommended["save_interval_steps"] = every
+        if "persistent" in by_tier and by_tier["persistent"]["interval_steps"]:
+            wanted = by_tier["persistent"]["interval_steps"]
+            # Only saved steps can be persisted: a multiple of the save interval.
+            recommended["persist_every"] = max(1, math.ceil(wanted / every)) * every
+    return {
+        "mtbf_s": mtbf_s,
+        "mtbf_from": mtbf_from,
+        "persistent_mtbf_s": persistent_mtbf_s,
+        "step_s": step_s,
+        "step_from": step_from if step_s else "unknown; pass --step-seconds",
+        "tiers": rows,
+        "recommended": recommended,
+        "notes": list(notes),
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    out = [
+        f"MTBF {_table.duration(report['mtbf_s'])} ({report['mtbf_from']}); "
+        f"step {_table.duration(report['step_s'])} ({report['step_from']})",
+        "",
+    ]
+    rows = [
+        [
+            r["tier"],
+            _table.duration(r["cost_s"]),
+            _table.duration(r["restore_s"]),
+            _table.duration(r["young_s"]),
+            _table.duration(r["daly_s"]),
+            f"{r['interval_steps']} step(s)"
+            if r["interval_steps"]
+            else _table.duration(r["interval_s"]),
+            _table.percent(r["waste_fraction"]),
+        ]
+        for r in report["tiers"]
+    ]
+    headers = ["TIER", "COST C", "RESTORE R", "YOUNG", "DALY", "EVERY", "TIME LOST"]
+    out.append(
+        _table.table(headers, rows, right=(1, 2, 3, 4, 5, 6)) if rows else "no tier could be costed"
+    )
+    out.append("")
+    out += [
+        f"  {r['tier']}: C = {r['cost_from']}; R = {r['restore_from']}" for r in report["tiers"]
+    ]
+    out += [f"  {r['tier']} survives {r['covers']}" for r in report["tiers"]]
+    out += [f"  note: {n}" for n in report["notes"]]
+    rec = report["recommended"]
+    out.append("")
+    if rec:
+        opts = [f"CheckpointManagerOptions(save_interval_steps={rec['save_interval_steps']})"]
+        if "persist_every" in rec:
+            opts.append(f"TierOptions(persist_every={rec['persist_every']})")
+        out.append("recommended: " + ", ".join(opts))
+    else:
+        out.append("recommended: pass --step-seconds to turn the intervals into steps")
+    out.append("TIME LOST assumes every failure is recovered from that tier (first-order model).")
+    return "\n".join(out)

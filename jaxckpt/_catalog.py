@@ -1,0 +1,297 @@
+"""What a checkpoint directory and a set of memory roots hold, step by step.
+
+Read only, and offline: it never talks to the processes of a job. It reads the
+`index_<p>.json` manifests of every step in the CheckpointManager's directory,
+the persisted parts next to them, and the memory tiers under the memory roots
+it is given, and decides restorability with the same rules a restore uses
+(`_restore.matches`, `_plan.plan_step`): a step is restorable from what is in
+reach when every part it needs has a copy of this very save somewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Final
+
+from jaxckpt import _format, _memory_tier, _paths, _placement, _plan, _restore
+
+UNREADABLE: Final = "unreadable manifest"
+OTHER_SAVE: Final = "another save of the step"
+_TMP_RE = re.compile(r"\.orbax-checkpoint-tmp(-\d+)?$")
+_STEP_RE = re.compile(r"(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRoot:
+    """One memory root (one host, or one process of a host) given on the command line.
+
+    Attributes:
+      path: the memory root as given.
+      tier: the run's memory tier under it.
+      domain: the failure domain of the processes that use this root, when it
+        can be told (then a part of another domain held here is a replica).
+    """
+
+    path: Path
+    tier: _memory_tier.MemoryTier
+    domain: str | None = None
+
+    def classify(self, held: Sequence[int], domains: Mapping[int, str]) -> dict[str, list[int]]:
+        """Splits held owners into "own" and "replica" (or "unknown" without a domain)."""
+        out: dict[str, list[int]] = {"own": [], "replica": [], "unknown": []}
+        for o in sorted(held):
+            kind = "unknown" if self.domain is None or o not in domains else None
+            out[kind or ("own" if domains[o] == self.domain else "replica")].append(o)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """Where the parts of one step are, and whether the step can be restored.
+
+    Attributes:
+      step: the training step.
+      item_dir: `<dir>/<step>/<item>`, or None for a step found only in memory
+        (not finalized, or already deleted by the manager's garbage collection).
+      index: owner -> index manifest (for a memory-only step: the memory copies).
+      owners: every part the step needs.
+      memory: owner -> memory roots that hold a copy of this very save.
+      stale: (root, owner, why) memory copies a restore never reads (another
+        save of the step, or an unreadable manifest).
+      persisted: owners whose part is durable in the checkpoint directory.
+      missing: owners with no copy in reach.
+    """
+
+    step: int
+    item_dir: Path | None
+    index: Mapping[int, _format.PartManifest]
+    owners: tuple[int, ...]
+    memory: Mapping[int, tuple[Path, ...]]
+    stale: tuple[tuple[Path, int, str], ...]
+    persisted: frozenset[int]
+    missing: tuple[int, ...]
+
+    @property
+    def finalized(self) -> bool:
+        return self.item_dir is not None
+
+    @property
+    def restorable(self) -> bool:
+        return self.finalized and bool(self.owners) and not self.missing
+
+    @property
+    def durable(self) -> bool:
+        """Every part is persisted: the step survives the loss of every memory tier."""
+        return self.finalized and bool(self.owners) and set(self.owners) <= self.persisted
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.index.values())
+
+    @property
+    def created(self) -> float | None:
+        return max((m.created for m in self.index.values()), default=None)
+
+    @property
+    def process_count(self) -> int:
+        return max((m.process_count for m in self.index.values()), default=0)
+
+    @property
+    def domains(self) -> dict[int, str]:
+        return {o: m.failure_domain for o, m in self.index.items()}
+
+    def in_memory(self) -> set[int]:
+        return {o for o, roots in self.memory.items() if roots}
+
+
+class Catalog:
+    """The steps of one item of a checkpoint directory, and the memory roots given.
+
+    Raises (on construction):
+      FileNotFoundError: if `directory` does not exist.
+      ValueError: if `item` is None and the directory holds several jaxckpt items.
+    """
+
+    def __init__(
+        self,
+        directory: os.PathLike | str,
+        item: str | None = None,
+        memory_roots: Sequence[os.PathLike | str] = (),
+        run_id: str | None = None,
+    ):
+        self.directory = Path(os.fspath(directory))
+        if not self.directory.is_dir():
+            raise FileNotFoundError(f"Checkpoint directory {self.directory} does not exist.")
+        self.item = item or _single_item(self.directory)
+        # `sibling_steps` takes an item directory `<dir>/<step>/<item>`; any step name will do.
+        self.step_dirs = _paths.sibling_steps(self.directory / "0" / self.item)
+        self.unfinalized = sorted(
+            p.name for p in self.directory.iterdir() if _TMP_RE.search(p.name)
+        )
+        self._index = {s: _restore.read_index(d) for s, d in self.step_dirs.items()}
+        self.run_id = run_id or self._run_id()
+        memory_roots = list(dict.fromkeys(os.fspath(r) for r in memory_roots))  # each once
+        tiers = [_memory_tier.MemoryTier(os.fspath(r), self.run_id) for r in memory_roots]
+        self._held = [self._holdings(t) for t in tiers]
+        self.roots = [
+            MemoryRoot(Path(os.fspath(r)), t, self._domain_of(t, i))
+            for i, (r, t) in enumerate(zip(memory_roots, tiers, strict=True))
+        ]
+
+    def steps(self) -> list[int]:
+        """Every step in the directory or in a memory root, oldest first."""
+        return sorted(set(self.step_dirs).union(*(h.keys() for h in self._held)))
+
+    def step(self, step: int) -> StepInfo:
+        """Where the parts of `step` are.
+
+        Raises:
+          FileNotFoundError: if neither the directory nor a memory root has the step.
+        """
+        if step not in self.steps():
+            raise FileNotFoundError(
+                f"Step {step} is neither in {self.directory} (item {self.item!r}) nor in the "
+                f"memory roots given; steps found: {self.steps() or 'none'}."
+            )
+        item_dir = self.step_dirs.get(step)
+        index = self._index.get(step, {})
+        memory: dict[int, list[Path]] = {}
+        stale = []
+        for root, held in zip(self.roots, self._held, strict=True):
+            for owner, copy in held.get(step, {}).items():
+                if copy is None:
+                    stale.append((root.path, owner, UNREADABLE))
+                elif item_dir is None or _restore.matches(copy, index.get(owner, copy)):
+                    memory.setdefault(owner, []).append(root.path)
+                else:
+                    stale.append((root.path, owner, OTHER_SAVE))
+        if item_dir is None:  # memory only: describe the step from its memory copies
+            index = {o: c for h in self._held for o, c in h.get(step, {}).items() if c is not None}
+        persisted = _restore.persisted_parts(item_dir, dict(index)) if item_dir else set()
+        held_by_root = {
+            i: {o for o, roots in memory.items() if r.path in roots}
+            for i, r in enumerate(self.roots)
+        }
+        plan = _plan.plan_step(step, index, -1, held_by_root, persisted)
+        return StepInfo(
+            step=step,
+            item_dir=item_dir,
+            index=index,
+            owners=plan.owners,
+            memory={o: tuple(r) for o, r in memory.items()},
+            stale=tuple(stale),
+            persisted=frozenset(persisted),
+            missing=tuple(plan.missing) if item_dir else plan.owners,
+        )
+
+    # ---- discovery ----------------------------------------------------------
+
+    def _run_id(self) -> str:
+        for step in sorted(self._index, reverse=True):
+            for m in self._index[step].values():
+                return m.run_id
+        return _paths.default_run_id(self.directory / "0" / self.item)
+
+    def _holdings(
+        self, tier: _memory_tier.MemoryTier
+    ) -> dict[int, dict[int, _format.PartManifest | None]]:
+        """step -> owner -> the manifest of the copy held (None if unreadable)."""
+        return {
+            s: {o: tier.read_manifest(s, o) for o in owners}
+            for s, owners in tier.inventory().items()
+        }
+
+    def _domain_of(self, tier: _memory_tier.MemoryTier, i: int) -> str | None:
+        """The failure domain of the processes whose memory tier `tier` is.
+
+        A replica is never placed in its owner's domain, so parts of this
+        domain are the root's own. The domain is read from RUN.json when the
+        handler records it there; otherwise it is the one domain whose
+        processes, with the replica placement every process computes, would
+        hold exactly the parts found here.
+        """
+        try:
+            run = json.loads((tier.run_dir / "RUN.json").read_text())
+            if isinstance(run.get("failure_domain"), str):
+                return str(run["failure_domain"])
+        except (OSError, ValueError):
+            pass
+        votes: dict[str, int] = {}
+        for step, copies in self._held[i].items():
+            index = self._index.get(step) or {o: c for o, c in copies.items() if c is not None}
+            domains = {o: m.failure_domain for o, m in index.items()}
+            held = {o for o in copies if o in domains}
+            for domain in _consistent_domains(held, domains, self._copies(step)):
+                votes[domain] = votes.get(domain, 0) + 1
+        best = sorted(votes.items(), key=lambda kv: -kv[1])
+        if not best or (len(best) > 1 and best[0][1] == best[1][1]):
+            return None
+        return best[0][0]
+
+    def _copies(self, step: int) -> dict[int, int]:
+        """owner -> how many of the given roots hold a copy of it at `step`."""
+        out: dict[int, int] = {}
+        for held in self._held:
+            for o in held.get(step, {}):
+                out[o] = out.get(o, 0) + 1
+        return out
+
+
+def _consistent_domains(
+    held: set[int], domains: Mapping[int, str], copies: Mapping[int, int]
+) -> list[str]:
+    """Domains D such that the processes of D found in `held`, plus the owners
+    they hold replicas of under the standard placement, are exactly `held`."""
+    candidates = sorted({domains[o] for o in held})
+    if len(candidates) == 1:
+        return candidates
+    n = max(domains, default=-1) + 1
+    if sorted(domains) != list(range(n)):
+        return []
+    layout = [domains[p] for p in range(n)]
+    # With several roots given, copies per part = 1 + replicas; else try the usual counts.
+    seen = max(copies.values(), default=1) - 1
+    tries = [seen] if seen > 0 else [1, 2, 3]
+    found = []
+    for domain in candidates:
+        procs = {o for o in held if domains[o] == domain}
+        for replicas in tries:
+            holders = _placement_of(tuple(layout), replicas)
+            if holders is None:
+                continue
+            if procs | {o for o in range(n) if procs & set(holders[o])} == held:
+                found.append(domain)
+                break
+    return found
+
+
+@functools.lru_cache(maxsize=64)
+def _placement_of(layout: tuple[str, ...], replicas: int) -> tuple[tuple[int, ...], ...] | None:
+    try:
+        return _placement.place_replicas(layout, replicas)
+    except ValueError:
+        return None
+
+
+def _single_item(directory: Path) -> str:
+    """The one jaxckpt item of a checkpoint directory ("train" when it has none yet)."""
+    items: set[str] = set()
+    for step_dir in directory.iterdir():
+        if (
+            step_dir.is_dir()
+            and not _TMP_RE.search(step_dir.name)
+            and _STEP_RE.search(step_dir.name)
+        ):
+            items.update(p.parent.name for p in step_dir.glob("*/index_*.json"))
+    if len(items) > 1:
+        raise ValueError(
+            f"{directory} holds several jaxckpt items ({', '.join(sorted(items))}); "
+            "pick one with --item."
+        )
+    return items.pop() if items else "train"

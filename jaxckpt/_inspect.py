@@ -1,0 +1,383 @@
+"""`jaxckpt ls` and `jaxckpt inspect`: what is where, and what a step holds.
+
+Each command builds a JSON-able report (what `--json` prints) and renders the
+terminal text from that same report, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxckpt import _catalog, _format, _table
+
+# Save metrics shown as columns by `inspect`, in this order (others only in --json).
+METRIC_COLUMNS = (
+    ("stall_s", "STALL"),
+    ("memory_write_s", "MEMORY WRITE"),
+    ("replicate_s", "REPLICATE"),
+    ("persist_s", "PERSIST"),
+    ("safe_in_memory_s", "SAFE IN MEMORY"),
+    ("safe_on_peers_s", "SAFE ON PEERS"),
+)
+
+# ---- ls -------------------------------------------------------------------------
+
+
+def step_summary(info: _catalog.StepInfo, now: float) -> dict[str, Any]:
+    """Where one step lives, as JSON."""
+    created = info.created
+    sources = []
+    if info.in_memory():
+        sources.append("memory")
+    if info.persisted:
+        sources.append("persistent")
+    return {
+        "step": info.step,
+        "finalized": info.finalized,
+        "item_dir": str(info.item_dir) if info.item_dir else None,
+        "created": created,
+        "age_s": None if created is None else max(0.0, now - created),
+        "bytes": info.nbytes,
+        "process_count": info.process_count,
+        "parts": list(info.owners),
+        "memory": {str(o): [str(r) for r in roots] for o, roots in sorted(info.memory.items())},
+        "memory_copies": sum(len(r) for r in info.memory.values()),
+        "persisted": sorted(info.persisted),
+        "durable": info.durable,
+        "restorable": info.restorable,
+        "restorable_from": sources if info.restorable else [],
+        "missing": list(info.missing),
+        "stale": [{"root": str(r), "part": o, "why": why} for r, o, why in info.stale],
+    }
+
+
+def listing(catalog: _catalog.Catalog) -> dict[str, Any]:
+    """`jaxckpt ls` as JSON: every step, and what each memory root holds."""
+    now = time.time()
+    infos = [catalog.step(s) for s in catalog.steps()]
+    roots = []
+    for root in catalog.roots:
+        held: dict[str, dict[str, list[int]]] = {}
+        for info in infos:
+            owners = [o for o, paths in info.memory.items() if root.path in paths]
+            if owners:
+                held[str(info.step)] = root.classify(owners, info.domains)
+        roots.append(
+            {
+                "path": str(root.path),
+                "run_dir_exists": root.tier.run_dir.is_dir(),
+                "domain": root.domain,
+                "steps": held,
+            }
+        )
+    return {
+        "directory": str(catalog.directory),
+        "item": catalog.item,
+        "run_id": catalog.run_id,
+        "time": now,
+        "memory_roots": roots,
+        "steps": [step_summary(i, now) for i in infos],
+        "unfinalized": catalog.unfinalized,
+    }
+
+
+def _in_memory_cell(s: dict[str, Any]) -> str:
+    if not s["memory"]:
+        return "-"
+    copies = s["memory_copies"]
+    return (
+        f"{len(s['memory'])}/{len(s['parts'])} parts, {copies} cop{'y' if copies == 1 else 'ies'}"
+    )
+
+
+def _persistent_cell(s: dict[str, Any]) -> str:
+    if not s["persisted"]:
+        return "-"
+    done = f"{len(s['persisted'])}/{len(s['parts'])}"
+    return f"{done} durable" if s["durable"] else f"{done} partial"
+
+
+def _restorable_cell(s: dict[str, Any]) -> str:
+    if not s["finalized"]:
+        return "NO: not in the directory (unfinalized or deleted)"
+    if s["restorable"]:
+        return "yes: " + " + ".join(s["restorable_from"])
+    if not s["parts"]:
+        return "NO: no index manifest"
+    missing = s["missing"]
+    which = (
+        f"part {missing[0]} has" if len(missing) == 1 else f"parts {_table.owners(missing)} have"
+    )
+    return f"NO: {which} no copy in reach"
+
+
+def render_listing(report: dict[str, Any]) -> str:
+    steps, roots = report["steps"], report["memory_roots"]
+    head = (
+        f"{report['directory']}  item {report['item']!r}  run {report['run_id']}  "
+        f"{len(steps)} step(s), {len(roots)} memory root(s)"
+    )
+    rows = [
+        [
+            s["step"],
+            _table.duration(s["age_s"]),
+            _table.size(s["bytes"]),
+            s["process_count"] or "-",
+            _in_memory_cell(s),
+            _persistent_cell(s),
+            _restorable_cell(s),
+        ]
+        for s in reversed(steps)
+    ]
+    out = [head, ""]
+    if rows:
+        headers = ["STEP", "AGE", "SIZE", "PROCS", "IN MEMORY", "PERSISTENT", "RESTORABLE"]
+        out.append(_table.table(headers, rows, right=(0, 1, 2, 3)))
+    else:
+        out.append("no steps")
+    if roots:
+        root_rows = []
+        for r in roots:
+            kinds: dict[str, set[int]] = {"own": set(), "replica": set(), "unknown": set()}
+            for held in r["steps"].values():
+                for kind, owners in held.items():
+                    kinds[kind].update(owners)
+            steps_held = [int(s) for s in r["steps"]]
+            own = _table.owners(kinds["own"] | kinds["unknown"])
+            root_rows.append(
+                [
+                    r["path"],
+                    r["domain"] or "?",
+                    _table.owners(steps_held),
+                    own + (" (own or replica)" if kinds["unknown"] else ""),
+                    _table.owners(kinds["replica"]),
+                ]
+            )
+        out += [
+            "",
+            _table.table(["MEMORY ROOT", "DOMAIN", "STEPS", "OWN PARTS", "REPLICAS OF"], root_rows),
+        ]
+    else:
+        out += ["", "No --memory-root given: only persistent copies were looked for."]
+    notes = [
+        f"step {s['step']}: copy of part {x['part']} in {x['root']} is not used ({x['why']})"
+        for s in steps
+        for x in s["stale"]
+    ]
+    notes += [f"save in progress or abandoned: {name}" for name in report["unfinalized"]]
+    notes += [
+        f"memory root {r['path']} holds nothing of run {report['run_id']} (lost, or another run)"
+        for r in roots
+        if not r["run_dir_exists"]
+    ]
+    if notes:
+        out += ["", *notes]
+    return "\n".join(out)
+
+
+# ---- inspect --------------------------------------------------------------------
+
+
+def sharding_text(desc: dict[str, Any] | None) -> str:
+    """{'type': 'named', 'spec': ['data', None], ...} -> "P('data', None) data=8,model=2"."""
+    if not desc:
+        return "-"
+    if desc.get("type") == "named":
+        spec = ", ".join(
+            repr(tuple(p)) if isinstance(p, list) else repr(p) for p in desc.get("spec", [])
+        )
+        mesh = ",".join(
+            f"{n}={s}" for n, s in zip(desc["axis_names"], desc["mesh_shape"], strict=True)
+        )
+        return f"P({spec}) {mesh}"
+    if desc.get("type") == "single":
+        return f"device {desc['device_id']}"
+    return str(desc.get("repr", desc))[:40]
+
+
+def _collapse(paths: list[list[str]]) -> list[list[str]]:
+    """Joins a node with its only child onto one line: params / embed.embedding.value."""
+    children: dict[tuple[str, ...], set[str]] = {}
+    for labels in paths:
+        for depth, label in enumerate(labels):
+            children.setdefault(tuple(labels[:depth]), set()).add(label)
+    out = []
+    for labels in paths:
+        segments = [labels[0]]
+        for depth in range(1, len(labels)):
+            if len(children[tuple(labels[:depth])]) == 1:
+                sep = "" if labels[depth].startswith("[") else "."
+                segments[-1] += sep + labels[depth]
+            else:
+                segments.append(labels[depth])
+        out.append(segments)
+    return out
+
+
+def _label(key: tuple[str, Any]) -> str:
+    kind, value = key
+    return f"[{value}]" if kind == "s" else str(value)
+
+
+def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
+    """`jaxckpt inspect` as JSON.
+
+    Raises:
+      FileNotFoundError: if the step is nowhere, or has no manifest in reach.
+    """
+    info = catalog.step(step)
+    if not info.index:
+        raise FileNotFoundError(
+            f"Step {step} in {info.item_dir} has no readable jaxckpt index manifest."
+        )
+    owners = sorted(info.index)
+    first = info.index[owners[0]]
+    raw: dict[str, Any] = {}
+    if info.item_dir is not None:
+        try:
+            raw = json.loads((info.item_dir / _format.index_file(owners[0])).read_text())
+        except (OSError, ValueError):
+            raw = {}
+    leaves = []
+    for i, rec in enumerate(first.leaves):
+        chunks = [c for m in info.index.values() for c in m.chunks.get(i, ())]
+        leaves.append(
+            {
+                "path": rec.path,
+                "keys": [list(k) for k in rec.keys],
+                "kind": rec.kind,
+                "shape": list(rec.shape) if rec.shape is not None else None,
+                "dtype": rec.dtype,
+                "chunk_shape": list(rec.chunk_shape) if rec.chunk_shape is not None else None,
+                "sharding": rec.sharding,
+                "bytes": sum(c.nbytes for c in chunks),
+                "chunks": len(chunks),
+                "key_impl": rec.key_impl,
+                "value": rec.value,
+                "scalar_type": rec.scalar_type,
+            }
+        )
+    iterators = {
+        rec.path: {str(o): info.index[o].iterator_states.get(i) for o in owners}
+        for i, rec in enumerate(first.leaves)
+        if rec.kind == _format.ITERATOR
+    }
+    processes = []
+    for o in owners:
+        m = info.index[o]
+        metrics = dict(m.metrics)
+        if o in info.persisted and info.item_dir is not None:
+            metrics.update(_persisted_metrics(info.item_dir / _format.part_dir_name(o)))
+        processes.append(
+            {
+                "process": o,
+                "failure_domain": m.failure_domain,
+                "bytes": m.nbytes,
+                "chunks": sum(len(cs) for cs in m.chunks.values()),
+                "metrics": metrics,
+            }
+        )
+    return {
+        "directory": str(catalog.directory),
+        "item": catalog.item,
+        "step": step,
+        "format": raw.get("format", _format.FORMAT_NAME),
+        "format_version": raw.get("version", _format.FORMAT_VERSION),
+        "jaxckpt_version": raw.get("jaxckpt_version"),
+        "run_id": first.run_id,
+        "process_count": info.process_count,
+        "location": step_summary(info, time.time()),
+        "leaves": leaves,
+        "iterator_states": iterators,
+        "processes": processes,
+    }
+
+
+def _persisted_metrics(part_dir: Path) -> dict[str, Any]:
+    """Metrics only the persisted copy's manifest has (the persistence time)."""
+    try:
+        d = json.loads((part_dir / _format.MANIFEST_FILE).read_text())
+        return {k: v for k, v in d.get("metrics", {}).items() if k.startswith("persist")}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def render_step(report: dict[str, Any]) -> str:
+    loc = report["location"]
+    version = f"jaxckpt format v{report['format_version']}"
+    if report["jaxckpt_version"]:
+        version += f", written by jaxckpt {report['jaxckpt_version']}"
+    out = [
+        f"step {report['step']} of {report['directory']}  item {report['item']!r}",
+        f"{version}; {report['process_count']} process(es); run {report['run_id']}; "
+        f"{_table.size(loc['bytes'])}; saved {_table.duration(loc['age_s'])} ago",
+        f"in memory: {_in_memory_cell(loc)}; persistent: {_persistent_cell(loc)}; "
+        f"restorable: {_restorable_cell(loc)}",
+        "",
+    ]
+    rows: list[list[Any]] = []
+    previous: list[str] = []
+    paths = [
+        [_label((k[0], k[1])) for k in leaf["keys"]] or ["<root>"] for leaf in report["leaves"]
+    ]
+    for leaf, labels in zip(report["leaves"], _collapse(paths), strict=True):
+        common = 0
+        while common < min(len(previous), len(labels) - 1) and previous[common] == labels[common]:
+            common += 1
+        for depth in range(common, len(labels) - 1):
+            rows.append(["  " * depth + labels[depth]] + [""] * 6)
+        previous = labels
+        name = "  " * (len(labels) - 1) + labels[-1]
+        if leaf["kind"] == _format.SCALAR:
+            rows.append([name, "scalar", "", leaf["scalar_type"], "", "", repr(leaf["value"])])
+            continue
+        if leaf["kind"] == _format.ITERATOR:
+            rows.append([name, "iterator", "", "", "", "", "state per process, below"])
+            continue
+        rows.append(
+            [
+                name,
+                leaf["kind"],
+                str(tuple(leaf["shape"] or ())),
+                leaf["dtype"],
+                sharding_text(leaf["sharding"]),
+                _table.size(leaf["bytes"]),
+                f"{leaf['chunks']} chunk(s)",
+            ]
+        )
+    out.append(
+        _table.table(
+            ["TREE", "KIND", "SHAPE", "DTYPE", "SAVED SHARDING", "BYTES", ""], rows, right=(5,)
+        )
+    )
+    if report["iterator_states"]:
+        out += ["", "ITERATOR STATES"]
+        for path, states in report["iterator_states"].items():
+            texts = {p: json.dumps(s, sort_keys=True) for p, s in states.items()}
+            if len(set(texts.values())) == 1:
+                out.append(
+                    f"  {path}  all {len(texts)} process(es): {_clip(next(iter(texts.values())))}"
+                )
+            else:
+                out += [f"  {path}  process {p}: {_clip(t)}" for p, t in texts.items()]
+    rows = []
+    for p in report["processes"]:
+        m = p["metrics"]
+        rows.append(
+            [p["process"], p["failure_domain"], _table.size(p["bytes"]), p["chunks"]]
+            + [_table.duration(_number(m.get(key))) for key, _ in METRIC_COLUMNS]
+        )
+    headers = ["PROCESS", "DOMAIN", "BYTES", "CHUNKS"] + [h for _, h in METRIC_COLUMNS]
+    out += ["", "SAVE METRICS", _table.table(headers, rows, right=tuple(range(2, len(headers))))]
+    return "\n".join(out)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,192 @@
+"""`jaxckpt verify`: read every chunk of every copy of a step in reach, check its CRC-32.
+
+A copy is one part (the chunks one process saved) in one place: a memory root
+given on the command line, or the checkpoint directory. Every chunk is read
+with tensorstore, exactly as a restore reads it, and compared with the
+checksum in the step's index manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxckpt import _catalog, _chunking, _format, _plan, _table, _zarr
+
+# (chunks done, chunks in all, bytes done, bytes in all)
+Progress = Callable[[int, int, int, int], None]
+
+_CONCURRENCY = 32  # chunk reads in flight per copy
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyReport:
+    """The verdict on one copy of one part."""
+
+    tier: str  # "memory" or "persistent"
+    location: str  # the memory root, or the checkpoint directory
+    part: int  # the owner process
+    chunks: int  # chunks checked
+    nbytes: int  # bytes checked
+    problems: tuple[str, ...] = ()  # one line per bad chunk (or a whole-copy problem)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "problems": list(self.problems), "ok": self.ok}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Copy:
+    tier: str
+    location: Path
+    part: int
+    part_dir: Path
+    problem: str | None = None  # known bad before reading a chunk
+
+
+def _copies(catalog: _catalog.Catalog, info: _catalog.StepInfo) -> list[_Copy]:
+    out = []
+    for root in catalog.roots:
+        for owner in root.tier.parts(info.step):
+            part_dir = root.tier.part_dir(info.step, owner)
+            if owner in info.memory and root.path in info.memory[owner]:
+                out.append(_Copy(_plan.MEMORY, root.path, owner, part_dir))
+            elif (root.path, owner, _catalog.UNREADABLE) in info.stale:
+                out.append(_Copy(_plan.MEMORY, root.path, owner, part_dir, _catalog.UNREADABLE))
+    if info.item_dir is not None:
+        for owner in sorted(info.index):
+            part_dir = info.item_dir / _format.part_dir_name(owner)
+            if owner in info.persisted:
+                out.append(_Copy(_plan.PERSISTENT, catalog.directory, owner, part_dir))
+            elif part_dir.exists():
+                # A persisted part is renamed into place complete, so a directory whose
+                # manifest does not match the index is damaged (or from another save).
+                problem = "manifest missing, unreadable or from another save"
+                out.append(_Copy(_plan.PERSISTENT, catalog.directory, owner, part_dir, problem))
+    return out
+
+
+async def _open(kvstore: dict[str, Any]) -> Any:
+    return await _zarr.open_array(kvstore)
+
+
+async def _verify_copy(
+    copy: _Copy, manifest: _format.PartManifest, on_chunk: Callable[[int], None]
+) -> CopyReport:
+    kvstore = _zarr.file_kvstore(str(copy.part_dir))
+    records = [(leaf, c) for leaf, cs in sorted(manifest.chunks.items()) for c in cs]
+    total = sum(c.nbytes for _, c in records)
+    if copy.problem:
+        on_chunk(total)
+        return CopyReport(copy.tier, str(copy.location), copy.part, 0, 0, (copy.problem,))
+    arrays: dict[int, Any] = {}
+    problems: list[str] = []
+    limit = asyncio.Semaphore(_CONCURRENCY)
+
+    async def check(leaf: int, chunk: _format.ChunkRecord) -> None:
+        rec = manifest.leaves[leaf]
+        assert rec.stored_shape is not None and rec.chunk_shape is not None
+        where = f"{rec.path} chunk {chunk.index}"
+        async with limit:
+            try:
+                if leaf not in arrays:  # one open per leaf, shared by its chunks
+                    arrays[leaf] = asyncio.ensure_future(_open(_zarr.array_kvstore(kvstore, leaf)))
+                array = await arrays[leaf]
+                region = _chunking.chunk_region(chunk.index, rec.stored_shape, rec.chunk_shape)
+                data = np.asarray(await array[region].read())
+            except Exception as e:
+                problems.append(f"{where}: unreadable ({str(e).splitlines()[0][:200]})")
+            else:
+                if _zarr.checksum(data) != chunk.crc32:
+                    problems.append(f"{where}: checksum mismatch")
+        on_chunk(chunk.nbytes)
+
+    await asyncio.gather(*(check(leaf, c) for leaf, c in records))
+    return CopyReport(
+        copy.tier, str(copy.location), copy.part, len(records), total, tuple(sorted(problems))
+    )
+
+
+def verify(
+    catalog: _catalog.Catalog, step: int, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Checks every copy of `step` in reach.
+
+    Returns:
+      A JSON-able report: one entry per copy, the parts with no copy in reach,
+      and `ok` (every copy good and every part has one).
+
+    Raises:
+      FileNotFoundError: if the step is nowhere, or has no index manifest.
+    """
+    info = catalog.step(step)
+    if not info.index:
+        raise FileNotFoundError(
+            f"Step {step} in {info.item_dir} has no readable jaxckpt index manifest."
+        )
+    copies = [c for c in _copies(catalog, info) if c.part in info.index]
+    sizes = [info.index[c.part].nbytes for c in copies]
+    total_chunks = sum(sum(len(cs) for cs in info.index[c.part].chunks.values()) for c in copies)
+    done = {"chunks": 0, "bytes": 0}
+
+    def on_chunk(nbytes: int) -> None:
+        done["chunks"] += 1
+        done["bytes"] += nbytes
+        if progress is not None:
+            progress(done["chunks"], total_chunks, done["bytes"], sum(sizes))
+
+    async def run() -> list[CopyReport]:
+        return [await _verify_copy(c, info.index[c.part], on_chunk) for c in copies]
+
+    reports = asyncio.run(run())
+    covered = {r.part for r in reports if r.ok}
+    no_good_copy = [o for o in info.owners if o not in covered]
+    return {
+        "directory": str(catalog.directory),
+        "item": catalog.item,
+        "step": step,
+        "copies": [r.to_dict() for r in reports],
+        "bad_copies": sum(not r.ok for r in reports),
+        "parts_without_good_copy": no_good_copy,
+        "ok": all(r.ok for r in reports) and not no_good_copy,
+    }
+
+
+def render(report: dict[str, Any], limit: int = 5) -> str:
+    rows = [
+        [
+            c["part"],
+            c["tier"],
+            c["location"],
+            c["chunks"],
+            _table.size(c["nbytes"]),
+            "ok" if c["ok"] else f"BAD ({len(c['problems'])} problem(s))",
+        ]
+        for c in report["copies"]
+    ]
+    out = [f"step {report['step']} of {report['directory']}  item {report['item']!r}", ""]
+    headers = ["PART", "TIER", "WHERE", "CHUNKS", "BYTES", "STATUS"]
+    out.append(_table.table(headers, rows, right=(0, 3, 4)) if rows else "no copy in reach")
+    for c in report["copies"]:
+        out += [
+            f"  part {c['part']} ({c['tier']}, {c['location']}): {p}" for p in c["problems"][:limit]
+        ]
+        if len(c["problems"]) > limit:
+            out.append(f"  ... and {len(c['problems']) - limit} more")
+    good = len(report["copies"]) - report["bad_copies"]
+    out += ["", f"{good} good cop{'y' if good == 1 else 'ies'}, {report['bad_copies']} bad."]
+    if report["parts_without_good_copy"]:
+        out.append(
+            "No good copy in reach of part(s) "
+            f"{_table.owners(report['parts_without_good_copy'])}: with these copies the step "
+            "cannot be restored (pass the --memory-root of every host to see all copies)."
+        )
+    return "\n".join(out)

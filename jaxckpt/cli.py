@@ -1,0 +1,248 @@
+"""The `jaxckpt` command: see what can be restored, check it, and choose intervals.
+
+    jaxckpt ls DIR [--memory-root PATH ...]         every step and where it lives
+    jaxckpt inspect DIR STEP                        the saved tree, versions, save metrics
+    jaxckpt verify DIR STEP [--memory-root PATH ...]  CRC-32 of every copy in reach
+    jaxckpt advise DIR --mtbf-hours H               intervals from Young/Daly
+    jaxckpt bench ...                               the benchmark suite
+
+Every command takes `--json`. Exit status: 0 fine, 1 `verify` found a bad copy,
+2 bad input (or an error reading the checkpoint), 3 `verify` found no bad copy
+but some part has no copy in reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from jaxckpt import _advise, _catalog, _inspect, _table, _verify
+
+OK, BAD_COPY, ERROR, NOT_IN_REACH = 0, 1, 2, 3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the `jaxckpt` command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except BrokenPipeError:  # `jaxckpt inspect ... | head`: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return OK
+    except (OSError, ValueError) as e:
+        print(f"jaxckpt {args.command}: error: {e}", file=sys.stderr)
+        return ERROR
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, run: Any, help: str, step: bool = False) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(run=run)
+        p.add_argument("directory", metavar="DIR", help="the CheckpointManager's directory")
+        if step:
+            p.add_argument("step", metavar="STEP", type=int)
+        p.add_argument("--item", help="the jaxckpt item (default: the only one in DIR)")
+        p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+        return p
+
+    def roots(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--memory-root",
+            action="append",
+            default=[],
+            metavar="PATH",
+            help="a TierOptions.memory_root to look in; repeat for every host (or process)",
+        )
+        p.add_argument("--run-id", help="TierOptions.run_id, if the job set one")
+
+    roots(command("ls", _ls, "every step in DIR, where it lives, and whether it can be restored"))
+    roots(
+        command(
+            "inspect", _inspect_cmd, "the saved tree, versions and save metrics of a step", True
+        )
+    )
+    p = command(
+        "verify", _verify_cmd, "read every chunk of every copy in reach, check CRC-32s", True
+    )
+    roots(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    p = command("advise", _advise_cmd, "checkpoint intervals from measured costs (Young/Daly)")
+    mtbf = p.add_mutually_exclusive_group(required=True)
+    mtbf.add_argument("--mtbf-hours", type=float, help="mean time between failures")
+    mtbf.add_argument(
+        "--failure-log", metavar="FILE", help="one failure time per line (ISO 8601 or epoch s)"
+    )
+    p.add_argument(
+        "--step-seconds", type=float, help="seconds per training step (default: measured)"
+    )
+    p.add_argument(
+        "--persistent-mtbf-hours",
+        type=float,
+        help="MTBF of failures only persistent storage survives (default: --mtbf-hours)",
+    )
+    p.add_argument(
+        "--persist-mbps", type=float, help="persistent write MB/s, when no persist time is recorded"
+    )
+    p.add_argument(
+        "--restart-seconds", type=float, default=0.0, help="added to every restore (job restart)"
+    )
+    p.add_argument(
+        "--restore-seconds",
+        action="append",
+        default=[],
+        metavar="TIER=S",
+        help="a measured restore time, e.g. persistent=95 (repeatable)",
+    )
+    p.add_argument("--last", type=int, default=50, help="use the newest N steps (default 50)")
+
+    bench = sub.add_parser(
+        "bench", help="the benchmark suite (jaxckpt bench --help)", add_help=False
+    )
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _catalog_of(args: argparse.Namespace) -> _catalog.Catalog:
+    return _catalog.Catalog(
+        args.directory,
+        args.item,
+        getattr(args, "memory_root", ()),
+        getattr(args, "run_id", None),
+    )
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any], text: str) -> None:
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else text)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    report = _inspect.listing(_catalog_of(args))
+    _emit(args, report, _inspect.render_listing(report))
+    return OK
+
+
+def _inspect_cmd(args: argparse.Namespace) -> int:
+    report = _inspect.describe_step(_catalog_of(args), args.step)
+    _emit(args, report, _inspect.render_step(report))
+    return OK
+
+
+def _verify_cmd(args: argparse.Namespace) -> int:
+    catalog = _catalog_of(args)
+    bar = None if args.no_progress else ProgressBar(sys.stderr)
+    try:
+        report = _verify.verify(catalog, args.step, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    _emit(args, report, _verify.render(report))
+    if report["bad_copies"]:
+        return BAD_COPY
+    return NOT_IN_REACH if report["parts_without_good_copy"] else OK
+
+
+def _advise_cmd(args: argparse.Namespace) -> int:
+    for name in ("mtbf_hours", "persistent_mtbf_hours", "step_seconds", "persist_mbps"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}.")
+    if args.last < 1:
+        raise ValueError(f"--last must be at least 1, got {args.last}.")
+    if args.failure_log:
+        with open(args.failure_log) as f:
+            mtbf_s, failures, span = _advise.mtbf_from_log(f)
+        mtbf_from = f"{failures} failures over {_table.duration(span)} in {args.failure_log}"
+    else:
+        mtbf_s, mtbf_from = args.mtbf_hours * 3600, "given"
+    restore = {}
+    for item in args.restore_seconds:
+        tier, _, seconds = item.partition("=")
+        if tier not in _advise.COVERS or not seconds:
+            raise ValueError(
+                f"--restore-seconds takes TIER=SECONDS with TIER one of "
+                f"{', '.join(_advise.COVERS)}, got {item!r}."
+            )
+        restore[tier] = float(seconds)
+    costs, step_s, step_from, notes = _advise.measure(
+        _catalog_of(args),
+        last=args.last,
+        persist_bytes_per_s=args.persist_mbps * 1e6 if args.persist_mbps else None,
+        restart_s=args.restart_seconds,
+        restore_s=restore,
+    )
+    if args.step_seconds:
+        step_s, step_from = args.step_seconds, "given"
+    persistent = args.persistent_mtbf_hours * 3600 if args.persistent_mtbf_hours else None
+    report = _advise.advise(
+        costs,
+        mtbf_s,
+        step_s,
+        persistent,
+        mtbf_from=mtbf_from,
+        step_from=step_from,
+        notes=notes,
+    )
+    _emit(args, report, _advise.render(report))
+    return OK
+
+
+def _bench(argv: list[str]) -> int:
+    # Imported only here: the benchmark pulls in more than the other commands need.
+    try:
+        bench = importlib.import_module("jaxckpt.bench")
+    except ImportError as e:
+        print(f"jaxckpt bench: error: the benchmark is not available ({e}).", file=sys.stderr)
+        return ERROR
+    return int(bench.main(argv) or 0)
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal; a line per tenth done otherwise."""
+
+    def __init__(self, stream: TextIO, width: int = 30):
+        self._stream = stream
+        self._tty = stream.isatty()
+        self._width = width
+        self._shown = -1.0
+        self._tenth = -1
+
+    def __call__(self, done: int, total: int, done_bytes: int, total_bytes: int) -> None:
+        fraction = done / total if total else 1.0
+        now = time.monotonic()
+        text = (
+            f"verify [{'#' * int(fraction * self._width):<{self._width}}] {done}/{total} chunks, "
+            f"{_table.size(done_bytes)} of {_table.size(total_bytes)}"
+        )
+        if self._tty:
+            if done == total or now - self._shown > 0.1:
+                self._stream.write("\r" + text)
+                self._stream.flush()
+                self._shown = now
+        elif int(fraction * 10) > self._tenth:
+            self._tenth = int(fraction * 10)
+            self._stream.write(text + "\n")
+            self._stream.flush()
+
+    def close(self) -> None:
+        if self._tty and self._shown >= 0:
+            self._stream.write("\n")
+            self._stream.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
