@@ -364,6 +364,10 @@ def restore_latest(manager: Any, handler: Any, abstract_state: PyTree) -> PyTree
             tier=metrics.get("tier", "unknown"),
             **extra,
         )
+        # Newer steps that could not be restored would make the manager skip saving
+        # those step numbers again: remove them.
+        for newer in [s for s in manager.all_steps() if s > step]:
+            manager.delete(newer)
         return restored
     return None
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -186,8 +187,17 @@ class PartManifest:
         )
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"))
+        d = self.to_dict()
+        d["crc32"] = _digest(d)
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> PartManifest:
-        return cls.from_dict(json.loads(text))
+        d = json.loads(text)
+        if d.pop("crc32", None) != _digest(d):
+            raise ValueError("The manifest does not match its checksum: the file is damaged.")
+        return cls.from_dict(d)
+
+
+def _digest(d: Mapping[str, Any]) -> int:
+    return zlib.crc32(json.dumps(d, sort_keys=True, separators=(",", ":")).encode())

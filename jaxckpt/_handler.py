@@ -211,8 +211,6 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # IMPORTANT: older steps leave memory only once this one is finalized, so that
         # a crash at any moment leaves a finalized step in memory.
         self._retainer.submit(self._retain, memory, directory, step)
-        for error in self._persister.take_errors():
-            log.error("jaxckpt: [process %d] an earlier persistence failed: %s", pi, error)
 
     # ---- restore --------------------------------------------------------------
 
@@ -246,7 +244,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         if not plan.restorable:
             raise FileNotFoundError(view.not_restorable_message(item_dir, plan))
         restorer = _restore.Restorer(
-            plan, self._kvstore_for(item_dir, memory, step), pi, self._redact
+            plan,
+            self._kvstore_for(item_dir, memory, step),
+            pi,
+            self._redact,
+            timeout_s=self._options.timeout_s,
         )
         try:
             result = _target.fill(
@@ -398,6 +400,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         timeout_s = self._options.timeout_s if timeout_s is None else timeout_s
         self._retainer.submit(lambda: None).result(timeout=timeout_s)
         self._persister.drain(timeout_s)
+        errors = self._persister.take_errors()
+        if errors:
+            raise OSError(
+                f"jaxckpt: {len(errors)} step(s) failed to persist; first: {errors[0]}"
+            ) from errors[0]
 
     def pending_persistence(self) -> set[int]:
         """Steps queued or being written to persistent storage."""

@@ -61,7 +61,11 @@ class Peers:
             timeout_s=options.timeout_s,
         )
         server = PeerServer(
-            memory.run_dir.parent, run_id=memory.run_id, token=token, host=options.peer_host
+            memory.run_dir.parent,
+            run_id=memory.run_id,
+            token=token,
+            host=options.peer_host,
+            io_timeout=options.timeout_s,
         )
         server.start()
         try:

@@ -54,6 +54,7 @@ class Persister:
         self._idle = threading.Condition(self._lock)
         self._errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
+        self._cleaned: set[Path] = set()
 
     def submit(self, job: PersistJob) -> None:
         with self._lock:
@@ -111,8 +112,13 @@ class Persister:
                     self._on_persisted(metrics)
             except BaseException as e:
                 log.error("jaxckpt: persisting step %d failed: %s", job.manifest.step, e)
+                error = OSError(
+                    f"Persisting step {job.manifest.step} of process {job.manifest.owner} "
+                    f"into {job.final_item_dir} failed: {e}"
+                )
+                error.__cause__ = e
                 with self._lock:
-                    self._errors.append(e)
+                    self._errors.append(error)
             finally:
                 if job.pin is not None:
                     job.pin.unlink(missing_ok=True)
@@ -134,6 +140,10 @@ class Persister:
                 f"{job.final_item_dir.parent.name}.{job.final_item_dir.name}.p{manifest.owner}.{uuid.uuid4().hex[:8]}"
             )
         )
+        if root not in self._cleaned:  # leftovers of this process index's killed predecessor
+            for old in (root / _paths.STAGING_DIR).glob(f"*.p{manifest.owner}.*"):
+                shutil.rmtree(old, ignore_errors=True)
+            self._cleaned.add(root)
         staging.mkdir(parents=True)
         try:
             asyncio.run(self._copy(manifest, job.source_part, staging))

@@ -84,6 +84,7 @@ class Restorer:
         kvstore_for: KvstoreFor,
         process_index: int,
         redact: Callable[[str], str] = str,
+        timeout_s: float = 120.0,
     ):
         self._plan = plan
         self._redact = redact
@@ -93,6 +94,8 @@ class Restorer:
         self._arrays: dict[tuple[_plan.Source, int, int], Any] = {}
         self.bytes_by_tier: dict[str, int] = {}
         self.failures: list[str] = []
+        self._timeout_s = timeout_s
+        self._dead: set[_plan.Source] = set()  # sources that did not answer in time
 
     # ---- chunks -------------------------------------------------------------
 
@@ -100,7 +103,9 @@ class Restorer:
         key = (source, owner, leaf)
         if key not in self._arrays:
             part = self._kvstore_for(source, owner)
-            self._arrays[key] = await _zarr.open_array(_zarr.array_kvstore(part, leaf))
+            self._arrays[key] = await _zarr.open_array(
+                _zarr.array_kvstore(part, leaf), self._plan.leaves[leaf]
+            )
         return self._arrays[key]
 
     async def _read_chunk(self, leaf: int, index: tuple[int, ...]) -> np.ndarray:
@@ -115,9 +120,16 @@ class Restorer:
         region = _chunking.chunk_region(index, record.stored_shape, record.chunk_shape)
         tried = []
         for source in self._plan.sources.get(owner, ()):
+            if source in self._dead:
+                tried.append(f"{source.describe()}: gave no answer earlier in this restore")
+                continue
             try:
-                array = await self._open(source, owner, leaf)
-                data = np.asarray(await array[region].read())
+                array = await asyncio.wait_for(self._open(source, owner, leaf), self._timeout_s)
+                data = np.asarray(await asyncio.wait_for(array[region].read(), self._timeout_s))
+            except TimeoutError:
+                self._dead.add(source)
+                tried.append(f"{source.describe()}: no answer within {self._timeout_s:g} s")
+                continue
             except Exception as e:
                 tried.append(f"{source.describe()}: {self._redact(str(e))}")
                 continue
@@ -240,7 +252,11 @@ class GlobalView:
     def newest_restorable_sentence(self, exclude: int) -> str:
         steps = self.restorable_steps(exclude)
         if steps:
-            return f"The newest restorable step is {steps[0]}: restore that step instead."
+            return (
+                f"The newest restorable step is {steps[0]}: restore that step instead, and "
+                "delete the newer ones (mngr.delete(step)) before training saves them again, "
+                "since the CheckpointManager skips saving a step that exists."
+            )
         return "No other step is restorable from any tier."
 
     def not_restorable_message(self, item_dir: Path, plan: _plan.StepPlan) -> str:

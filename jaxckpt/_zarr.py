@@ -71,9 +71,18 @@ def create(
     return ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)
 
 
-def open_array(kvstore: dict[str, Any]) -> ts.Future:
-    """Opens an existing zarr3 array for reading."""
-    return ts.open({"driver": "zarr3", "kvstore": kvstore}, open=True, context=_CONTEXT)
+def open_array(kvstore: dict[str, Any], record: _format.LeafRecord | None = None) -> ts.Future:
+    """Opens an existing zarr3 array for reading; with `record`, fails unless its stored
+    dtype, shape and chunk shape are the ones the manifest records."""
+    spec: dict[str, Any] = {"driver": "zarr3", "kvstore": kvstore}
+    if record is not None:
+        assert record.stored_shape is not None and record.chunk_shape is not None
+        spec["dtype"] = record.stored_dtype
+        spec["schema"] = {
+            "domain": {"shape": list(record.stored_shape)},
+            "chunk_layout": {"read_chunk": {"shape": list(record.chunk_shape)}},
+        }
+    return ts.open(spec, open=True, context=_CONTEXT)
 
 
 async def write_chunks(
@@ -106,7 +115,7 @@ async def copy_chunks(
       ValueError: if a source chunk does not match its checksum.
     """
     assert record.stored_shape is not None and record.chunk_shape is not None
-    source = await open_array(src)
+    source = await open_array(src, record)
     target = await create(dst, record, compression)
     regions = [
         _chunking.chunk_region(c.index, record.stored_shape, record.chunk_shape) for c in chunks

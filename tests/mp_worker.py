@@ -198,6 +198,106 @@ def scenario_restore(args: dict) -> dict:
     return {"restores": results}
 
 
+def _kill_on_receive(step: int) -> None:
+    """Makes this process SIGKILL itself when its peer service receives a replica of `step`,
+    after the first bytes of the first file arrived (a holder dying mid-push)."""
+    import signal
+
+    from jaxckpt import _peer_handler
+
+    original = _peer_handler.PeerRequestHandler._receive_file
+    marker = f"step_{step:012d}"
+
+    def receive(self, name, size, out, bufs, writer):
+        if marker in self.path:
+            self.rfile.read(min(size, 16))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, name, size, out, bufs, writer)
+
+    _peer_handler.PeerRequestHandler._receive_file = receive
+
+
+def scenario_save_faulty(args: dict) -> dict:
+    """Saves args["steps"] with replicas=1, draining (finalized and persisted) after each step
+    in args["drain_after"]; meant to be killed: by JAXCKPT_FAULT, or by MP_KILL_ON_RECEIVE=<step>
+    while this process's peer service receives a replica of that step."""
+    if os.environ.get("MP_KILL_ON_RECEIVE"):
+        _kill_on_receive(int(os.environ["MP_KILL_ON_RECEIVE"]))
+    mngr, h = manager(args["ckpt"], replicas=1, persist_every=args["persist_every"])
+    m = mesh()
+    for step in args["steps"]:
+        mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state(step, m))))
+        if step in args.get("drain_after", ()):
+            mngr.wait_until_finished()
+            h.wait_for_persistence()
+    mngr.wait_until_finished()
+    h.wait_for_persistence()
+    mngr.close()
+    return {"steps": mngr.all_steps(), "no_fault": True}
+
+
+def _restore_step(mngr, h, step: int, follow: bool) -> dict:
+    """Restores `step`; if it is not restorable and `follow`, the newest step the error names."""
+    import re
+
+    started = time.perf_counter()
+    try:
+        restored = mngr.restore(
+            step, args=ocp.args.Composite(train=jaxckpt.TieredRestore(target(mesh())))
+        ).train
+    except FileNotFoundError as e:
+        named = re.search(r"newest restorable step is (\d+)", str(e))
+        if follow and named:
+            return _restore_step(mngr, h, int(named.group(1)), follow=False)
+        return {"step": step, "error": f"FileNotFoundError: {e}"}
+    except Exception as e:  # reported to the test
+        return {"step": step, "error": f"{type(e).__name__}: {e}"}
+    return {
+        **h.last_restore_metrics,
+        "step": step,
+        "bad": check(restored, step),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def scenario_recover(args: dict) -> dict:
+    """A restarted job: for each tier in args["tiers"] and each run in args["runs"]
+    ({ckpt, lose}), restores the latest step (or the newest restorable one the error names)
+    and step args["previous"]. Before the "peer" tier, process `lose` loses its memory of the
+    run; before "persistent", every process does. Reports the peer tokens and bound hosts."""
+    import logging
+    import shutil
+    from pathlib import Path
+
+    from absl import logging as absl_logging
+    from jax.experimental import multihost_utils
+
+    from jaxckpt import _paths
+
+    absl_logging.set_verbosity(absl_logging.INFO)  # the token must not show up even here
+    logging.getLogger("jaxckpt").setLevel(logging.DEBUG)
+    pi = jax.process_index()
+    recovered, tokens, hosts = [], [], set()
+    for tier in args["tiers"]:
+        for r, run in enumerate(args["runs"]):
+            # IMPORTANT: nobody may still read a memory tier that is about to be deleted.
+            multihost_utils.sync_global_devices(f"recover-{tier}-{r}")
+            if tier == "persistent" or (tier == "peer" and pi == run["lose"]):
+                run_id = _paths.default_run_id(Path(run["ckpt"]) / "0" / "train")
+                shutil.rmtree(Path(os.environ["MP_MEMORY_ROOT"]) / run_id, ignore_errors=True)
+            multihost_utils.sync_global_devices(f"recover-{tier}-{r}-lost")
+            mngr, h = manager(run["ckpt"], replicas=1, persist_every=1000)
+            entry = {"run": r, "tier": tier, "lose": run["lose"]}
+            entry["newest"] = _restore_step(mngr, h, mngr.latest_step(), follow=True)
+            entry["previous"] = _restore_step(mngr, h, args["previous"], follow=False)
+            if h._peers is not None:
+                tokens.append(h._peers._token)
+                hosts.add(h._peers.addresses[pi].host)
+            mngr.close()
+            recovered.append(entry)
+    return {"recovered": recovered, "tokens": tokens, "peer_hosts": sorted(hosts)}
+
+
 if __name__ == "__main__":
     scenario, raw = sys.argv[1], json.loads(sys.argv[2])
     try:

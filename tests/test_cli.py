@@ -38,7 +38,9 @@ def saved(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint dir, memory root) holding steps 1-3 of one process; read only."""
     base = tmp_path_factory.mktemp("saved")
     ckpt, memory = base / "ckpt", base / "memory"
-    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(str(memory), persist_every=2, memory_keep=2))
+    h = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(str(memory), persist_every=2, memory_keep=2)
+    )
     data = fresh_iterator()
     next(data)
     state = {**sharded_state(mesh_1d()), "data": data}
