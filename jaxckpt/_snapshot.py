@@ -8,6 +8,7 @@ and reads iterator states, so that all later work can run in the background.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -96,19 +97,32 @@ def take(state: Any, process_index: int) -> Snapshot:
     return Snapshot(tuple(records), shards, iterator_states, time.perf_counter() - start)
 
 
+@functools.cache
+def _key_data_layout(impl: str) -> tuple[tuple[int, ...], str]:
+    """Trailing dims and dtype of the key data of one key of `impl` (cached: eval_shape
+    traces a new function every call, and JAX keeps each trace)."""
+    data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    return tuple(data.shape), np.dtype(data.dtype).name
+
+
 def _array_record(path: str, leaf: jax.Array) -> _format.LeafRecord:
     is_key = _tree.is_typed_key(leaf)
-    stored = jax.eval_shape(jax.random.key_data, leaf) if is_key else leaf
-    shard_shape = tuple(leaf.sharding.shard_shape(leaf.shape)) + tuple(stored.shape[leaf.ndim :])
+    key_impl = str(jax.random.key_impl(leaf)) if is_key else None
+    if key_impl is not None:
+        tail, stored_dtype = _key_data_layout(key_impl)
+    else:
+        tail, stored_dtype = (), np.dtype(leaf.dtype).name
+    stored_shape = tuple(leaf.shape) + tail
+    shard_shape = tuple(leaf.sharding.shard_shape(leaf.shape)) + tail
     chunk = tuple(max(1, n) for n in shard_shape)  # zarr chunks are never empty
     return _format.LeafRecord(
         path,
         _format.ARRAY,
         shape=tuple(leaf.shape),
         dtype=str(leaf.dtype),
-        stored_shape=tuple(stored.shape),
-        stored_dtype=np.dtype(stored.dtype).name,
+        stored_shape=stored_shape,
+        stored_dtype=stored_dtype,
         chunk_shape=chunk,
         sharding=_sharding.describe(leaf.sharding),
-        key_impl=str(jax.random.key_impl(leaf)) if is_key else None,
+        key_impl=key_impl,
     )
