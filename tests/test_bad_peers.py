@@ -98,7 +98,11 @@ class Proxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection((self.target.host, self.target.port))
+            try:
+                upstream = socket.create_connection((self.target.host, self.target.port))
+            except OSError:  # the peer behind the proxy is down: so is the proxied one
+                client.close()
+                continue
             self._socks += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
