@@ -90,7 +90,7 @@ def take(state: Any, process_index: int) -> Snapshot:
     for _, buf, _ in pending:
         buf.copy_to_host_async()
     for i, buf, index in pending:
-        shards.append(HostShard(i, index, np.array(buf, copy=True)))
+        shards.append(HostShard(i, index, _to_host(buf)))
     records = [
         dataclasses.replace(r, keys=keys) for r, (_, keys, _) in zip(records, triples, strict=True)
     ]
@@ -103,6 +103,19 @@ def _key_data_layout(impl: str) -> tuple[tuple[int, ...], str]:
     traces a new function every call, and JAX keeps each trace)."""
     data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
     return tuple(data.shape), np.dtype(data.dtype).name
+
+
+def _to_host(buf: jax.Array) -> np.ndarray:
+    """This shard's bytes in host memory, safe to read after the caller moves on.
+
+    On CPU a jax buffer already is host memory and immutable: a numpy view holds
+    it (measured: 0.003 s against 0.12-0.18 s to copy 0.25 GB), and while the view
+    lives JAX declines to donate that buffer, so a donating train step cannot
+    overwrite it. Elsewhere this is the device->host copy.
+    """
+    if buf.platform() == "cpu":
+        return np.asarray(buf)
+    return np.array(buf, copy=True)
 
 
 def _array_record(path: str, leaf: jax.Array) -> _format.LeafRecord:

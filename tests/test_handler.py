@@ -427,3 +427,32 @@ def test_metrics_reach_the_callback_the_log_and_the_manifest(memory_root, ckpt_d
     assert index["metrics"]["stall_s"] == saved["stall_s"]
     durable = json.loads((ckpt_dir / "1/train/part_00000/manifest.json").read_text())
     assert durable["metrics"]["persist_s"] == persisted["persist_s"]
+
+
+def test_snapshot_survives_a_donating_train_step(memory_root, ckpt_dir, monkeypatch):
+    """The background commit still reads the saved values after the step donated them."""
+    from jaxckpt import _zarr
+
+    gate = threading.Event()
+    original = _zarr.write_chunks
+
+    async def held(*args, **kwargs):
+        import asyncio
+
+        await asyncio.to_thread(gate.wait, 60)
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(_zarr, "write_chunks", held)
+    sharding = NamedSharding(mesh_1d(), P("data"))
+    w = jax.device_put(np.arange(64, dtype=np.float32), sharding)
+    expected = np.asarray(w).copy()
+    update = jax.jit(lambda x: x * 2 + 1, donate_argnums=0)
+    with manager(ckpt_dir, handler(memory_root)) as mngr:
+        save(mngr, 1, {"w": w})
+        w = update(w)  # donates the saved buffers while the commit is still pending
+        w.block_until_ready()
+        gate.set()
+        mngr.wait_until_finished()
+        target = {"w": jax.ShapeDtypeStruct((64,), np.float32, sharding=sharding)}
+        np.testing.assert_array_equal(restore(mngr, 1, target)["w"], expected)
+    np.testing.assert_array_equal(np.asarray(w), expected * 2 + 1)
