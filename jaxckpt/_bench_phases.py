@@ -1,0 +1,328 @@
+"""The measuring phases of one benchmark process, run in lockstep by every process.
+
+1. Training loops: no checkpoint, a jaxckpt save every step, an Orbax
+   `StandardCheckpointHandler` async save every step (host memory sampled).
+2. Raw baselines on this process's own shards: device->host copy, files into
+   the memory tier's tmpfs, fsync'd files where checkpoints persist, loopback TCP.
+3. Isolated saves (the previous one finished first): jaxckpt, then Orbax.
+4. Restores from every source (see `_bench_restores`).
+
+Nothing here interprets the timings; `jaxckpt.bench` turns them into figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+import jaxckpt
+from jaxckpt import _bench_raw, _bench_restores, _bench_state, _multihost
+
+Record = dict[str, list[float]]
+
+
+_START = time.monotonic()
+
+
+def progress(message: str) -> None:
+    """A progress line on process 0 (echoed by `jaxckpt.bench`)."""
+    if jax.process_index() == 0:
+        print(f"[bench] {time.monotonic() - _START:6.1f} s  {message}", flush=True)
+
+
+class Sync:
+    """A bounded barrier over every process (a no-op in one process)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    def __call__(self, tag: str, value: Any = 0) -> list[Any]:
+        return _multihost.allgather(value, tag=f"bench/{tag}", timeout_s=self.timeout_s)
+
+
+class Jaxckpt:
+    """A CheckpointManager around a `TieredCheckpointHandler`, and the metrics it reported."""
+
+    def __init__(self, directory: Path, memory_root: Path, cfg: dict[str, Any], **options: Any):
+        max_to_keep = options.pop("max_to_keep", None)
+        self.events: list[dict[str, Any]] = []  # appended from the commit and persist threads
+        self.handler = jaxckpt.TieredCheckpointHandler(
+            jaxckpt.TierOptions(
+                str(memory_root), replicas=cfg["replicas"], timeout_s=cfg["timeout_s"], **options
+            ),
+            on_metrics=self.events.append,
+        )
+        self.mngr = ocp.CheckpointManager(
+            directory,
+            item_handlers={"train": self.handler},
+            options=_manager_options(cfg, max_to_keep),
+        )
+
+    def save(self, step: int, state: Any) -> None:
+        self.mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state)))
+
+    def metrics(self, event: str, step: int | None = None) -> list[dict[str, Any]]:
+        """The reported metrics of one kind ("save", "persist"), optionally of one step."""
+        return [
+            dict(m)
+            for m in list(self.events)
+            if m.get("event") == event and (step is None or m.get("step") == step)
+        ]
+
+    def close(self) -> None:
+        self.mngr.close()
+
+
+def orbax_manager(directory: Path, cfg: dict[str, Any], max_to_keep: int) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        directory,
+        item_handlers=ocp.StandardCheckpointHandler(),
+        options=_manager_options(cfg, max_to_keep),
+    )
+
+
+def _manager_options(cfg: dict[str, Any], max_to_keep: int | None) -> Any:
+    return ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        enable_async_checkpointing=True,
+        async_options=ocp.AsyncOptions(timeout_secs=int(cfg["timeout_s"])),
+    )
+
+
+def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
+    """Runs every phase; returns this process's raw timings (JSON-serializable)."""
+    sync = Sync(cfg["timeout_s"])
+    work = Path(cfg["work_dir"])
+    shape = _bench_state.shape_for(cfg["state_gib"], jax.device_count(), cfg["batch_per_device"])
+    progress(f"building the state: {shape}")
+    tr = _bench_state.build(shape)
+    own = _bench_state.own_shards(tr.state(0))
+    out: dict[str, Any] = {
+        "process": jax.process_index(),
+        "processes": jax.process_count(),
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "shape": dataclasses.asdict(shape),
+        "state_bytes": shape.state_bytes,
+        "own_bytes": sum(s.nbytes for s in own),
+        "own_arrays": len(own),
+    }
+    for _ in range(cfg["warmup"]):
+        tr.train_step()
+    progress("training loops")
+    with _bench_raw.MemorySampler(memory_root) as sampler:
+        out["loops"], out["memory"] = _loops(cfg, tr, sampler, memory_root, work, sync)
+    progress("raw baselines")
+    out["raw"] = _raw(cfg, tr, memory_root, work, sync)
+
+    ours = Jaxckpt(
+        work / "jaxckpt", memory_root, cfg, persist_every=cfg["repeats"] + 1, memory_keep=2
+    )
+    omngr = orbax_manager(work / "orbax", cfg, max_to_keep=2)
+    try:
+        progress("isolated saves")
+        out["saves"] = _isolated_jaxckpt(cfg, tr, ours, sync)
+        ours.handler.wait_for_persistence(cfg["timeout_s"])
+        out["persist"] = ours.metrics("persist")
+        out["orbax_saves"] = _isolated_orbax(cfg, tr, omngr, sync)
+        progress("restores")
+        out["restores"] = _bench_restores.run(tr, ours, omngr, cfg["repeats"] + 1, work, sync)
+    finally:
+        omngr.close()
+        ours.close()
+    sync("done")
+    return out
+
+
+def _loop(
+    tr: _bench_state.Training,
+    steps: int,
+    save: Callable[[int], None] | None = None,
+    after_save: Callable[[Record], None] | None = None,
+) -> Record:
+    """Step times (train step + save) and save times for `steps` steps."""
+    rec: Record = {"step_s": [], "save_s": []}
+    for step in range(1, steps + 1):
+        start = time.perf_counter()
+        tr.train_step()
+        trained = time.perf_counter()
+        if save is not None:
+            save(step)
+        end = time.perf_counter()
+        rec["step_s"].append(end - start)
+        rec["save_s"].append(end - trained)
+        if after_save is not None:
+            after_save(rec)
+    return rec
+
+
+def _loops(
+    cfg: dict[str, Any],
+    tr: _bench_state.Training,
+    sampler: _bench_raw.MemorySampler,
+    memory_root: Path,
+    work: Path,
+    sync: Sync,
+) -> tuple[dict[str, Record], dict[str, float]]:
+    steps = cfg["steps"]
+    loops: dict[str, Record] = {}
+    memory: dict[str, float] = {}
+    sync("loop/train")
+    with sampler.phase("train") as peaks:
+        loops["train"] = _loop(tr, steps)
+    memory["train_rss_peak"] = floor = int(peaks["rss"])
+
+    ours = Jaxckpt(
+        work / "loop-jaxckpt", memory_root, cfg, persist_every=10**9, memory_keep=1, max_to_keep=2
+    )
+    sync("loop/jaxckpt")
+    with sampler.phase("jaxckpt", rss_floor=floor) as peaks:
+        loops["jaxckpt"] = _loop(tr, steps, lambda s: ours.save(s, tr.state(s)))
+        ours.mngr.wait_until_finished()
+        # Retention of older steps runs in the background: the steady state is after it.
+        ours.handler.wait_for_persistence(cfg["timeout_s"])
+        sync("loop/jaxckpt/retained")
+    saves = sorted(ours.metrics("save"), key=lambda m: m["step"])
+    loops["jaxckpt"]["stall_s"] = [m["stall_s"] for m in saves]
+    loops["jaxckpt"]["safe_in_memory_s"] = [m["safe_in_memory_s"] for m in saves]
+    memory.update(
+        jaxckpt_rss_peak=int(peaks["rss"]),
+        jaxckpt_tmpfs_peak=int(peaks["tmpfs"]),
+        jaxckpt_combined_peak=int(peaks["combined"]),
+        tmpfs_steady=_bench_raw.tree_bytes(memory_root),
+        rss_after=_bench_raw.rss_bytes(),
+    )
+    run_dir = ours.handler._memory.run_dir if ours.handler._memory else None
+    ours.close()
+    sync("loop/jaxckpt/closed")
+    if run_dir is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+    omngr = orbax_manager(work / "loop-orbax", cfg, max_to_keep=2)
+    sync("loop/orbax")
+    with sampler.phase("orbax", rss_floor=floor) as peaks:
+        loops["orbax"] = _loop(
+            tr, steps, lambda s: omngr.save(s, args=ocp.args.StandardSave(tr.state(s)))
+        )
+        omngr.wait_until_finished()
+    memory["orbax_rss_peak"] = int(peaks["rss"])
+    omngr.close()
+    # The no-save loop again, last: the baseline then brackets the loops it is compared with.
+    sync("loop/train/again")
+    loops["train_again"] = _loop(tr, steps)
+    if jax.process_index() == 0:
+        shutil.rmtree(work / "loop-orbax", ignore_errors=True)
+        shutil.rmtree(work / "loop-jaxckpt", ignore_errors=True)
+    return loops, memory
+
+
+def _raw(
+    cfg: dict[str, Any], tr: _bench_state.Training, memory_root: Path, work: Path, sync: Sync
+) -> dict[str, list[float]]:
+    """The baselines, every process at once (as a save runs on every process at once)."""
+    shards = _bench_state.own_shards(tr.state(0))
+    out: dict[str, list[float]] = {"d2h": [], "tmpfs_write": [], "fsync_write": [], "socket": []}
+    host: list[Any] = []
+    for i in range(cfg["repeats"]):
+        del host[:]
+        sync(f"raw/d2h/{i}")
+        start = time.perf_counter()
+        host = _bench_state.raw_device_to_host(shards)
+        out["d2h"].append(time.perf_counter() - start)
+    persist_dir = work / f"raw-{jax.process_index()}"
+    for i in range(cfg["repeats"]):
+        sync(f"raw/tmpfs/{i}")
+        out["tmpfs_write"].append(_bench_raw.write_files(host, memory_root, fsync=False))
+        sync(f"raw/fsync/{i}")
+        out["fsync_write"].append(_bench_raw.write_files(host, persist_dir, fsync=True))
+    shutil.rmtree(persist_dir, ignore_errors=True)
+    if jax.process_count() > 1:
+        server = _bench_raw.listen()
+        with server:
+            ports = sync("raw/ports", server.getsockname()[1])
+            nxt = ports[(jax.process_index() + 1) % len(ports)]
+            for i in range(cfg["repeats"]):
+                out["socket"].append(
+                    _bench_raw.ring_transfer(
+                        server, nxt, host, _barrier(sync, f"raw/socket/{i}"), cfg["timeout_s"]
+                    )
+                )
+    return out
+
+
+def _barrier(sync: Sync, tag: str) -> Callable[[], None]:
+    def wait() -> None:
+        sync(tag)
+
+    return wait
+
+
+def _isolated_jaxckpt(
+    cfg: dict[str, Any], tr: _bench_state.Training, ours: Jaxckpt, sync: Sync
+) -> list[dict[str, Any]]:
+    """Saves steps 1..repeats+1, each after the previous one finished; step 1 warms up.
+
+    Time to safe counts from the `mngr.save()` call: to the commit in memory
+    (the part manifest's creation time), then to the end of the replica push.
+    """
+    pi, records = jax.process_index(), []
+    for step in range(1, cfg["repeats"] + 2):
+        sync(f"save/{step}")
+        wall = time.time()
+        start = time.perf_counter()
+        ours.save(step, tr.state(step))
+        stall_wall = time.perf_counter() - start
+        ours.mngr.wait_until_finished()
+        done = time.perf_counter() - start
+        (metrics,) = ours.metrics("save", step)
+        memory = ours.handler._memory
+        manifest = memory.read_manifest(step, pi) if memory else None
+        to_memory = manifest.created - wall if manifest else None
+        push_s = (
+            metrics["safe_on_peers_s"] - metrics["safe_in_memory_s"]
+            if "safe_on_peers_s" in metrics
+            else None
+        )
+        records.append(
+            {
+                "warmup": step == 1,
+                "save_wall_s": stall_wall,
+                "done_s": done,
+                "to_memory_s": to_memory,
+                "to_replicated_s": _plus(to_memory, push_s),
+                **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            }
+        )
+    return records
+
+
+def _plus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
+def _isolated_orbax(
+    cfg: dict[str, Any], tr: _bench_state.Training, mngr: ocp.CheckpointManager, sync: Sync
+) -> list[dict[str, Any]]:
+    records = []
+    for step in range(1, cfg["repeats"] + 2):
+        sync(f"orbax/{step}")
+        start = time.perf_counter()
+        mngr.save(step, args=ocp.args.StandardSave(tr.state(step)))
+        stall = time.perf_counter() - start
+        mngr.wait_until_finished()
+        records.append(
+            {
+                "step": step,
+                "warmup": step == 1,
+                "save_wall_s": stall,
+                "done_s": time.perf_counter() - start,
+            }
+        )
+    return records

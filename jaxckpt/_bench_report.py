@@ -1,0 +1,348 @@
+"""Turns the processes' raw timings into figures (value, baseline, ratio) and prints them.
+
+Every ratio is value / baseline, both measured in the same run. Across
+processes, a time is the slowest process's and a bandwidth the slowest
+process's: a job goes at the pace of its slowest host. Targets are those of
+the benchmark's issue; `met` is None where the run could not measure a figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import os
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+_PACKAGES: Final = ("jax", "jaxlib", "orbax-checkpoint", "tensorstore", "optax", "numpy", "jaxckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """One row of the table: `ratio` = `value` / `baseline`."""
+
+    id: str
+    name: str
+    value: float | None
+    unit: str
+    baseline: float | None
+    baseline_name: str
+    target: str | None = None  # "<= 1.15" or ">= 0.6", on the ratio
+    ratio: float | None = dataclasses.field(init=False)
+    met: bool | None = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        ok = self.value is not None and self.baseline is not None and self.baseline > 0
+        ratio = self.value / self.baseline if ok else None  # type: ignore[operator]
+        object.__setattr__(self, "ratio", ratio)
+        met = None
+        if self.target is not None and ratio is not None:
+            op, bound = self.target.split()
+            met = ratio <= float(bound) if op == "<=" else ratio >= float(bound)
+        object.__setattr__(self, "met", met)
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _worst(
+    procs: Sequence[dict[str, Any]], get: Callable[[dict[str, Any]], float | None], *, low: bool
+) -> float | None:
+    """The slowest process's value: the lowest bandwidth (`low`) or the longest time."""
+    vals = [v for p in procs if (v := get(p)) is not None]
+    if not vals:
+        return None
+    return min(vals) if low else max(vals)
+
+
+def _sum(*xs: float | None) -> float | None:
+    return None if any(x is None for x in xs) else sum(x for x in xs if x is not None)
+
+
+def figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list[Figure]:
+    """Every figure of the benchmark from the processes' raw results."""
+
+    def t(get: Callable[[dict[str, Any]], float | None]) -> float | None:
+        return _worst(procs, get, low=False)
+
+    def bw(get: Callable[[dict[str, Any]], float | None]) -> float | None:
+        return _worst(procs, get, low=True)
+
+    def loop(p: dict[str, Any], name: str, key: str = "step_s") -> float | None:
+        return _median(p["loops"][name].get(key, [])[warmup:])
+
+    def saves(p: dict[str, Any], key: str, kind: str = "saves") -> float | None:
+        return _median([s.get(key) for s in p[kind] if not s["warmup"]])
+
+    def raw(p: dict[str, Any], key: str) -> float | None:
+        return _median(p["raw"][key])
+
+    def per_s(p: dict[str, Any], key: str) -> float | None:
+        seconds = raw(p, key)
+        return p["own_bytes"] / seconds if seconds else None
+
+    def persist_bw(p: dict[str, Any]) -> float | None:
+        done = p.get("persist") or []
+        return _median([d.get("persist_bytes_per_s") for d in done])
+
+    def restore(name: str) -> float | None:
+        return t(lambda p: p["restores"].get(name, {}).get("seconds"))
+
+    d2h = t(lambda p: raw(p, "d2h"))
+    tmpfs = t(lambda p: raw(p, "tmpfs_write"))
+    sock = t(lambda p: raw(p, "socket"))
+    # The no-save loop ran first and last; its steps from both runs make the baseline.
+    train = t(
+        lambda p: _median(
+            p["loops"]["train"]["step_s"][warmup:] + p["loops"]["train_again"]["step_s"][warmup:]
+        )
+    )
+    orbax_restore = restore("orbax")
+    state = procs[0]["state_bytes"]
+    rss_delta = sum(
+        max(0, p["memory"]["jaxckpt_rss_peak"] - p["memory"]["train_rss_peak"]) for p in procs
+    )
+    tmpfs_steady = sum(p["memory"]["tmpfs_steady"] for p in procs)
+    combined = sum(p["memory"]["jaxckpt_combined_peak"] for p in procs)
+    mb = 1e6
+    return [
+        Figure(
+            "1a",
+            "step time, jaxckpt save every step",
+            t(lambda p: loop(p, "jaxckpt")),
+            "s",
+            train,
+            "step time without saving",
+            "<= 1.15",
+        ),
+        Figure(
+            "1b",
+            "step time, Orbax async save every step",
+            t(lambda p: loop(p, "orbax")),
+            "s",
+            train,
+            "step time without saving",
+        ),
+        Figure(
+            "2a",
+            "stall: jaxckpt mngr.save() blocks (isolated)",
+            t(lambda p: saves(p, "save_wall_s")),
+            "s",
+            d2h,
+            "raw device->host copy of own shards",
+        ),
+        Figure(
+            "2b",
+            "stall: jaxckpt snapshot (handler stall_s)",
+            t(lambda p: saves(p, "stall_s")),
+            "s",
+            d2h,
+            "raw device->host copy of own shards",
+        ),
+        Figure(
+            "2c",
+            "stall: jaxckpt mngr.save() in the loop",
+            t(lambda p: loop(p, "jaxckpt", "save_s")),
+            "s",
+            d2h,
+            "raw device->host copy of own shards",
+        ),
+        Figure(
+            "2d",
+            "stall: Orbax mngr.save() blocks (isolated)",
+            t(lambda p: saves(p, "save_wall_s", "orbax_saves")),
+            "s",
+            d2h,
+            "raw device->host copy of own shards",
+        ),
+        Figure(
+            "3a",
+            "time to safe: committed in memory",
+            t(lambda p: saves(p, "to_memory_s")),
+            "s",
+            _sum(d2h, tmpfs),
+            "raw device->host copy + raw tmpfs write",
+        ),
+        Figure(
+            "3b",
+            "time to safe: replicated to a peer",
+            t(lambda p: saves(p, "to_replicated_s")),
+            "s",
+            _sum(d2h, tmpfs, sock),
+            "raw copy + tmpfs write + loopback send",
+        ),
+        Figure(
+            "3c",
+            "time to safe in memory vs Orbax durable",
+            t(lambda p: saves(p, "to_memory_s")),
+            "s",
+            t(lambda p: saves(p, "done_s", "orbax_saves")),
+            "Orbax save until committed on disk",
+        ),
+        Figure(
+            "4a",
+            "memory-tier write bandwidth",
+            _scale(bw(lambda p: saves(p, "memory_write_bytes_per_s")), mb),
+            "MB/s",
+            _scale(bw(lambda p: per_s(p, "tmpfs_write")), mb),
+            "raw file writes into the tmpfs",
+            ">= 0.6",
+        ),
+        Figure(
+            "4b",
+            "persistence bandwidth",
+            _scale(bw(persist_bw), mb),
+            "MB/s",
+            _scale(bw(lambda p: per_s(p, "fsync_write")), mb),
+            "raw fsync'd file writes, same disk",
+            ">= 0.7",
+        ),
+        Figure(
+            "4c",
+            "peer (replica push) bandwidth",
+            _scale(bw(lambda p: saves(p, "replicate_bytes_per_s")), mb),
+            "MB/s",
+            _scale(bw(lambda p: per_s(p, "socket")), mb),
+            "raw loopback TCP, same pattern",
+            ">= 0.5",
+        ),
+        Figure(
+            "5a",
+            "restore from own memory",
+            restore("memory"),
+            "s",
+            orbax_restore,
+            "Orbax restore (persistent, cold)",
+        ),
+        Figure(
+            "5b",
+            "restore from peer memory",
+            restore("peer"),
+            "s",
+            orbax_restore,
+            "Orbax restore (persistent, cold)",
+            "<= 0.2",
+        ),
+        Figure(
+            "5c",
+            "restore from persistent (cold)",
+            restore("persistent"),
+            "s",
+            orbax_restore,
+            "Orbax restore (persistent, cold)",
+        ),
+        Figure(
+            "5d",
+            "restore from memory onto another mesh",
+            restore("memory_mesh_change"),
+            "s",
+            restore("orbax_mesh_change"),
+            "Orbax restore onto the same mesh change",
+        ),
+        Figure(
+            "6a",
+            f"host memory (peak RSS delta + tmpfs), r={replicas}",
+            (rss_delta + tmpfs_steady) / state,
+            "x state",
+            1.0 + replicas,
+            "1 + r copies of the state",
+            "<= 1.1",
+        ),
+        Figure(
+            "6b",
+            f"host memory, transient peak during saves, r={replicas}",
+            combined / state,
+            "x state",
+            1.0 + replicas,
+            "1 + r copies of the state",
+        ),
+    ]
+
+
+def _scale(x: float | None, by: float) -> float | None:
+    return None if x is None else x / by
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if x == 0 or 0.01 <= abs(x) < 10_000:
+        return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
+    return f"{x:.2e}"
+
+
+def table(figs: Sequence[Figure]) -> str:
+    """The figures as a Markdown table (readable as plain text too)."""
+    rows = [
+        "| # | figure | value | baseline | baseline is | ratio | target | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in figs:
+        met = "n/a" if f.met is None else "yes" if f.met else "no"
+        rows.append(
+            f"| {f.id} | {f.name} | {_fmt(f.value)} {f.unit} | {_fmt(f.baseline)} {f.unit} "
+            f"| {f.baseline_name} | {_fmt(f.ratio)} | {f.target or ''} "
+            f"| {met if f.target else ''} |"
+        )
+    return "\n".join(rows)
+
+
+def _fs_type(path: str) -> str | None:
+    """The filesystem type holding `path` (from /proc/mounts), if known."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = max(
+        (m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
+        key=lambda m: len(m[0]),
+        default=None,
+    )
+    return best[1] if best else None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def machine(memory_root: str, work_dir: str) -> dict[str, Any]:
+    """What the figures were measured on."""
+    versions: dict[str, str | None] = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = None
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "cpu_model": _cpu_model(),
+        "ram_bytes": ram,
+        "system": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "python": platform.python_version(),
+        "versions": versions,
+        "memory_root": memory_root,
+        "memory_root_fs": _fs_type(memory_root),
+        "persistent_dir": work_dir,
+        "persistent_fs": _fs_type(work_dir),
+    }

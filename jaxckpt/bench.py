@@ -1,0 +1,309 @@
+"""`jaxckpt bench`: what a checkpoint every step costs, each figure against a raw baseline.
+
+    python -m jaxckpt.bench --quick                 # ~2 minutes on 2 cores, small state
+    python -m jaxckpt.bench --state-gib 4 --json bench.json
+
+Runs N JAX processes on this machine (loopback, one memory root and failure
+domain each, like `jaxckpt.launch`) that train an MLP with optax adam, save
+with jaxckpt and with Orbax's `StandardCheckpointHandler`, restore from every
+tier, and measure the raw operations each figure is bounded by (device->host
+copy, tmpfs write, fsync'd write, loopback TCP) in the same run. Prints one
+table (value, baseline, ratio, target) and optionally writes it as JSON with
+the machine it ran on. Every wait on another process has a timeout; the whole
+run has a deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any, Final
+
+from jaxckpt import _bench_report
+from jaxckpt._bench_worker import (
+    ENV_COORDINATOR,
+    ENV_MEMORY_ROOT,
+    ENV_PROCESS_ID,
+    RESULT_PREFIX,
+)
+
+FORMAT_VERSION: Final = 1  # of the JSON report; bump on incompatible changes
+_PORT_IN_USE: Final = "Failed to add port"
+_QUICK: Final = {"state_gib": 1 / 8, "steps": 8, "repeats": 3, "deadline_s": 900.0}
+_FULL: Final = {"state_gib": 1.0, "steps": 16, "repeats": 3, "deadline_s": 3600.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxckpt bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small state, few steps (a smoke run)")
+    p.add_argument("--processes", type=int, default=2, help="JAX processes on loopback")
+    p.add_argument("--state-gib", type=float, help="params + adam state, GiB (quick: 1/8, else 1)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--devices-per-process", type=int, default=2, help="CPU devices per process")
+    p.add_argument("--replicas", type=int, help="peer copies (default 1 with >1 process, else 0)")
+    p.add_argument("--steps", type=int, help="steps per training loop (quick: 8, else 16)")
+    p.add_argument("--repeats", type=int, help="isolated saves / raw baselines (default 3)")
+    p.add_argument("--warmup", type=int, default=3, help="loop steps left out of medians")
+    p.add_argument("--batch-per-device", type=int, default=16)
+    p.add_argument("--memory-root", help="parent of the memory tiers (default: a dir in /dev/shm)")
+    p.add_argument("--work-dir", help="persistent checkpoints (default: a new temp dir)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds any one wait may take")
+    p.add_argument("--deadline", type=float, help="seconds the whole run may take")
+    p.add_argument("--platform", choices=("cpu", "default"), default="cpu")
+    p.add_argument("--keep", action="store_true", help="keep the memory tiers and checkpoints")
+    p.add_argument(
+        "--prefault-gib",
+        type=float,
+        help="host memory to touch once before measuring (default: 12x the state, at most "
+        "60%% of available RAM; 0 turns it off). Some VMs back guest memory lazily, which "
+        "makes the first touch of each page ~10x slower than later ones and would bill it "
+        "to whichever phase happens to run first.",
+    )
+    return p
+
+
+@dataclasses.dataclass
+class _Process:
+    proc: subprocess.Popen[bytes]
+    output: IO[bytes]
+    path: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(cfg: dict[str, Any], memory_base: Path, logs: Path, attempt: int) -> list[_Process]:
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    port = _free_port()
+    out = []
+    for i in range(cfg["processes"]):
+        env = {
+            **os.environ,
+            ENV_PROCESS_ID: str(i),
+            ENV_COORDINATOR: f"127.0.0.1:{port}",
+            ENV_MEMORY_ROOT: str(memory_base / f"node{i}"),
+            "JAXCKPT_FAILURE_DOMAIN": f"node{i}",
+            "PYTHONPATH": os.pathsep.join(
+                [package_parent, *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if cfg["platform"] == "cpu":
+            env["JAX_PLATFORMS"] = "cpu"
+        path = logs / f"process{i}.attempt{attempt}.log"
+        output = open(path, "wb")  # noqa: SIM115  (closed in _finish)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxckpt._bench_worker", json.dumps(cfg)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own group: SIGKILL reaches its children
+        )
+        out.append(_Process(proc, output, path))
+    return out
+
+
+def _kill(procs: Sequence[_Process]) -> None:
+    # SIGKILL: JAX catches SIGTERM after jax.distributed.initialize.
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.proc.pid, signal.SIGKILL)
+    for p in procs:
+        p.proc.wait()
+        p.output.close()
+
+
+def _wait(procs: Sequence[_Process], deadline: float) -> str | None:
+    """Waits for every process; echoes process 0's progress; returns why it failed, if so."""
+    shown = 0
+    try:
+        while True:
+            lines = procs[0].path.read_bytes().decode(errors="replace").splitlines()
+            for line in lines[shown:]:
+                if line.startswith("[bench] "):
+                    print(line, file=sys.stderr, flush=True)
+            shown = len(lines)
+            codes = [p.proc.poll() for p in procs]
+            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                return f"process {bad[0]} exited with {codes[bad[0]]}"
+            if all(c == 0 for c in codes):
+                return None
+            if time.monotonic() > deadline:
+                return "the run passed its deadline"
+            time.sleep(0.2)
+    finally:
+        _kill(procs)
+
+
+def _run_processes(
+    cfg: dict[str, Any], memory_base: Path, logs: Path, deadline: float
+) -> list[dict[str, Any]]:
+    for attempt in range(3):
+        procs = _start(cfg, memory_base, logs, attempt)
+        why = _wait(procs, deadline)
+        texts = [p.path.read_bytes().decode(errors="replace") for p in procs]
+        if why is None:
+            results = []
+            for i, text in enumerate(texts):
+                found = [ln for ln in text.splitlines() if ln.startswith(RESULT_PREFIX)]
+                if not found:
+                    raise RuntimeError(f"Benchmark process {i} printed no result:\n{text[-4000:]}")
+                results.append(json.loads(found[-1][len(RESULT_PREFIX) :]))
+            return results
+        if any(_PORT_IN_USE in t for t in texts) and attempt < 2:
+            shutil.rmtree(memory_base, ignore_errors=True)
+            continue
+        dump = "\n".join(f"--- process {i}\n{t[-6000:]}" for i, t in enumerate(texts))
+        raise RuntimeError(f"The benchmark failed: {why}.\n{dump}")
+    raise AssertionError("unreachable")
+
+
+def _config(args: argparse.Namespace, work_dir: str) -> dict[str, Any]:
+    preset = _QUICK if args.quick else _FULL
+    return {
+        "quick": args.quick,
+        "processes": args.processes,
+        "devices_per_process": args.devices_per_process,
+        "state_gib": args.state_gib if args.state_gib is not None else preset["state_gib"],
+        "replicas": args.replicas if args.replicas is not None else int(args.processes > 1),
+        "steps": args.steps or preset["steps"],
+        "repeats": args.repeats or preset["repeats"],
+        "warmup": args.warmup,
+        "batch_per_device": args.batch_per_device,
+        "timeout_s": args.timeout,
+        "platform": args.platform,
+        "work_dir": work_dir,
+    }
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def prefault(gib: float) -> dict[str, float]:
+    """Touches `gib` GiB of fresh host memory once, then frees it; returns how fast it went.
+
+    A first-touch rate far below the retouch rate means the machine backs memory
+    lazily (a VM); the figures are then measured on memory that is already backed.
+    """
+    import numpy as np
+
+    def touch(nbytes: int) -> float:
+        start = time.perf_counter()
+        blocks = [np.ones(min(1 << 30, nbytes - i), np.uint8) for i in range(0, nbytes, 1 << 30)]
+        seconds = time.perf_counter() - start
+        del blocks
+        return seconds
+
+    nbytes = int(gib * 2**30)
+    if nbytes <= 0:
+        return {"gib": 0.0}
+    first = touch(nbytes)
+    again = touch(nbytes)
+    return {
+        "gib": gib,
+        "first_touch_bytes_per_s": nbytes / first,
+        "retouch_bytes_per_s": nbytes / again,
+    }
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.processes < 1:
+        parser.error(f"--processes must be at least 1, got {args.processes}")
+    if args.devices_per_process < 1:
+        parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
+    if args.state_gib is not None and not args.state_gib > 0:
+        parser.error(f"--state-gib must be positive, got {args.state_gib}")
+    if args.replicas is not None and not 0 <= args.replicas < args.processes:
+        parser.error(f"--replicas must be in 0..{args.processes - 1}, got {args.replicas}")
+    for name in ("steps", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be at least 1, got {value}")
+    if args.steps is not None and args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark; prints the table; returns 0 on success, 1 if the run failed."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    memory_base = Path(args.memory_root or tempfile.mkdtemp(prefix="jaxckpt-bench-", dir=shm))
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="jaxckpt-bench-"))
+    cfg = _config(args, str(work_dir))
+    deadline_s = args.deadline or (_QUICK if args.quick else _FULL)["deadline_s"]
+    print(
+        f"[bench] {cfg['processes']} processes x {cfg['devices_per_process']} devices, "
+        f"state {cfg['state_gib']:g} GiB, replicas {cfg['replicas']}, "
+        f"memory {memory_base}, persistent {work_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.monotonic()
+    machine = _bench_report.machine(str(memory_base), str(work_dir))
+    gib = args.prefault_gib
+    if gib is None:
+        gib = min(12 * cfg["state_gib"] + 1, 0.6 * (_available_bytes() or 0) / 2**30)
+    print(f"[bench] touching {gib:.1f} GiB of host memory first", file=sys.stderr, flush=True)
+    machine["prefault"] = prefault(gib)
+    try:
+        memory_base.mkdir(parents=True, exist_ok=True)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="jaxckpt-bench-logs-") as logs:
+            procs = _run_processes(cfg, memory_base, Path(logs), start + deadline_s)
+    except RuntimeError as e:
+        print(f"[bench] {e}", file=sys.stderr)
+        return 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(memory_base, ignore_errors=True)
+            shutil.rmtree(work_dir, ignore_errors=True)
+    figs = _bench_report.figures(procs, cfg["warmup"], cfg["replicas"])
+    report = {
+        "format_version": FORMAT_VERSION,
+        "command": ["jaxckpt", "bench", *(argv if argv is not None else sys.argv[1:])],
+        "machine": machine,
+        "config": cfg,
+        "state": {k: procs[0][k] for k in ("shape", "state_bytes", "devices", "platform")},
+        "seconds": round(time.monotonic() - start, 1),
+        "figures": [dataclasses.asdict(f) for f in figs],
+        "processes": procs,
+    }
+    print(_bench_report.table(figs))
+    print(
+        f"\nstate {procs[0]['state_bytes'] / 2**30:.3g} GiB ({procs[0]['shape']}), "
+        f"{cfg['processes']} processes, {report['seconds']} s"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

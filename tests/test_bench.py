@@ -1,0 +1,105 @@
+"""`jaxckpt bench`: the report's shape and the figure arithmetic (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from jaxckpt import _bench_report, _bench_state, bench
+
+FIGURE_IDS = {
+    "1a",
+    "1b",
+    "2a",
+    "2b",
+    "2c",
+    "2d",
+    "3a",
+    "3b",
+    "3c",
+    "4a",
+    "4b",
+    "4c",
+    "5a",
+    "5b",
+    "5c",
+    "5d",
+    "6a",
+    "6b",
+}
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_ratio_and_target():
+    assert _bench_report.Figure("x", "n", 2.0, "s", 4.0, "b", "<= 0.6").met is True
+    f = _bench_report.Figure("x", "n", 3.0, "s", 4.0, "b", ">= 0.8")
+    assert f.ratio == 0.75 and f.met is False
+    missing = _bench_report.Figure("x", "n", None, "s", 4.0, "b", ">= 0.8")
+    assert missing.ratio is None and missing.met is None
+    assert "| x | n | n/a s | 4 s | b | n/a | >= 0.8 | n/a |" in _bench_report.table([missing])
+
+
+def test_state_shape_follows_the_requested_size():
+    small = _bench_state.shape_for(1 / 16, devices=4, batch_per_device=16)
+    big = _bench_state.shape_for(2.0, devices=4, batch_per_device=16)
+    assert small.width % 4 == 0 and big.width == 4096 and big.batch == 64
+    for shape, gib in ((small, 1 / 16), (big, 2.0)):
+        assert 0.7 < shape.state_bytes / (gib * 2**30) < 1.3
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--processes", "0"], ["--replicas", "2"], ["--state-gib", "-1"], ["--steps", "2"]],
+)
+def test_bad_arguments_are_refused_before_anything_starts(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    assert "jaxckpt bench: error" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_quick_run_reports_every_figure(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--json", str(path), "--memory-root", str(tmp_path / "memory")]
+    assert bench.main([*argv, "--work-dir", str(tmp_path / "work")]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(path.read_text())
+
+    assert report["format_version"] == bench.FORMAT_VERSION
+    machine = report["machine"]
+    assert _number(machine["cpu_count"]) and _number(machine["ram_bytes"])
+    assert all(machine["versions"][p] for p in ("jax", "orbax-checkpoint", "tensorstore"))
+    assert isinstance(machine["date"], str)
+    assert report["config"]["processes"] == 2 and report["config"]["replicas"] == 1
+
+    figures = {f["id"]: f for f in report["figures"]}
+    assert set(figures) == FIGURE_IDS
+    for f in figures.values():
+        assert _number(f["value"]) and f["value"] >= 0, f
+        assert _number(f["baseline"]) and f["baseline"] > 0, f
+        assert _number(f["ratio"]) and math.isclose(f["ratio"], f["value"] / f["baseline"]), f
+        assert isinstance(f["name"], str) and isinstance(f["unit"], str)
+        assert f["met"] is None if f["target"] is None else isinstance(f["met"], bool), f
+        assert f"| {f['id']} | {f['name']} |" in printed
+
+    # Every restore came from the tier it was meant to, and restored the saved values.
+    for process in report["processes"]:
+        restores = process["restores"]
+        assert {k: r["tier"] for k, r in restores.items()} == {
+            "memory": "memory",
+            "memory_mesh_change": "memory",
+            "peer": "peer",
+            "persistent": "persistent",
+            "orbax": "persistent",
+            "orbax_mesh_change": "persistent",
+        }
+        assert all(r["verified"] for r in restores.values()), restores
+    assert not (tmp_path / "memory").exists() and not (tmp_path / "work").exists()
