@@ -238,7 +238,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         fn = args.iterator_state_fn
         if index:  # validate the target before any collective, so all fail alike
             leaves = next(iter(index.values())).leaves
-            _target.check(leaves, args.abstract_state, index, fn, pi, count, step)
+            ctx = _target.Context(index, pi, count, step, fn)
+            _target.check(leaves, args.abstract_state, ctx)
         view = self._global_view(directory, memory)
         plan = view.plan(step, item_dir)
         if not plan.restorable:
@@ -251,9 +252,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             timeout_s=self._options.timeout_s,
         )
         try:
-            result = _target.fill(
-                restorer, plan.leaves, args.abstract_state, plan.manifests, fn, pi, count, step
-            )
+            ctx = _target.Context(plan.manifests, pi, count, step, fn)
+            result = _target.fill(restorer, plan.leaves, args.abstract_state, ctx)
         except _restore.ChunkUnavailableError as e:
             raise FileNotFoundError(
                 f"{self._redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"

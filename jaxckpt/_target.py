@@ -7,6 +7,7 @@ before any collective, so every process fails the same way.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,25 @@ from jaxckpt._restore import Restorer
 
 # (states saved by every process, in process order; this process; process count) -> state
 IteratorStateFn = Callable[[list[Any], int, int], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Who restores which step, and what every process saved for it.
+
+    Attributes:
+      manifests: owner -> index manifest of every part of the step.
+      process: this process's index.
+      count: how many processes restore.
+      step: the step restored.
+      iterator_state_fn: maps saved iterator states when the process count changed.
+    """
+
+    manifests: Mapping[int, _format.PartManifest]
+    process: int
+    count: int
+    step: int
+    iterator_state_fn: IteratorStateFn | None = None
 
 
 class IteratorState:
@@ -49,15 +69,7 @@ def leaf_metadata(record: _format.LeafRecord, iterator_state: Any) -> Any:
     return IteratorState(_tree.decode_iterator_state(iterator_state))
 
 
-def iterator_state(
-    leaf: int,
-    record: _format.LeafRecord,
-    manifests: Mapping[int, _format.PartManifest],
-    pi: int,
-    count: int,
-    fn: IteratorStateFn | None,
-    step: int,
-) -> Any:
+def iterator_state(leaf: int, record: _format.LeafRecord, ctx: Context) -> Any:
     """The state process `pi` of `count` gets for a saved iterator.
 
     Same process count: its own saved state. Otherwise, if every saved state is
@@ -66,6 +78,13 @@ def iterator_state(
     Raises:
       ValueError: if the process count changed, the states differ and no `fn` was given.
     """
+    manifests, pi, count, fn, step = (
+        ctx.manifests,
+        ctx.process,
+        ctx.count,
+        ctx.iterator_state_fn,
+        ctx.step,
+    )
     saved = len(manifests)
     states = [
         _tree.decode_iterator_state(manifests[o].iterator_states.get(leaf))
@@ -85,18 +104,11 @@ def iterator_state(
     )
 
 
-def check(
-    records: Sequence[_format.LeafRecord],
-    target: Any,
-    manifests: Mapping[int, _format.PartManifest],
-    fn: IteratorStateFn | None,
-    pi: int,
-    count: int,
-    step: int,
-) -> None:
+def check(records: Sequence[_format.LeafRecord], target: Any, ctx: Context) -> None:
     """Raises ValueError/TypeError naming the leaf if `target` does not fit the saved tree."""
     if target is None:
         return
+    pi, step = ctx.process, ctx.step
     pairs, _ = _tree.flatten(target)
     by_path = {r.path: i for i, r in enumerate(records)}
     missing = [p for p, _ in pairs if p not in by_path]
@@ -120,7 +132,7 @@ def check(
         i = by_path[path]
         _check_leaf(records[i], leaf, pi, step)
         if records[i].kind == _format.ITERATOR and _tree.is_iterator(leaf):
-            iterator_state(i, records[i], manifests, pi, count, fn, step)
+            iterator_state(i, records[i], ctx)
 
 
 def _check_leaf(record: _format.LeafRecord, leaf: Any, pi: int, step: int) -> None:
@@ -144,21 +156,11 @@ def _check_leaf(record: _format.LeafRecord, leaf: Any, pi: int, step: int) -> No
 
 
 def fill(
-    restorer: Restorer,
-    records: Sequence[_format.LeafRecord],
-    target: Any,
-    manifests: Mapping[int, _format.PartManifest],
-    fn: IteratorStateFn | None,
-    pi: int,
-    count: int,
-    step: int,
+    restorer: Restorer, records: Sequence[_format.LeafRecord], target: Any, ctx: Context
 ) -> Any:
     """The restored tree, in the structure and layout of `target` (None: everything on host)."""
     if target is None:
-        entries = [
-            (r.keys, _host_value(restorer, i, r, manifests, pi, count, fn, step))
-            for i, r in enumerate(records)
-        ]
+        entries = [(r.keys, _host_value(restorer, i, r, ctx)) for i, r in enumerate(records)]
         return _tree.nest(entries)
     pairs, treedef = _tree.flatten(target)
     by_path = {r.path: i for i, r in enumerate(records)}
@@ -167,7 +169,7 @@ def fill(
         i = by_path[path]
         record = records[i]
         if record.kind == _format.ITERATOR:
-            state = iterator_state(i, record, manifests, pi, count, fn, step)
+            state = iterator_state(i, record, ctx)
             if _tree.is_iterator(leaf):
                 leaf.set_state(state)
                 out.append(leaf)
@@ -176,24 +178,15 @@ def fill(
         elif record.kind == _format.SCALAR:
             out.append(_tree.scalar_value(record))
         else:
-            out.append(_array(restorer, i, record, leaf, pi, step))
+            out.append(_array(restorer, i, record, leaf, ctx.process, ctx.step))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _host_value(
-    restorer: Restorer,
-    i: int,
-    record: _format.LeafRecord,
-    manifests: Mapping[int, _format.PartManifest],
-    pi: int,
-    count: int,
-    fn: IteratorStateFn | None,
-    step: int,
-) -> Any:
+def _host_value(restorer: Restorer, i: int, record: _format.LeafRecord, ctx: Context) -> Any:
     if record.kind == _format.SCALAR:
         return _tree.scalar_value(record)
     if record.kind == _format.ITERATOR:
-        return iterator_state(i, record, manifests, pi, count, fn, step)
+        return iterator_state(i, record, ctx)
     return _with_key_impl(restorer.host_array(i), record)
 
 
