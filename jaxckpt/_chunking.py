@@ -76,8 +76,3 @@ def relative(inner: Region, outer: Region) -> Region:
     return tuple(
         slice(i.start - o.start, i.stop - o.start) for i, o in zip(inner, outer, strict=True)
     )
-
-
-def grid_shape(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:
-    """Number of chunks along each dimension."""
-    return tuple(-(-n // c) if c else 1 for n, c in zip(shape, chunk_shape, strict=True))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -135,8 +134,3 @@ class Peers:
             wire, tag=f"inventory/{self.run_id}", timeout_s=self._timeout_s
         )
         return {p: {int(s): set(o) for s, o in inv.items()} for p, inv in enumerate(everyone)}
-
-
-def held_at(inventories: Mapping[int, Inventory], step: int) -> dict[int, set[int]]:
-    """process -> owners whose part of `step` it holds."""
-    return {p: inv.get(step, set()) for p, inv in inventories.items()}

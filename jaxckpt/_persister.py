@@ -71,10 +71,6 @@ class Persister:
         with self._lock:
             return set(self._pending)
 
-    def is_pending(self, step: int) -> bool:
-        with self._lock:
-            return step in self._pending
-
     def take_errors(self) -> list[BaseException]:
         with self._lock:
             errors, self._errors = self._errors, []
