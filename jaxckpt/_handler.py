@@ -78,10 +78,6 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self.last_restore_metrics: dict[str, Any] = {}
         self.last_persist_metrics: dict[str, Any] = {}
 
-    @property
-    def options(self) -> TierOptions:
-        return self._options
-
     # ---- save -----------------------------------------------------------------
 
     async def async_save(self, directory: epath.Path, args: TieredSave) -> list[Any]:
@@ -271,11 +267,6 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             }
         )
         return result
-
-    def restorable_steps(self, directory: epath.Path) -> list[int]:
-        """Steps next to `directory` that can be restored now, newest first (collective)."""
-        view = self._global_view(directory, self._memory_for(directory))
-        return view.restorable_steps()
 
     def _global_view(
         self, directory: epath.Path | Path, memory: _memory_tier.MemoryTier
