@@ -78,6 +78,10 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self.last_restore_metrics: dict[str, Any] = {}
         self.last_persist_metrics: dict[str, Any] = {}
 
+    @property
+    def options(self) -> TierOptions:
+        return self._options
+
     # ---- save -----------------------------------------------------------------
 
     async def async_save(self, directory: epath.Path, args: TieredSave) -> list[Any]:
