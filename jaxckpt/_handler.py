@@ -24,7 +24,6 @@ from jaxckpt import (
     _memory_tier,
     _multihost,
     _paths,
-    _peers,
     _persister,
     _placement,
     _plan,
@@ -35,6 +34,7 @@ from jaxckpt import (
     _zarr,
 )
 from jaxckpt._options import TierOptions
+from jaxckpt.peer import _peers
 
 
 class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):

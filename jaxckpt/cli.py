@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from jaxckpt import _advise, _catalog, _inspect, _table, _verify
+from jaxckpt.tools import _advise, _catalog, _inspect, _table, _verify
 
 OK, BAD_COPY, ERROR, NOT_IN_REACH = 0, 1, 2, 3
 

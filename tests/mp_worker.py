@@ -203,7 +203,7 @@ def _kill_on_receive(step: int) -> None:
     after the first bytes of the first file arrived (a holder dying mid-push)."""
     import signal
 
-    from jaxckpt import _peer_handler
+    from jaxckpt.peer import _request_handler as _peer_handler
 
     original = _peer_handler.PeerRequestHandler._receive_file
     marker = f"step_{step:012d}"

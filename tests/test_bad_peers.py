@@ -33,11 +33,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _format, _memory_tier, _peers, _restore
+from jaxckpt import _format, _memory_tier, _restore
 from jaxckpt._options import TierOptions
-from jaxckpt._peer_client import PeerAddress, fetch_file
-from jaxckpt._peer_server import PeerServer
-from jaxckpt._peer_wire import TOKEN_HEADER
+from jaxckpt.peer import _peers
+from jaxckpt.peer._client import PeerAddress, fetch_file
+from jaxckpt.peer._server import PeerServer
+from jaxckpt.peer._wire import TOKEN_HEADER
 
 RUN = "bad-peers-run"
 TOKEN = "a" * 64

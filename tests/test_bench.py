@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from jaxckpt import _bench_report, _bench_state, bench
+from jaxckpt.bench import _report as _bench_report
+from jaxckpt.bench import _run as bench
+from jaxckpt.bench import _state as _bench_state
 
 FIGURE_IDS = {
     "1a",

@@ -16,7 +16,8 @@ import pytest
 from helpers import REPO, fresh_iterator, manager, mesh_1d, save, sharded_state
 
 import jaxckpt
-from jaxckpt import _advise, _inspect, cli
+from jaxckpt import cli
+from jaxckpt.tools import _advise, _inspect
 
 STEPS = (1, 2, 3)  # persist_every=2 persists step 2; memory_keep=2 keeps steps 2 and 3
 

@@ -25,7 +25,7 @@ from test_bad_peers import RUN, TOKEN, FakePeers, Outcome, attach, bounded, own_
 import jaxckpt
 from jaxckpt import _format, _memory_tier, _persister
 from jaxckpt._options import TierOptions
-from jaxckpt._peer_server import PeerServer
+from jaxckpt.peer._server import PeerServer
 
 STEP = 1
 LEAF = "['w']"  # sharded over 8 devices: 8 chunks in process 0's part

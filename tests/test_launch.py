@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from jaxckpt import launch
+from jaxckpt.launch import _launcher as launch
 
 # A fake training process: one step event every few ms, its step kept in its memory root
 # (the "memory tier"), restored from there at start, and the launcher's kill hook.

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from jaxckpt._peer_client import (
+from jaxckpt.peer._client import (
     PeerAddress,
     delete_path,
     fetch_file,
@@ -27,8 +27,8 @@ from jaxckpt._peer_client import (
     push_directory,
     redact_token,
 )
-from jaxckpt._peer_server import PeerServer
-from jaxckpt._peer_wire import (
+from jaxckpt.peer._server import PeerServer
+from jaxckpt.peer._wire import (
     TEMP_PREFIX,
     TOKEN_HEADER,
     decode_push_header,

@@ -29,7 +29,7 @@ from test_bad_peers import RUN, TOKEN, FakePeers, Proxy, attach, own_server, sma
 import jaxckpt
 from jaxckpt import _memory_tier, _zarr
 from jaxckpt._options import TierOptions
-from jaxckpt._peer_server import PeerServer
+from jaxckpt.peer._server import PeerServer
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _catalog, _chunking, _format, _plan, _table, _zarr
+from jaxckpt import _chunking, _format, _plan, _zarr
+from jaxckpt.tools import _catalog, _table
 
 # (chunks done, chunks in all, bytes done, bytes in all)
 Progress = Callable[[int, int, int, int], None]

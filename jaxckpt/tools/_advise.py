@@ -30,7 +30,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _catalog, _format, _table
+from jaxckpt import _format
+from jaxckpt.tools import _catalog, _table
 
 COVERS = {
     "memory": "a process crash (the host and its tmpfs survive)",

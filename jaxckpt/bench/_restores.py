@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 import jaxckpt
-from jaxckpt import _bench_raw, _bench_state
+from jaxckpt.bench import _raw, _state
 
 if TYPE_CHECKING:
-    from jaxckpt._bench_phases import Jaxckpt
+    from jaxckpt.bench._phases import Jaxckpt
 
 _equal = jax.jit(
     lambda a, b: jnp.all(jnp.stack([jnp.array_equal(x, y) for x, y in zip(a, b, strict=True)]))
@@ -40,7 +40,7 @@ def _verify(restored: Any, saved: Any) -> bool:
 
 
 def run(
-    tr: _bench_state.Training,
+    tr: _state.Training,
     ours: Jaxckpt,
     omngr: ocp.CheckpointManager,
     step: int,
@@ -73,7 +73,7 @@ def run(
         }
 
     def orbax_restore(name: str, transposed: bool = False) -> None:
-        _bench_raw.evict_page_cache(work / "orbax")
+        _raw.evict_page_cache(work / "orbax")
         sync(f"restore/{name}")
         start = time.perf_counter()
         restored = omngr.restore(step, args=ocp.args.StandardRestore(tr.abstract(transposed)))
@@ -88,7 +88,7 @@ def run(
         shutil.rmtree(memory.part_dir(step, pi))
         jaxckpt_restore("peer")
     shutil.rmtree(memory.step_dir(step), ignore_errors=True)
-    _bench_raw.evict_page_cache(work / "jaxckpt")
+    _raw.evict_page_cache(work / "jaxckpt")
     jaxckpt_restore("persistent")
     orbax_restore("orbax")
     orbax_restore("orbax_mesh_change", transposed=True)

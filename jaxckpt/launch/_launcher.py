@@ -26,7 +26,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -414,7 +413,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@
 2. Raw baselines on this process's own shards: device->host copy, files into
    the memory tier's tmpfs, fsync'd files where checkpoints persist, loopback TCP.
 3. Isolated saves (the previous one finished first): jaxckpt, then Orbax.
-4. Restores from every source (see `_bench_restores`).
+4. Restores from every source (see `_restores`).
 
 Nothing here interprets the timings; `jaxckpt.bench` turns them into figures.
 """
@@ -23,7 +23,8 @@ import jax
 import orbax.checkpoint as ocp
 
 import jaxckpt
-from jaxckpt import _bench_raw, _bench_restores, _bench_state, _multihost
+from jaxckpt import _multihost
+from jaxckpt.bench import _raw, _restores, _state
 
 Record = dict[str, list[float]]
 
@@ -100,10 +101,10 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
     """Runs every phase; returns this process's raw timings (JSON-serializable)."""
     sync = Sync(cfg["timeout_s"])
     work = Path(cfg["work_dir"])
-    shape = _bench_state.shape_for(cfg["state_gib"], jax.device_count(), cfg["batch_per_device"])
+    shape = _state.shape_for(cfg["state_gib"], jax.device_count(), cfg["batch_per_device"])
     progress(f"building the state: {shape}")
-    tr = _bench_state.build(shape)
-    own = _bench_state.own_shards(tr.state(0))
+    tr = _state.build(shape)
+    own = _state.own_shards(tr.state(0))
     out: dict[str, Any] = {
         "process": jax.process_index(),
         "processes": jax.process_count(),
@@ -117,7 +118,7 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
     for _ in range(cfg["warmup"]):
         tr.train_step()
     progress("training loops")
-    with _bench_raw.MemorySampler(memory_root) as sampler:
+    with _raw.MemorySampler(memory_root) as sampler:
         out["loops"], out["memory"] = _loops(cfg, tr, sampler, memory_root, work, sync)
     progress("raw baselines")
     out["raw"] = _raw(cfg, tr, memory_root, work, sync)
@@ -133,7 +134,7 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
         out["persist"] = ours.metrics("persist")
         out["orbax_saves"] = _isolated_orbax(cfg, tr, omngr, sync)
         progress("restores")
-        out["restores"] = _bench_restores.run(tr, ours, omngr, cfg["repeats"] + 1, work, sync)
+        out["restores"] = _restores.run(tr, ours, omngr, cfg["repeats"] + 1, work, sync)
     finally:
         omngr.close()
         ours.close()
@@ -142,7 +143,7 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
 
 
 def _loop(
-    tr: _bench_state.Training,
+    tr: _state.Training,
     steps: int,
     save: Callable[[int], None] | None = None,
     after_save: Callable[[Record], None] | None = None,
@@ -165,8 +166,8 @@ def _loop(
 
 def _loops(
     cfg: dict[str, Any],
-    tr: _bench_state.Training,
-    sampler: _bench_raw.MemorySampler,
+    tr: _state.Training,
+    sampler: _raw.MemorySampler,
     memory_root: Path,
     work: Path,
     sync: Sync,
@@ -196,8 +197,8 @@ def _loops(
         jaxckpt_rss_peak=int(peaks["rss"]),
         jaxckpt_tmpfs_peak=int(peaks["tmpfs"]),
         jaxckpt_combined_peak=int(peaks["combined"]),
-        tmpfs_steady=_bench_raw.tree_bytes(memory_root),
-        rss_after=_bench_raw.rss_bytes(),
+        tmpfs_steady=_raw.tree_bytes(memory_root),
+        rss_after=_raw.rss_bytes(),
     )
     run_dir = ours.handler._memory.run_dir if ours.handler._memory else None
     ours.close()
@@ -224,33 +225,33 @@ def _loops(
 
 
 def _raw(
-    cfg: dict[str, Any], tr: _bench_state.Training, memory_root: Path, work: Path, sync: Sync
+    cfg: dict[str, Any], tr: _state.Training, memory_root: Path, work: Path, sync: Sync
 ) -> dict[str, list[float]]:
     """The baselines, every process at once (as a save runs on every process at once)."""
-    shards = _bench_state.own_shards(tr.state(0))
+    shards = _state.own_shards(tr.state(0))
     out: dict[str, list[float]] = {"d2h": [], "tmpfs_write": [], "fsync_write": [], "socket": []}
     host: list[Any] = []
     for i in range(cfg["repeats"]):
         del host[:]
         sync(f"raw/d2h/{i}")
         start = time.perf_counter()
-        host = _bench_state.raw_device_to_host(shards)
+        host = _state.raw_device_to_host(shards)
         out["d2h"].append(time.perf_counter() - start)
     persist_dir = work / f"raw-{jax.process_index()}"
     for i in range(cfg["repeats"]):
         sync(f"raw/tmpfs/{i}")
-        out["tmpfs_write"].append(_bench_raw.write_files(host, memory_root, fsync=False))
+        out["tmpfs_write"].append(_raw.write_files(host, memory_root, fsync=False))
         sync(f"raw/fsync/{i}")
-        out["fsync_write"].append(_bench_raw.write_files(host, persist_dir, fsync=True))
+        out["fsync_write"].append(_raw.write_files(host, persist_dir, fsync=True))
     shutil.rmtree(persist_dir, ignore_errors=True)
     if jax.process_count() > 1:
-        server = _bench_raw.listen()
+        server = _raw.listen()
         with server:
             ports = sync("raw/ports", server.getsockname()[1])
             nxt = ports[(jax.process_index() + 1) % len(ports)]
             for i in range(cfg["repeats"]):
                 out["socket"].append(
-                    _bench_raw.ring_transfer(
+                    _raw.ring_transfer(
                         server, nxt, host, _barrier(sync, f"raw/socket/{i}"), cfg["timeout_s"]
                     )
                 )
@@ -265,7 +266,7 @@ def _barrier(sync: Sync, tag: str) -> Callable[[], None]:
 
 
 def _isolated_jaxckpt(
-    cfg: dict[str, Any], tr: _bench_state.Training, ours: Jaxckpt, sync: Sync
+    cfg: dict[str, Any], tr: _state.Training, ours: Jaxckpt, sync: Sync
 ) -> list[dict[str, Any]]:
     """Saves steps 1..repeats+1, each after the previous one finished; step 1 warms up.
 
@@ -308,7 +309,7 @@ def _plus(a: float | None, b: float | None) -> float | None:
 
 
 def _isolated_orbax(
-    cfg: dict[str, Any], tr: _bench_state.Training, mngr: ocp.CheckpointManager, sync: Sync
+    cfg: dict[str, Any], tr: _state.Training, mngr: ocp.CheckpointManager, sync: Sync
 ) -> list[dict[str, Any]]:
     records = []
     for step in range(1, cfg["repeats"] + 2):

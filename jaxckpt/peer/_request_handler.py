@@ -20,7 +20,7 @@ import urllib.parse
 import zlib
 from typing import TYPE_CHECKING, Any, BinaryIO, Final
 
-from jaxckpt._peer_wire import (
+from jaxckpt.peer._wire import (
     TEMP_PREFIX,
     TOKEN_HEADER,
     clean_relpath,
@@ -31,7 +31,7 @@ from jaxckpt._peer_wire import (
 )
 
 if TYPE_CHECKING:
-    from jaxckpt._peer_server import PeerHTTPServer
+    from jaxckpt.peer._server import PeerHTTPServer
 
 logger = logging.getLogger(__name__)
 

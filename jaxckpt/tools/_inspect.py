@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _catalog, _format, _table
+from jaxckpt import _format
+from jaxckpt.tools import _catalog, _table
 
 # Save metrics shown as columns by `inspect`, in this order (others only in --json).
 METRIC_COLUMNS = (

@@ -1,6 +1,6 @@
 """One process of `jaxckpt bench`: trains, saves and restores, and reports raw timings.
 
-Started by `jaxckpt.bench` once per process (`python -m jaxckpt._bench_worker
+Started by `jaxckpt.bench` once per process (`python -m jaxckpt.bench._worker
 CONFIG_JSON`), with its process id, coordinator and memory root in the
 environment. Every process runs the same phases in lockstep; every wait on
 another process is bounded by the configured timeout. The last stdout line is
@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = json.loads(argv[0])
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     _start_jax(cfg)
-    from jaxckpt import _bench_phases
+    from jaxckpt.bench import _phases
 
-    result = _bench_phases.run(cfg, Path(os.environ[ENV_MEMORY_ROOT]))
+    result = _phases.run(cfg, Path(os.environ[ENV_MEMORY_ROOT]))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 

@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Iterator
 from typing import Any, Final
 
-from jaxckpt._peer_wire import (
+from jaxckpt.peer._wire import (
     TOKEN_HEADER,
     check_run_id,
     check_token,

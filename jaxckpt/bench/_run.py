@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, Final
 
-from jaxckpt import _bench_report
-from jaxckpt._bench_worker import (
+from jaxckpt.bench import _report
+from jaxckpt.bench._worker import (
     ENV_COORDINATOR,
     ENV_MEMORY_ROOT,
     ENV_PROCESS_ID,
@@ -108,7 +108,7 @@ def _start(cfg: dict[str, Any], memory_base: Path, logs: Path, attempt: int) -> 
         path = logs / f"process{i}.attempt{attempt}.log"
         output = open(path, "wb")  # noqa: SIM115  (closed in _finish)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxckpt._bench_worker", json.dumps(cfg)],
+            [sys.executable, "-m", "jaxckpt.bench._worker", json.dumps(cfg)],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=output,
@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     start = time.monotonic()
-    machine = _bench_report.machine(str(memory_base), str(work_dir))
+    machine = _report.machine(str(memory_base), str(work_dir))
     gib = args.prefault_gib
     if gib is None:
         gib = min(12 * cfg["state_gib"] + 1, 0.6 * (_available_bytes() or 0) / 2**30)
@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(memory_base, ignore_errors=True)
             shutil.rmtree(work_dir, ignore_errors=True)
-    figs = _bench_report.figures(procs, cfg["warmup"], cfg["replicas"])
+    figs = _report.figures(procs, cfg["warmup"], cfg["replicas"])
     report = {
         "format_version": FORMAT_VERSION,
         "command": ["jaxckpt", "bench", *(argv if argv is not None else sys.argv[1:])],
@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "figures": [dataclasses.asdict(f) for f in figs],
         "processes": procs,
     }
-    print(_bench_report.table(figs))
+    print(_report.table(figs))
     print(
         f"\nstate {procs[0]['state_bytes'] / 2**30:.3g} GiB ({procs[0]['shape']}), "
         f"{cfg['processes']} processes, {report['seconds']} s"
@@ -303,7 +303,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,9 +18,9 @@ import threading
 import uuid
 from typing import Any
 
-from jaxckpt._peer_client import PeerAddress
-from jaxckpt._peer_handler import PeerRequestHandler, remove_entry
-from jaxckpt._peer_wire import TEMP_PREFIX, check_run_id, check_token
+from jaxckpt.peer._client import PeerAddress
+from jaxckpt.peer._request_handler import PeerRequestHandler, remove_entry
+from jaxckpt.peer._wire import TEMP_PREFIX, check_run_id, check_token
 
 logger = logging.getLogger(__name__)
 
