@@ -2,7 +2,7 @@
 
 `python -m jaxckpt.bench` or `jaxckpt bench`. The driver (`_run`) starts the worker
 processes (`_worker`), which build the state (`_state`), run the phases (`_phases`,
-`_restores`) and measure the raw baselines (`_raw`); `_report` turns their results
+`_restores`) and measure the raw baselines (`_baselines`); `_report` turns their results
 into the table of figures.
 """
 

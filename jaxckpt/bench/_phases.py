@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 import jaxckpt
 from jaxckpt import _multihost
-from jaxckpt.bench import _raw, _restores, _state
+from jaxckpt.bench import _baselines, _restores, _state
 
 Record = dict[str, list[float]]
 
@@ -118,7 +118,7 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
     for _ in range(cfg["warmup"]):
         tr.train_step()
     progress("training loops")
-    with _raw.MemorySampler(memory_root) as sampler:
+    with _baselines.MemorySampler(memory_root) as sampler:
         out["loops"], out["memory"] = _loops(cfg, tr, sampler, memory_root, work, sync)
     progress("raw baselines")
     out["raw"] = _raw(cfg, tr, memory_root, work, sync)
@@ -167,7 +167,7 @@ def _loop(
 def _loops(
     cfg: dict[str, Any],
     tr: _state.Training,
-    sampler: _raw.MemorySampler,
+    sampler: _baselines.MemorySampler,
     memory_root: Path,
     work: Path,
     sync: Sync,
@@ -197,8 +197,8 @@ def _loops(
         jaxckpt_rss_peak=int(peaks["rss"]),
         jaxckpt_tmpfs_peak=int(peaks["tmpfs"]),
         jaxckpt_combined_peak=int(peaks["combined"]),
-        tmpfs_steady=_raw.tree_bytes(memory_root),
-        rss_after=_raw.rss_bytes(),
+        tmpfs_steady=_baselines.tree_bytes(memory_root),
+        rss_after=_baselines.rss_bytes(),
     )
     run_dir = ours.handler._memory.run_dir if ours.handler._memory else None
     ours.close()
@@ -240,18 +240,18 @@ def _raw(
     persist_dir = work / f"raw-{jax.process_index()}"
     for i in range(cfg["repeats"]):
         sync(f"raw/tmpfs/{i}")
-        out["tmpfs_write"].append(_raw.write_files(host, memory_root, fsync=False))
+        out["tmpfs_write"].append(_baselines.write_files(host, memory_root, fsync=False))
         sync(f"raw/fsync/{i}")
-        out["fsync_write"].append(_raw.write_files(host, persist_dir, fsync=True))
+        out["fsync_write"].append(_baselines.write_files(host, persist_dir, fsync=True))
     shutil.rmtree(persist_dir, ignore_errors=True)
     if jax.process_count() > 1:
-        server = _raw.listen()
+        server = _baselines.listen()
         with server:
             ports = sync("raw/ports", server.getsockname()[1])
             nxt = ports[(jax.process_index() + 1) % len(ports)]
             for i in range(cfg["repeats"]):
                 out["socket"].append(
-                    _raw.ring_transfer(
+                    _baselines.ring_transfer(
                         server, nxt, host, _barrier(sync, f"raw/socket/{i}"), cfg["timeout_s"]
                     )
                 )

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 import jaxckpt
-from jaxckpt.bench import _raw, _state
+from jaxckpt.bench import _baselines, _state
 
 if TYPE_CHECKING:
     from jaxckpt.bench._phases import Jaxckpt
@@ -73,7 +73,7 @@ def run(
         }
 
     def orbax_restore(name: str, transposed: bool = False) -> None:
-        _raw.evict_page_cache(work / "orbax")
+        _baselines.evict_page_cache(work / "orbax")
         sync(f"restore/{name}")
         start = time.perf_counter()
         restored = omngr.restore(step, args=ocp.args.StandardRestore(tr.abstract(transposed)))
@@ -88,7 +88,7 @@ def run(
         shutil.rmtree(memory.part_dir(step, pi))
         jaxckpt_restore("peer")
     shutil.rmtree(memory.step_dir(step), ignore_errors=True)
-    _raw.evict_page_cache(work / "jaxckpt")
+    _baselines.evict_page_cache(work / "jaxckpt")
     jaxckpt_restore("persistent")
     orbax_restore("orbax")
     orbax_restore("orbax_mesh_change", transposed=True)
