@@ -16,6 +16,7 @@ together with `FORMAT_VERSION` and a reader for the old version.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import zlib
 from collections.abc import Mapping
@@ -23,9 +24,18 @@ from typing import Any, Final
 
 FORMAT_NAME: Final = "jaxckpt"
 FORMAT_VERSION: Final = 1
-JAXCKPT_VERSION: Final = "0.1.0"  # the writer's version, informational
 MANIFEST_FILE: Final = "manifest.json"
 ARRAYS_DIR: Final = "arrays"
+
+
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("jaxckpt")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0+unknown"
+
+
+JAXCKPT_VERSION: Final = _installed_version()  # the writer's version, informational
 
 # Leaf kinds.
 ARRAY: Final = "array"  # jax.Array (typed PRNG keys are stored as their key data)

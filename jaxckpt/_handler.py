@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from orbax.checkpoint import checkpoint_args
 from jaxckpt import (
     _faults,
     _format,
+    _fs,
     _memory_tier,
     _multihost,
     _paths,
@@ -181,7 +181,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             committed = memory.commit(staging, step, pi)
             _faults.maybe_crash("memory_commit", step, pi)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            _fs.remove_entry(staging)
             raise
         metrics["safe_in_memory_s"] = time.perf_counter() - started
         if self._peers is not None and self._options.replicas:
@@ -195,7 +195,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # IMPORTANT: the index manifest is written only after the memory part is committed
         # (and replicated), so an index never points at copies that do not exist yet.
         manifest = dataclasses.replace(manifest, metrics=dict(metrics))
-        _write_atomic(directory / _format.index_file(pi), manifest.to_json())
+        _fs.write_atomic(directory / _format.index_file(pi), manifest.to_json())
         _faults.maybe_crash("index", step, pi)
         self._publish(metrics)
         if step % self._options.persist_every == 0:
@@ -462,12 +462,6 @@ def _step_of(directory: epath.Path | Path, explicit: int | None) -> int:
             "(step directories are named by step) or pass TieredSave(state, step=...)."
         )
     return step
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 @checkpoint_args.register_with_handler(TieredCheckpointHandler, for_save=True)

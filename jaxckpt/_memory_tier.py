@@ -15,36 +15,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from jaxckpt import _format
+from jaxckpt import _format, _fs
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PART_RE = re.compile(r"^part_(\d+)$")
-
-
-def replace_dir(staging: Path, final: Path, *, make_parents: bool = True) -> None:
-    """Atomically moves the complete directory `staging` to `final`.
-
-    An existing `final` is first renamed away, then removed, so that `final`
-    always names either the old complete directory or the new one.
-
-    Raises:
-      FileNotFoundError: if `final`'s parent is missing and `make_parents` is False.
-    """
-    if make_parents:
-        final.parent.mkdir(parents=True, exist_ok=True)
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
-    os.rename(staging, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 class MemoryTier:
@@ -67,17 +46,16 @@ class MemoryTier:
             probe.unlink()
             run_file = self.run_dir / "RUN.json"
             if not run_file.exists():
-                tmp = self.run_dir / f".RUN.json.{uuid.uuid4().hex}"
-                tmp.write_text(
+                _fs.write_atomic(
+                    run_file,
                     json.dumps(
                         {
                             "run_id": self.run_id,
                             "checkpoint_dir": checkpoint_dir,
                             "created": time.time(),
                         }
-                    )
+                    ),
                 )
-                os.replace(tmp, run_file)
         except OSError as e:
             raise PermissionError(
                 f"[process {process_index}] The memory tier {self.run_dir} is not writable ({e}). "
@@ -102,7 +80,7 @@ class MemoryTier:
     def commit(self, staging: Path, step: int, owner: int) -> Path:
         """Makes a fully written staging directory the part (step, owner)."""
         final = self.part_dir(step, owner)
-        replace_dir(staging, final)
+        _fs.replace_dir(staging, final)
         return final
 
     def steps(self) -> list[int]:
@@ -177,18 +155,12 @@ class MemoryTier:
                 os.rename(self.step_dir(step), trash)
             except OSError:
                 continue
-            shutil.rmtree(trash, ignore_errors=True)
+            _fs.remove_entry(trash)
         return doomed
 
     def clear_staging(self, older_than_s: float = 0.0) -> None:
-        """Removes leftovers of interrupted writes."""
-        staging = self.run_dir / ".staging"
-        if not staging.is_dir():
-            return
+        """Removes leftovers of interrupted writes older than `older_than_s`."""
         now = time.time()
-        for p in staging.iterdir():
-            try:
-                if now - p.stat().st_mtime >= older_than_s:
-                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
-            except OSError:
-                pass
+        _fs.remove_entries(
+            self.run_dir / ".staging", which=lambda p: now - p.stat().st_mtime >= older_than_s
+        )

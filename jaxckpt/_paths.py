@@ -4,19 +4,34 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import time
 from pathlib import Path
 
+import orbax.checkpoint as ocp
+
 # CheckpointManager writes into `<root>/<step>.orbax-checkpoint-tmp[-<n>]/<item>.orbax-checkpoint-tmp[-<n>]`
-# and renames both to `<root>/<step>/<item>` when the step is finalized.
-_TMP_RE = re.compile(r"\.orbax-checkpoint-tmp(-\d+)?$")
-_STEP_RE = re.compile(r"(\d+)$")
+# and renames both to `<root>/<step>/<item>` when the step is finalized (on object stores it
+# writes a commit file instead). Step names are Orbax's: `<step>` or `<prefix>_<step>`.
 STAGING_DIR = ".jaxckpt-staging"
 
 
+def is_temporary(name: str) -> bool:
+    """Whether `name` is a step or item directory the manager has not finalized yet."""
+    return ocp.path.step.TMP_DIR_SUFFIX in name
+
+
 def strip_tmp(name: str) -> str:
-    return _TMP_RE.sub("", name)
+    """`5.orbax-checkpoint-tmp-123` -> `5`; a finalized name is returned unchanged."""
+    index = name.find(ocp.path.step.TMP_DIR_SUFFIX)
+    return name if index == -1 else name[:index]
+
+
+def step_of_name(name: str) -> int | None:
+    """The step of a step directory's name (finalized or temporary), if it names one."""
+    try:
+        return ocp.path.step.step_from_checkpoint_name(name)
+    except ValueError:
+        return None
 
 
 def final_item_dir(directory: os.PathLike | str) -> Path:
@@ -27,8 +42,7 @@ def final_item_dir(directory: os.PathLike | str) -> Path:
 
 def step_of(directory: os.PathLike | str) -> int | None:
     """The step number of an item directory `<root>/<step>/<item>`, if it has one."""
-    match = _STEP_RE.search(strip_tmp(Path(os.fspath(directory)).parent.name))
-    return int(match.group(1)) if match else None
+    return step_of_name(Path(os.fspath(directory)).parent.name)
 
 
 def checkpoint_root(directory: os.PathLike | str) -> Path:
@@ -45,15 +59,19 @@ def default_run_id(directory: os.PathLike | str) -> str:
 def sibling_steps(directory: os.PathLike | str) -> dict[int, Path]:
     """step -> final item directory for every finalized step next to `directory`."""
     directory = Path(os.fspath(directory))
-    root, item = checkpoint_root(directory), strip_tmp(directory.name)
+    return finalized_steps(checkpoint_root(directory), strip_tmp(directory.name))
+
+
+def finalized_steps(root: Path, item: str) -> dict[int, Path]:
+    """step -> item directory `<root>/<step>/<item>` for every finalized step holding `item`."""
     out = {}
     if root.is_dir():
         for p in root.iterdir():
-            if _TMP_RE.search(p.name) or p.name.startswith("."):
+            if is_temporary(p.name) or p.name.startswith("."):
                 continue
-            match = _STEP_RE.search(p.name)
-            if match and (p / item).is_dir():
-                out[int(match.group(1))] = p / item
+            step = step_of_name(p.name)
+            if step is not None and (p / item).is_dir():
+                out[step] = p / item
     return out
 
 

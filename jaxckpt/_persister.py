@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import queue
-import shutil
 import threading
 import time
 import uuid
@@ -22,7 +21,7 @@ from typing import Any
 
 from absl import logging as log
 
-from jaxckpt import _faults, _format, _memory_tier, _paths, _zarr
+from jaxckpt import _faults, _format, _fs, _paths, _zarr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +136,8 @@ class Persister:
             )
         )
         if root not in self._cleaned:  # leftovers of this process index's killed predecessor
-            for old in (root / _paths.STAGING_DIR).glob(f"*.p{manifest.owner}.*"):
-                shutil.rmtree(old, ignore_errors=True)
+            suffix = f".p{manifest.owner}."
+            _fs.remove_entries(root / _paths.STAGING_DIR, which=lambda p: suffix in p.name)
             self._cleaned.add(root)
         staging.mkdir(parents=True)
         try:
@@ -161,7 +160,7 @@ class Persister:
             # IMPORTANT: the rename is the durability marker; it comes after every byte is
             # written, and never recreates a step directory that garbage collection removed.
             try:
-                _memory_tier.replace_dir(
+                _fs.replace_dir(
                     staging,
                     job.final_item_dir / _format.part_dir_name(manifest.owner),
                     make_parents=False,
@@ -173,7 +172,7 @@ class Persister:
             _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
             return metrics
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            _fs.remove_entry(staging)
 
     async def _copy(self, manifest: _format.PartManifest, source: Path, staging: Path) -> None:
         src, dst = _zarr.file_kvstore(str(source)), _zarr.file_kvstore(str(staging))

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
@@ -23,8 +22,6 @@ from jaxckpt import _format, _memory_tier, _paths, _placement, _plan, _restore
 
 UNREADABLE: Final = "unreadable manifest"
 OTHER_SAVE: Final = "another save of the step"
-_TMP_RE = re.compile(r"\.orbax-checkpoint-tmp(-\d+)?$")
-_STEP_RE = re.compile(r"(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +126,9 @@ class Catalog:
         if not self.directory.is_dir():
             raise FileNotFoundError(f"Checkpoint directory {self.directory} does not exist.")
         self.item = item or _single_item(self.directory)
-        # `sibling_steps` takes an item directory `<dir>/<step>/<item>`; any step name will do.
-        self.step_dirs = _paths.sibling_steps(self.directory / "0" / self.item)
+        self.step_dirs = _paths.finalized_steps(self.directory, self.item)
         self.unfinalized = sorted(
-            p.name for p in self.directory.iterdir() if _TMP_RE.search(p.name)
+            p.name for p in self.directory.iterdir() if _paths.is_temporary(p.name)
         )
         self._index = {s: _restore.read_index(d) for s, d in self.step_dirs.items()}
         self.run_id = run_id or self._run_id()
@@ -285,8 +281,8 @@ def _single_item(directory: Path) -> str:
     for step_dir in directory.iterdir():
         if (
             step_dir.is_dir()
-            and not _TMP_RE.search(step_dir.name)
-            and _STEP_RE.search(step_dir.name)
+            and not _paths.is_temporary(step_dir.name)
+            and _paths.step_of_name(step_dir.name) is not None
         ):
             items.update(p.parent.name for p in step_dir.glob("*/index_*.json"))
     if len(items) > 1:

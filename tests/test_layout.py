@@ -1,0 +1,140 @@
+"""The package's shape: layered imports, no cycles, no module too big.
+
+The layers are the ones docs/architecture.md describes; a module may import
+modules of its own layer or of lower ones, never of a higher one. Read from the
+source with `ast` (every import, including those inside functions and under
+TYPE_CHECKING), so nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+from pathlib import Path
+
+import jaxckpt
+
+PACKAGE = Path(jaxckpt.__file__).parent
+
+# Lowest first. Patterns are module names relative to the package.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "foundations",
+        (
+            "_format",
+            "_fs",
+            "_faults",
+            "_chunking",
+            "_sharding",
+            "_multihost",
+            "_placement",
+            "_options",
+            "_paths",
+            "_tree",
+        ),
+    ),
+    ("storage and planning", ("_zarr", "_memory_tier", "_plan")),
+    ("save and restore steps", ("_persister", "_snapshot", "_restore", "_target")),
+    ("peer service", ("peer", "peer.*")),
+    ("handler and public API", ("_handler", "__init__")),
+    ("operator tools and launcher", ("tools", "tools.*", "launch", "launch.*")),
+    ("benchmark", ("bench", "bench.*")),
+    ("command line", ("cli",)),
+]
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" and len(rel.parts) > 1 else rel.parts
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's own modules that `path` imports (relative names)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from jaxckpt.peer import _wire` imports the module `peer._wire`;
+            # `from jaxckpt.peer._wire import PeerAddress` imports `peer._wire` too.
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                names.append(sub if _relative(sub) in modules else node.module)
+        out.update(r for r in map(_relative, names) if r in modules)
+    return out
+
+
+def _relative(name: str) -> str:
+    return "__init__" if name == "jaxckpt" else name.removeprefix("jaxckpt.")
+
+
+def _layer(module: str) -> int:
+    for index, (_, patterns) in enumerate(LAYERS):
+        if any(fnmatch.fnmatchcase(module, p) for p in patterns):
+            return index
+    raise AssertionError(
+        f"Module jaxckpt.{module} is in no layer: add it to LAYERS here and to "
+        "docs/architecture.md."
+    )
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    names = set(modules) | {"__init__"}
+    graph = {m: _imports(p, names) - {m} for m, p in modules.items()}
+    graph["__init__"] = graph.pop("", set())
+    return graph
+
+
+def test_every_module_imports_only_its_layer_or_lower() -> None:
+    wrong = [
+        f"jaxckpt.{m} ({LAYERS[_layer(m)][0]}) imports jaxckpt.{d} ({LAYERS[_layer(d)][0]})"
+        for m, deps in sorted(_graph().items())
+        for d in sorted(deps)
+        if _layer(d) > _layer(m)
+    ]
+    assert not wrong, "Imports pointing up a layer:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == 1:
+                cycles.append([*path[path.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "Import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_holds_more_than_8_percent_of_the_package() -> None:
+    lines = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
+    total = sum(lines.values())
+    too_big = {m: n for m, n in lines.items() if n > 0.08 * total}
+    assert not too_big, f"Modules over 8% of the package's {total} lines: {too_big}"
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
+    # The checker itself: an import of a higher layer is found, a lower one is not.
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from jaxckpt import _format\nfrom jaxckpt.peer import _wire\nimport jaxckpt\n"
+    )
+    found = _imports(source, {"_format", "peer._wire", "__init__"})
+    assert found == {"_format", "peer._wire", "__init__"}
+    assert _layer("_format") < _layer("peer._wire") < _layer("__init__")
