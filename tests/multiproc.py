@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import portpicker
+
+from jaxckpt.launch._supervise import port_in_use
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -21,12 +24,6 @@ class ProcessResult:
     returncode: int
     result: dict[str, Any] | None
     output: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(
@@ -46,7 +43,7 @@ def run(
     """
     for attempt in range(3):
         results = _run_once(scenario, roots, domains, args, timeout, env or {})
-        if not any("Failed to add port" in r.output for r in results):
+        if not any(port_in_use(r.output) for r in results):
             break
         time.sleep(0.5 + attempt)
     if expect_ok and any(r.returncode != 0 or r.result is None for r in results):
@@ -59,7 +56,7 @@ def run(
 
 def _run_once(scenario, roots, domains, args, timeout, env) -> list[ProcessResult]:
     n = len(roots)
-    port = free_port()
+    port = portpicker.pick_unused_port()
     procs = []
     for i in range(n):
         proc_env = {

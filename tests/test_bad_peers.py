@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import portpicker
 import pytest
 from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save
 from jax.sharding import NamedSharding
@@ -52,9 +53,7 @@ HANG_S = 10.0  # a restore still running after this is counted as a hang
 
 def closed_port() -> PeerAddress:
     """An address where nothing listens (a dead peer)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return PeerAddress("127.0.0.1", s.getsockname()[1])
+    return PeerAddress("127.0.0.1", portpicker.pick_unused_port())
 
 
 class Silent:

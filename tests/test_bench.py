@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -43,7 +44,27 @@ def test_ratio_and_target():
     assert f.ratio == 0.75 and f.met is False
     missing = _bench_report.Figure("x", "n", None, "s", 4.0, "b", ">= 0.8")
     assert missing.ratio is None and missing.met is None
-    assert "| x | n | n/a s | 4 s | b | n/a | >= 0.8 | n/a |" in _bench_report.table([missing])
+
+    met = _bench_report.Figure("y", "a name", 0.5, "MB/s", 1.0, "raw op", ">= 0.4")
+    plain = _bench_report.Figure("z", "no target", 0.0123, "s", 0.5, "raw op")
+    header, *rows = _bench_report.table([missing, met, plain]).splitlines()
+    # Columns are two or more spaces apart; seconds are in human units.
+    cells = [re.split(r"\s{2,}", row) for row in rows]
+    assert re.split(r"\s{2,}", header) == [
+        "#",
+        "figure",
+        "value",
+        "baseline",
+        "baseline is",
+        "ratio",
+        "target",
+        "met",
+    ]
+    assert cells == [
+        ["x", "n", "-", "4.00 s", "b", "-", ">= 0.8", "-"],
+        ["y", "a name", "0.5 MB/s", "1 MB/s", "raw op", "0.5", ">= 0.4", "yes"],
+        ["z", "no target", "12.3 ms", "500.0 ms", "raw op", "0.0246"],
+    ]
 
 
 def test_state_shape_follows_the_requested_size():
@@ -90,7 +111,7 @@ def test_quick_run_reports_every_figure(tmp_path, capsys):
         assert _number(f["ratio"]) and math.isclose(f["ratio"], f["value"] / f["baseline"]), f
         assert isinstance(f["name"], str) and isinstance(f["unit"], str)
         assert f["met"] is None if f["target"] is None else isinstance(f["met"], bool), f
-        assert f"| {f['id']} | {f['name']} |" in printed
+        assert re.search(rf"^{f['id']}  +{re.escape(f['name'])}  ", printed, re.M), f
 
     # Every restore came from the tier it was meant to, and restored the saved values.
     for process in report["processes"]:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import pathlib
+import signal
 import sys
 import textwrap
+import time
 
+import psutil
 import pytest
 
 from jaxckpt.launch import _launcher as launch
+from jaxckpt.launch import _supervise
 
 # A fake training process: one step event every few ms, its step kept in its memory root
 # (the "memory tier"), restored from there at start, and the launcher's kill hook.
@@ -171,3 +175,54 @@ def test_parsing_helpers() -> None:
         launch.main(["-n", "2"])  # no command
     with pytest.raises(SystemExit):
         launch.main(["-n", "2", "--kill", "5@1", "--", "true"])  # no such process
+
+
+def test_process_set_reports_the_first_failure() -> None:
+    code = "import os, sys; sys.exit(int(os.environ['CODE']))"
+    envs = [{"CODE": "0"}, {"CODE": "3"}]
+    with _supervise.ProcessSet([sys.executable, "-c", code], envs) as ps:
+        assert ps.wait(time.monotonic() + 60, poll_s=0.05) == "process 1 exited with 3"
+    with _supervise.ProcessSet([sys.executable, "-c", code], envs[:1]) as ps:
+        assert ps.wait(time.monotonic() + 60, poll_s=0.05) is None
+
+
+def test_process_set_kills_whole_groups_and_bounds_its_wait(tmp_path) -> None:
+    # Each process starts a grandchild that would outlive it; killing the set ends both.
+    script = (
+        "import os, pathlib, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"pathlib.Path({str(tmp_path)!r}, os.environ['WHO']).write_text(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    files = [tmp_path / "p0", tmp_path / "p1"]
+    with _supervise.ProcessSet(
+        [sys.executable, "-c", script], [{"WHO": "p0"}, {"WHO": "p1"}]
+    ) as ps:
+        deadline = time.monotonic() + 30
+        while not all(f.exists() and f.read_text() for f in files):
+            assert time.monotonic() < deadline and ps.codes() == [None, None]
+            time.sleep(0.05)
+        ticks: list[None] = []
+        why = ps.wait(time.monotonic() + 0.2, poll_s=0.05, tick=lambda: ticks.append(None))
+        assert why == "the run passed its deadline" and len(ticks) >= 2
+    assert ps.codes() == [-signal.SIGKILL, -signal.SIGKILL]
+    grandchildren = [int(f.read_text()) for f in files]
+    deadline = time.monotonic() + 10
+    while not all(map(_dead, grandchildren)):
+        assert time.monotonic() < deadline, "a grandchild outlived the kill"
+        time.sleep(0.05)
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_port_retries_are_bounded() -> None:
+    ports = _supervise.PortRetries(2)
+    assert not ports.retry(False)
+    assert ports.retry(True) and ports.retry(True) and not ports.retry(True)
+    assert _supervise.port_in_use("F0101 Failed to add port to server")
+    assert 0 < _supervise.free_port() < 65536

@@ -33,7 +33,7 @@ EVERY = 25
 SOAK = """
 import json, os, shutil, threading, time
 from pathlib import Path
-import jax, numpy as np, orbax.checkpoint as ocp
+import jax, numpy as np, orbax.checkpoint as ocp, psutil
 from jax.sharding import NamedSharding, PartitionSpec as P
 from helpers import manager, save, restore, abstract, assert_tree_equal, mesh_1d
 import jaxckpt
@@ -54,10 +54,7 @@ def state(step):
 def tree_bytes(path):
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
-def rss_kib():
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
+me = psutil.Process()
 
 h = jaxckpt.TieredCheckpointHandler(
     jaxckpt.TierOptions(memory_root, memory_keep=2, persist_every=25)
@@ -73,14 +70,14 @@ for step in range(1, saves + 1):
         print("SAMPLE " + json.dumps({
             "saves": step,
             "seconds": round(time.perf_counter() - start, 1),
-            "rss_mib": round(rss_kib() / 1024, 1),
+            "rss_mib": round(me.memory_info().rss / 2**20, 1),
             "tmpfs_kib": tree_bytes(memory_root) // 1024,
             "ckpt_kib": tree_bytes(ckpt) // 1024,
             "memory_steps": len(h._memory.steps()),
             "ckpt_steps": len(mngr.all_steps()),
             "threads": threading.active_count(),
-            "tasks": len(os.listdir("/proc/self/task")),
-            "fds": len(os.listdir("/proc/self/fd")),
+            "tasks": me.num_threads(),
+            "fds": me.num_fds(),
         }), flush=True)
 assert_tree_equal(restore(mngr, saves, abstract(state(saves))), state(saves))
 mngr.close()

@@ -1,9 +1,10 @@
 """The benchmark: what a checkpoint every step costs, against baselines measured in the same run.
 
 `python -m jaxckpt.bench` or `jaxckpt bench`. The driver (`_run`) starts the worker
-processes (`_worker`), which build the state (`_state`), run the phases (`_phases`,
-`_restores`) and measure the raw baselines (`_baselines`); `_report` turns their results
-into the table of figures.
+processes (`_worker`, started and stopped with `jaxckpt.launch._supervise`), which build
+the state (`_state`), run the phases (`_phases`, `_restores`) on jaxckpt's and Orbax's
+managers (`_managers`) and measure the raw baselines (`_baselines`); `_report` turns their
+results into the table of figures.
 """
 
 from jaxckpt.bench._run import main as main

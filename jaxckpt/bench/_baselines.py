@@ -9,6 +9,7 @@ checkpoints persist, and a TCP stream over loopback to the next process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import socket
@@ -20,8 +21,8 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
+import psutil
 
-_PAGE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _SOCKET_BUFFER: Final = 8 << 20
 
 
@@ -143,15 +144,14 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
+@functools.cache
+def _process(pid: int) -> psutil.Process:
+    return psutil.Process(pid)
+
+
 def rss_bytes() -> int:
     """This process's resident set size now."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except OSError:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return int(_process(os.getpid()).memory_info().rss)
 
 
 class MemorySampler:

@@ -22,9 +22,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-import jaxckpt
 from jaxckpt import _multihost
 from jaxckpt.bench import _baselines, _restores, _state
+from jaxckpt.bench._managers import Jaxckpt, orbax_manager
 
 Record = dict[str, list[float]]
 
@@ -46,55 +46,6 @@ class Sync:
 
     def __call__(self, tag: str, value: Any = 0) -> list[Any]:
         return _multihost.allgather(value, tag=f"bench/{tag}", timeout_s=self.timeout_s)
-
-
-class Jaxckpt:
-    """A CheckpointManager around a `TieredCheckpointHandler`, and the metrics it reported."""
-
-    def __init__(self, directory: Path, memory_root: Path, cfg: dict[str, Any], **options: Any):
-        max_to_keep = options.pop("max_to_keep", None)
-        self.events: list[dict[str, Any]] = []  # appended from the commit and persist threads
-        self.handler = jaxckpt.TieredCheckpointHandler(
-            jaxckpt.TierOptions(
-                str(memory_root), replicas=cfg["replicas"], timeout_s=cfg["timeout_s"], **options
-            ),
-            on_metrics=self.events.append,
-        )
-        self.mngr = ocp.CheckpointManager(
-            directory,
-            item_handlers={"train": self.handler},
-            options=_manager_options(cfg, max_to_keep),
-        )
-
-    def save(self, step: int, state: Any) -> None:
-        self.mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state)))
-
-    def metrics(self, event: str, step: int | None = None) -> list[dict[str, Any]]:
-        """The reported metrics of one kind ("save", "persist"), optionally of one step."""
-        return [
-            dict(m)
-            for m in list(self.events)
-            if m.get("event") == event and (step is None or m.get("step") == step)
-        ]
-
-    def close(self) -> None:
-        self.mngr.close()
-
-
-def orbax_manager(directory: Path, cfg: dict[str, Any], max_to_keep: int) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        directory,
-        item_handlers=ocp.StandardCheckpointHandler(),
-        options=_manager_options(cfg, max_to_keep),
-    )
-
-
-def _manager_options(cfg: dict[str, Any], max_to_keep: int | None) -> Any:
-    return ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep,
-        enable_async_checkpointing=True,
-        async_options=ocp.AsyncOptions(timeout_secs=int(cfg["timeout_s"])),
-    )
 
 
 def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:

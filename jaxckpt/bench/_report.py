@@ -17,6 +17,10 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+import psutil
+
+from jaxckpt.tools import _table
+
 _PACKAGES: Final = ("jax", "jaxlib", "orbax-checkpoint", "tensorstore", "optax", "numpy", "jaxckpt")
 
 
@@ -67,6 +71,8 @@ def _sum(*xs: float | None) -> float | None:
 def figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list[Figure]:
     """Every figure of the benchmark from the processes' raw results."""
 
+    mb = 1e6
+
     def t(get: Callable[[dict[str, Any]], float | None]) -> float | None:
         return _worst(procs, get, low=False)
 
@@ -90,6 +96,20 @@ def figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list
         done = p.get("persist") or []
         return _median([d.get("persist_bytes_per_s") for d in done])
 
+    def bandwidth(
+        id_: str,
+        name: str,
+        get: Callable[[dict[str, Any]], float | None],
+        raw_key: str,
+        baseline_name: str,
+        target: str,
+    ) -> Figure:
+        """Bytes/s from `get` against the raw operation `raw_key` on the own bytes, in MB/s."""
+        baseline = bw(lambda p: per_s(p, raw_key))
+        return Figure(
+            id_, name, _scale(bw(get), mb), "MB/s", _scale(baseline, mb), baseline_name, target
+        )
+
     def restore(name: str) -> float | None:
         return t(lambda p: p["restores"].get(name, {}).get("seconds"))
 
@@ -109,7 +129,6 @@ def figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list
     )
     tmpfs_steady = sum(p["memory"]["tmpfs_steady"] for p in procs)
     combined = sum(p["memory"]["jaxckpt_combined_peak"] for p in procs)
-    mb = 1e6
     return [
         Figure(
             "1a",
@@ -184,30 +203,27 @@ def figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list
             t(lambda p: saves(p, "done_s", "orbax_saves")),
             "Orbax save until committed on disk",
         ),
-        Figure(
+        bandwidth(
             "4a",
             "memory-tier write bandwidth",
-            _scale(bw(lambda p: saves(p, "memory_write_bytes_per_s")), mb),
-            "MB/s",
-            _scale(bw(lambda p: per_s(p, "tmpfs_write")), mb),
+            lambda p: saves(p, "memory_write_bytes_per_s"),
+            "tmpfs_write",
             "raw file writes into the tmpfs",
             ">= 0.6",
         ),
-        Figure(
+        bandwidth(
             "4b",
             "persistence bandwidth",
-            _scale(bw(persist_bw), mb),
-            "MB/s",
-            _scale(bw(lambda p: per_s(p, "fsync_write")), mb),
+            persist_bw,
+            "fsync_write",
             "raw fsync'd file writes, same disk",
             ">= 0.7",
         ),
-        Figure(
+        bandwidth(
             "4c",
             "peer (replica push) bandwidth",
-            _scale(bw(lambda p: saves(p, "replicate_bytes_per_s")), mb),
-            "MB/s",
-            _scale(bw(lambda p: per_s(p, "socket")), mb),
+            lambda p: saves(p, "replicate_bytes_per_s"),
+            "socket",
             "raw loopback TCP, same pattern",
             ">= 0.5",
         ),
@@ -270,45 +286,52 @@ def _scale(x: float | None, by: float) -> float | None:
 
 def _fmt(x: float | None) -> str:
     if x is None:
-        return "n/a"
+        return "-"
     if x == 0 or 0.01 <= abs(x) < 10_000:
         return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
     return f"{x:.2e}"
 
 
+def _quantity(x: float | None, unit: str) -> str:
+    if x is None:
+        return "-"
+    return _table.duration(x) if unit == "s" else f"{_fmt(x)} {unit}"
+
+
 def table(figs: Sequence[Figure]) -> str:
-    """The figures as a Markdown table (readable as plain text too)."""
+    """The figures as a plain-text table, like the `jaxckpt` command line's."""
     rows = [
-        "| # | figure | value | baseline | baseline is | ratio | target | met |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for f in figs:
-        met = "n/a" if f.met is None else "yes" if f.met else "no"
-        rows.append(
-            f"| {f.id} | {f.name} | {_fmt(f.value)} {f.unit} | {_fmt(f.baseline)} {f.unit} "
-            f"| {f.baseline_name} | {_fmt(f.ratio)} | {f.target or ''} "
-            f"| {met if f.target else ''} |"
+        (
+            f.id,
+            f.name,
+            _quantity(f.value, f.unit),
+            _quantity(f.baseline, f.unit),
+            f.baseline_name,
+            _fmt(f.ratio),
+            f.target,
+            None if f.target is None else "-" if f.met is None else "yes" if f.met else "no",
         )
-    return "\n".join(rows)
+        for f in figs
+    ]
+    headers = ("#", "figure", "value", "baseline", "baseline is", "ratio", "target", "met")
+    return _table.table(headers, rows, right=(2, 3, 5))
 
 
 def _fs_type(path: str) -> str | None:
-    """The filesystem type holding `path` (from /proc/mounts), if known."""
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1:3] for line in f]
-    except OSError:
-        return None
+    """The type of the filesystem holding `path`, if known."""
     real = os.path.realpath(path)
-    best = max(
-        (m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
-        key=lambda m: len(m[0]),
-        default=None,
-    )
+    best: tuple[str, str] | None = None
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        # The longest mount point holding the path; of several at one point, the last.
+        if inside and (best is None or len(mount) >= len(best[0])):
+            best = (mount, part.fstype)
     return best[1] if best else None
 
 
 def _cpu_model() -> str | None:
+    # Neither psutil nor platform (`uname -p`, often empty on Linux) names the CPU model.
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -328,16 +351,16 @@ def machine(memory_root: str, work_dir: str) -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = None
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        usable: int | None = len(psutil.Process().cpu_affinity())
+    except AttributeError:  # no CPU affinity on macOS
+        usable = None
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
+        "cpu_count": psutil.cpu_count(),
+        "cpu_cores": psutil.cpu_count(logical=False),
         "cpus_usable": usable,
         "cpu_model": _cpu_model(),
-        "ram_bytes": ram,
+        "ram_bytes": psutil.virtual_memory().total,
         "system": f"{platform.system()} {platform.release()} {platform.machine()}",
         "python": platform.python_version(),
         "versions": versions,

@@ -15,7 +15,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +23,7 @@ import orbax.checkpoint as ocp
 
 import jaxckpt
 from jaxckpt.bench import _baselines, _state
-
-if TYPE_CHECKING:
-    from jaxckpt.bench._phases import Jaxckpt
+from jaxckpt.bench._managers import Jaxckpt
 
 _equal = jax.jit(
     lambda a, b: jnp.all(jnp.stack([jnp.array_equal(x, y) for x, y in zip(a, b, strict=True)]))

@@ -18,18 +18,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import Any, Final
+
+import psutil
 
 from jaxckpt.bench import _report
 from jaxckpt.bench._worker import (
@@ -38,9 +38,10 @@ from jaxckpt.bench._worker import (
     ENV_PROCESS_ID,
     RESULT_PREFIX,
 )
+from jaxckpt.launch._supervise import PortRetries, ProcessSet, free_port, port_in_use
 
 FORMAT_VERSION: Final = 1  # of the JSON report; bump on incompatible changes
-_PORT_IN_USE: Final = "Failed to add port"
+_PORT_RETRIES: Final = 2
 _QUICK: Final = {"state_gib": 1 / 8, "steps": 8, "repeats": 3, "deadline_s": 900.0}
 _FULL: Final = {"state_gib": 1.0, "steps": 16, "repeats": 3, "deadline_s": 3600.0}
 
@@ -74,26 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@dataclasses.dataclass
-class _Process:
-    proc: subprocess.Popen[bytes]
-    output: IO[bytes]
-    path: Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(cfg: dict[str, Any], memory_base: Path, logs: Path, attempt: int) -> list[_Process]:
-    package_parent = str(Path(__file__).resolve().parent.parent)
-    port = _free_port()
-    out = []
+def _envs(cfg: dict[str, Any], memory_base: Path, port: int) -> list[dict[str, str]]:
+    package_parent = str(Path(__file__).resolve().parent.parent.parent)
+    envs = []
     for i in range(cfg["processes"]):
         env = {
-            **os.environ,
             ENV_PROCESS_ID: str(i),
             ENV_COORDINATOR: f"127.0.0.1:{port}",
             ENV_MEMORY_ROOT: str(memory_base / f"node{i}"),
@@ -101,64 +87,44 @@ def _start(cfg: dict[str, Any], memory_base: Path, logs: Path, attempt: int) -> 
             "PYTHONPATH": os.pathsep.join(
                 [package_parent, *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
-            "PYTHONUNBUFFERED": "1",
         }
         if cfg["platform"] == "cpu":
             env["JAX_PLATFORMS"] = "cpu"
-        path = logs / f"process{i}.attempt{attempt}.log"
-        output = open(path, "wb")  # noqa: SIM115  (closed in _finish)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxckpt.bench._worker", json.dumps(cfg)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own group: SIGKILL reaches its children
-        )
-        out.append(_Process(proc, output, path))
-    return out
+        envs.append(env)
+    return envs
 
 
-def _kill(procs: Sequence[_Process]) -> None:
-    # SIGKILL: JAX catches SIGTERM after jax.distributed.initialize.
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.proc.pid, signal.SIGKILL)
-    for p in procs:
-        p.proc.wait()
-        p.output.close()
-
-
-def _wait(procs: Sequence[_Process], deadline: float) -> str | None:
-    """Waits for every process; echoes process 0's progress; returns why it failed, if so."""
+def _run_once(
+    cfg: dict[str, Any], memory_base: Path, logs: list[Path], deadline: float
+) -> str | None:
+    """Runs the worker processes once, their output into `logs`; returns why they failed."""
     shown = 0
-    try:
-        while True:
-            lines = procs[0].path.read_bytes().decode(errors="replace").splitlines()
-            for line in lines[shown:]:
-                if line.startswith("[bench] "):
-                    print(line, file=sys.stderr, flush=True)
-            shown = len(lines)
-            codes = [p.proc.poll() for p in procs]
-            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                return f"process {bad[0]} exited with {codes[bad[0]]}"
-            if all(c == 0 for c in codes):
-                return None
-            if time.monotonic() > deadline:
-                return "the run passed its deadline"
-            time.sleep(0.2)
-    finally:
-        _kill(procs)
+
+    def echo() -> None:
+        """Echoes process 0's progress lines."""
+        nonlocal shown
+        lines = logs[0].read_bytes().decode(errors="replace").splitlines()
+        for line in lines[shown:]:
+            if line.startswith("[bench] "):
+                print(line, file=sys.stderr, flush=True)
+        shown = len(lines)
+
+    command = [sys.executable, "-m", "jaxckpt.bench._worker", json.dumps(cfg)]
+    with contextlib.ExitStack() as stack:
+        outputs = [stack.enter_context(open(path, "wb")) for path in logs]
+        envs = _envs(cfg, memory_base, free_port())
+        with ProcessSet(command, envs, outputs) as processes:
+            return processes.wait(deadline, tick=echo)
 
 
 def _run_processes(
     cfg: dict[str, Any], memory_base: Path, logs: Path, deadline: float
 ) -> list[dict[str, Any]]:
-    for attempt in range(3):
-        procs = _start(cfg, memory_base, logs, attempt)
-        why = _wait(procs, deadline)
-        texts = [p.path.read_bytes().decode(errors="replace") for p in procs]
+    ports = PortRetries(_PORT_RETRIES)
+    for attempt in itertools.count():
+        paths = [logs / f"process{i}.attempt{attempt}.log" for i in range(cfg["processes"])]
+        why = _run_once(cfg, memory_base, paths, deadline)
+        texts = [path.read_bytes().decode(errors="replace") for path in paths]
         if why is None:
             results = []
             for i, text in enumerate(texts):
@@ -167,7 +133,7 @@ def _run_processes(
                     raise RuntimeError(f"Benchmark process {i} printed no result:\n{text[-4000:]}")
                 results.append(json.loads(found[-1][len(RESULT_PREFIX) :]))
             return results
-        if any(_PORT_IN_USE in t for t in texts) and attempt < 2:
+        if ports.retry(any(port_in_use(t) for t in texts)):
             shutil.rmtree(memory_base, ignore_errors=True)
             continue
         dump = "\n".join(f"--- process {i}\n{t[-6000:]}" for i, t in enumerate(texts))
@@ -191,17 +157,6 @@ def _config(args: argparse.Namespace, work_dir: str) -> dict[str, Any]:
         "platform": args.platform,
         "work_dir": work_dir,
     }
-
-
-def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def prefault(gib: float) -> dict[str, float]:
@@ -269,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = _report.machine(str(memory_base), str(work_dir))
     gib = args.prefault_gib
     if gib is None:
-        gib = min(12 * cfg["state_gib"] + 1, 0.6 * (_available_bytes() or 0) / 2**30)
+        gib = min(12 * cfg["state_gib"] + 1, 0.6 * psutil.virtual_memory().available / 2**30)
     print(f"[bench] touching {gib:.1f} GiB of host memory first", file=sys.stderr, flush=True)
     machine["prefault"] = prefault(gib)
     try:

@@ -1,8 +1,10 @@
 """Local multi-process launcher with failure injection and recovery reports.
 
 Runs N copies of a command as one ``jax.distributed`` job on this machine, watches them,
-and when one dies or hangs kills the rest, restarts the whole set (the only recovery JAX
-allows, see MULTIPROCESS.md) and reports how the restart went::
+and when one dies or hangs kills the rest, restarts the whole set and reports how the
+restart went. Restarting every process is the only recovery JAX allows: a
+``jax.distributed`` job cannot take a restarted process back in, and its survivors fail
+or hang in their next collective::
 
     python -m jaxckpt.launch -n 4 --kill 2@7 -- python examples/lm.py --quick --ckpt-dir /tmp/c
 
@@ -17,22 +19,20 @@ are echoed with a ``[p<i>]`` prefix; lines holding a JSON object with an ``event
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import queue
 import shutil
 import signal
-import socket
-import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Final
 
-PORT_IN_USE: Final = "Failed to add port"
+from jaxckpt.launch._supervise import PortRetries, ProcessSet, free_port, port_in_use
+
 MAX_PORT_RETRIES: Final = 5
 POLL_S: Final = 0.05
 
@@ -86,13 +86,6 @@ def next_nodes(nodes: list[int], lost: int | None, count: int | None) -> list[in
     return (survivors + list(fresh))[:count]
 
 
-def free_port() -> int:
-    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def parse_event(line: str) -> dict[str, Any] | None:
     """Returns the JSON event of an output line, or None if it is not one."""
     try:
@@ -127,16 +120,6 @@ def _pump(index: int, stream: Any, lines: queue.Queue[tuple[int, str | None]]) -
     lines.put((index, None))
 
 
-def _kill_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    # SIGKILL, not SIGTERM: JAX's preemption notifier swallows SIGTERM.
-    # Every group, even of an exited leader: its own children may still run.
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    for proc in procs:
-        proc.wait()
-
-
 def run_attempt(
     attempt: Attempt,
     command: Sequence[str],
@@ -160,40 +143,31 @@ def run_attempt(
     """
     n = attempt.num_processes
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
-    procs: list[subprocess.Popen[bytes]] = []
     start = time.monotonic()
-    for i in range(n):
-        env = dict(os.environ)
-        env.update(
-            JAXCKPT_COORDINATOR=f"127.0.0.1:{attempt.port}",
-            JAXCKPT_NUM_PROCESSES=str(n),
-            JAXCKPT_PROCESS_ID=str(i),
-            JAXCKPT_CPU_DEVICES=str(cpu_devices),
-            JAXCKPT_FAILURE_DOMAIN=f"node{attempt.nodes[i]}",
-            JAXCKPT_MEMORY_ROOT=os.path.join(memory_base, f"node{attempt.nodes[i]}"),
-            PYTHONUNBUFFERED="1",
-        )
-        if injection is not None:
-            env.update(
-                JAXCKPT_KILL_PROCESS=str(injection[0]), JAXCKPT_KILL_AT_STEP=str(injection[1])
-            )
-        proc = subprocess.Popen(
-            list(command),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: SIGKILL reaches its children too
-        )
-        procs.append(proc)
-        threading.Thread(target=_pump, args=(i, proc.stdout, lines), daemon=True).start()
+    kill = (
+        {"JAXCKPT_KILL_PROCESS": str(injection[0]), "JAXCKPT_KILL_AT_STEP": str(injection[1])}
+        if injection is not None
+        else {}
+    )
+    envs = [
+        {
+            "JAXCKPT_COORDINATOR": f"127.0.0.1:{attempt.port}",
+            "JAXCKPT_NUM_PROCESSES": str(n),
+            "JAXCKPT_PROCESS_ID": str(i),
+            "JAXCKPT_CPU_DEVICES": str(cpu_devices),
+            "JAXCKPT_FAILURE_DOMAIN": f"node{attempt.nodes[i]}",
+            "JAXCKPT_MEMORY_ROOT": os.path.join(memory_base, f"node{attempt.nodes[i]}"),
+            **kill,
+        }
+        for i in range(n)
+    ]
     last_output = [start] * n
     open_streams = n
-    port_in_use = False
+    port_taken = False
 
     def read(timeout: float) -> bool:
         """Handles one queued line (or end of stream); False if none came in time."""
-        nonlocal open_streams, port_in_use
+        nonlocal open_streams, port_taken
         try:
             i, line = lines.get(timeout=timeout) if timeout else lines.get_nowait()
         except queue.Empty:
@@ -204,7 +178,7 @@ def run_attempt(
             open_streams -= 1
             return True
         print(f"[p{i}] {line}", flush=True)
-        port_in_use = port_in_use or PORT_IN_USE in line
+        port_taken = port_taken or port_in_use(line)
         event = parse_event(line) or {"event": None}
         if event["event"] == "step" and isinstance(event.get("step"), int):
             attempt.last_step = max(attempt.last_step, event["step"])
@@ -214,7 +188,9 @@ def run_attempt(
             attempt.restored[i] = event
         return True
 
-    try:
+    with ProcessSet(command, envs) as processes:
+        for i, proc in enumerate(processes.procs):
+            threading.Thread(target=_pump, args=(i, proc.stdout, lines), daemon=True).start()
         while True:
             # Bounded, so that a chatty child cannot starve the checks below.
             if read(POLL_S):
@@ -222,7 +198,7 @@ def run_attempt(
                     if not read(0):
                         break
             now = time.monotonic()
-            codes = [proc.poll() for proc in procs]
+            codes = processes.codes()
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
             hung = [
                 i
@@ -239,13 +215,11 @@ def run_attempt(
                 break
             if all(code == 0 for code in codes) and open_streams == 0:
                 break
-    finally:
-        _kill_all(procs)
     # Collect what the dead processes wrote before they died.
     deadline = time.monotonic() + 2.0
     while open_streams and time.monotonic() < deadline:
         read(POLL_S)
-    if attempt.outcome != "ok" and port_in_use:
+    if attempt.outcome != "ok" and port_taken:
         attempt.outcome = "port"
     attempt.seconds = round(time.monotonic() - start, 3)
     return attempt
@@ -347,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     attempts: list[Attempt] = []
     failures: list[dict[str, Any]] = []
     pending: tuple[Attempt, bool] | None = None  # failed attempt awaiting its restart
-    restarts = port_retries = 0
+    restarts = 0
+    ports = PortRetries(MAX_PORT_RETRIES)
     nodes = list(range(args.num_processes))
     try:
         while True:
@@ -363,8 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             run_attempt(attempt, command, base, args.cpu_devices, args.hang_timeout, inject)
             attempts.append(attempt)
-            if attempt.outcome == "port" and port_retries < MAX_PORT_RETRIES:
-                port_retries += 1
+            if ports.retry(attempt.outcome == "port"):
                 print(f"[launch] port {attempt.port} in use, retrying", flush=True)
                 continue
             if pending is not None:

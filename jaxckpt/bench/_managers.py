@@ -1,0 +1,63 @@
+"""The checkpoint managers the benchmark compares: jaxckpt's tiered handler and Orbax's.
+
+Both run in Orbax's `CheckpointManager` with the same async options, so that the
+figures compare the handlers, not the manager's settings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+import jaxckpt
+
+
+class Jaxckpt:
+    """A CheckpointManager around a `TieredCheckpointHandler`, and the metrics it reported."""
+
+    def __init__(self, directory: Path, memory_root: Path, cfg: dict[str, Any], **options: Any):
+        max_to_keep = options.pop("max_to_keep", None)
+        self.events: list[dict[str, Any]] = []  # appended from the commit and persist threads
+        self.handler = jaxckpt.TieredCheckpointHandler(
+            jaxckpt.TierOptions(
+                str(memory_root), replicas=cfg["replicas"], timeout_s=cfg["timeout_s"], **options
+            ),
+            on_metrics=self.events.append,
+        )
+        self.mngr = ocp.CheckpointManager(
+            directory,
+            item_handlers={"train": self.handler},
+            options=_manager_options(cfg, max_to_keep),
+        )
+
+    def save(self, step: int, state: Any) -> None:
+        self.mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state)))
+
+    def metrics(self, event: str, step: int | None = None) -> list[dict[str, Any]]:
+        """The reported metrics of one kind ("save", "persist"), optionally of one step."""
+        return [
+            dict(m)
+            for m in list(self.events)
+            if m.get("event") == event and (step is None or m.get("step") == step)
+        ]
+
+    def close(self) -> None:
+        self.mngr.close()
+
+
+def orbax_manager(directory: Path, cfg: dict[str, Any], max_to_keep: int) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        directory,
+        item_handlers=ocp.StandardCheckpointHandler(),
+        options=_manager_options(cfg, max_to_keep),
+    )
+
+
+def _manager_options(cfg: dict[str, Any], max_to_keep: int | None) -> Any:
+    return ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        enable_async_checkpointing=True,
+        async_options=ocp.AsyncOptions(timeout_secs=int(cfg["timeout_s"])),
+    )
