@@ -82,7 +82,7 @@ def remove_entries(directory: Path, which: Callable[[Path], bool]) -> list[Path]
     Returns:
       The entries removed (none if `directory` does not exist).
     """
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(directory.iterdir())
     except FileNotFoundError:
