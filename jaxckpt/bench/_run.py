@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
 import json
 import os
@@ -208,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
+    if importlib.util.find_spec("optax") is None:
+        parser.error("the benchmark trains with optax: pip install 'jaxckpt[bench]'")
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     memory_base = Path(args.memory_root or tempfile.mkdtemp(prefix="jaxckpt-bench-", dir=shm))
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="jaxckpt-bench-"))
