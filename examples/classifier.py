@@ -129,28 +129,25 @@ def loss_fn(model: CNN, batch: dict[str, jax.Array], key: jax.Array) -> jax.Arra
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Trains the classifier; see ``--help``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser)
-    parser.add_argument("--batch", type=int, default=None, help="global batch size")
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """The classifier's own flags (``--batch`` and the rest are in ``common.add_common_args``)."""
     parser.add_argument("--examples", type=int, default=None, help="data set size")
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
-    common.setup_jax(args.cluster)
 
+
+def make_task(args: argparse.Namespace) -> common.Task:
+    """The model, digits and loss that the flags ask for."""
     cfg = QUICK if args.quick else CNNConfig()
     images, labels = make_digits(args.examples or (2048 if args.quick else 16384), args.data_seed)
-    task = common.Task(
+    return common.Task(
         make_model=lambda rngs: CNN(cfg, rngs=rngs),
         records=DigitRecords(images, labels),
         loss_fn=loss_fn,
         global_batch=args.batch or (32 if args.quick else 128),
         learning_rate=args.lr,
     )
-    return common.train(args, task)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.main(__doc__, add_args, make_task))

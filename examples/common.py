@@ -108,8 +108,10 @@ def setup_jax(cluster: bool = False) -> None:
         )
     elif cluster:
         jax.distributed.initialize()
-    # IMPORTANT: every process must touch the backend, or the ones that do wait for the
-    # global topology forever (see MULTIPROCESS.md).
+    # IMPORTANT: create the backend now, in every process. Creating it exchanges the
+    # device topology through the coordination service: a process blocks there until
+    # every other process has created its own backend, so one that puts it off (or never
+    # touches a device) stalls the others, then fails them on a timeout of minutes.
     jax.devices()
 
 
@@ -415,6 +417,34 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="this host's address for the peer data service (on a cluster: its reachable IP)",
     )
+    parser.add_argument("--batch", type=int, default=None, help="global batch size")
+
+
+def main(
+    doc: str,
+    add_args: Callable[[argparse.ArgumentParser], None],
+    make_task: Callable[[argparse.Namespace], Task],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """The ``main`` of an example: parses its flags, joins the job and trains its task.
+
+    Args:
+        doc: The example's module docstring; its first line describes the command.
+        add_args: Adds the example's own flags after the shared ones
+            (:func:`add_common_args`).
+        make_task: Builds the model, data and loss from the parsed flags; runs after
+            :func:`setup_jax`.
+        argv: The command-line arguments; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The process exit code (see :func:`train`).
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_common_args(parser)
+    add_args(parser)
+    args = parser.parse_args(argv)
+    setup_jax(args.cluster)
+    return train(args, make_task(args))
 
 
 def train(args: argparse.Namespace, task: Task) -> int:

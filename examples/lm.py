@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -122,29 +121,25 @@ def loss_fn(model: TransformerLM, tokens: jax.Array, key: jax.Array) -> jax.Arra
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Trains the LM; see ``--help``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser)
-    parser.add_argument("--batch", type=int, default=None, help="global batch size")
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """The LM's own flags (``--batch`` and the rest are in ``common.add_common_args``)."""
     parser.add_argument("--corpus-kb", type=int, default=None, help="corpus size in KiB")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--untied-head", action="store_true")
-    args = parser.parse_args(argv)
-    common.setup_jax(args.cluster)
 
+
+def make_task(args: argparse.Namespace) -> common.Task:
+    """The model, corpus and loss that the flags ask for."""
     cfg = dataclasses.replace(QUICK if args.quick else LMConfig(), tied_head=not args.untied_head)
     corpus_kb = args.corpus_kb or (256 if args.quick else 1024)
-    records = make_records(load_corpus(corpus_kb * 1024), cfg.seq_len)
-    task = common.Task(
+    return common.Task(
         make_model=lambda rngs: TransformerLM(cfg, rngs=rngs),
-        records=records,
+        records=make_records(load_corpus(corpus_kb * 1024), cfg.seq_len),
         loss_fn=loss_fn,
         global_batch=args.batch or (16 if args.quick else 32),
         learning_rate=args.lr,
     )
-    return common.train(args, task)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.main(__doc__, add_args, make_task))
