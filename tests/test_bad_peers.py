@@ -37,9 +37,9 @@ import jaxckpt
 from jaxckpt import _format, _memory_tier, _restore
 from jaxckpt._options import TierOptions
 from jaxckpt.peer import _peers
-from jaxckpt.peer._client import PeerAddress, fetch_file
+from jaxckpt.peer._client import fetch_file
 from jaxckpt.peer._server import PeerServer
-from jaxckpt.peer._wire import TOKEN_HEADER
+from jaxckpt.peer._wire import TOKEN_HEADER, PeerAddress
 
 RUN = "bad-peers-run"
 TOKEN = "a" * 64

@@ -19,7 +19,6 @@ import pytest
 import tensorstore as ts
 
 from jaxckpt.peer._client import (
-    PeerAddress,
     delete_path,
     fetch_file,
     http_kvstore_spec,
@@ -31,6 +30,7 @@ from jaxckpt.peer._server import PeerServer
 from jaxckpt.peer._wire import (
     TEMP_PREFIX,
     TOKEN_HEADER,
+    PeerAddress,
     decode_push_header,
     encode_push_header,
     push_body_length,

@@ -1,14 +1,15 @@
 """Peer service client: reads, lists, deletes and pushes files on other processes.
 
 Each call opens one connection to a peer's `PeerServer`, speaks the wire format
-of `_peer_wire`, and turns transport failures and HTTP errors into built-in
-exceptions that name the peer, the path and the run. Tensorstore reads peers
-directly through `http_kvstore_spec`.
+of `_wire`, and turns transport failures and HTTP errors into built-in
+exceptions that name the peer, the path and the run. Plain requests (fetch, list,
+delete) go through `http.client`; only the streaming push speaks HTTP over a raw
+socket (see `push_directory`). Tensorstore reads peers directly through
+`http_kvstore_spec`.
 """
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import errno
 import http.client
 import json
@@ -22,6 +23,7 @@ from typing import Any, Final
 
 from jaxckpt.peer._wire import (
     TOKEN_HEADER,
+    PeerAddress,
     check_run_id,
     check_token,
     clean_relpath,
@@ -33,40 +35,6 @@ from jaxckpt.peer._wire import (
 
 _BUFFER_BYTES: Final = 8 << 20
 _STATUS_ERRNO: Final = {400: errno.EINVAL, 409: errno.ESTALE, 413: errno.EFBIG, 507: errno.ENOSPC}
-
-
-@dataclasses.dataclass(frozen=True)
-class PeerAddress:
-    """Where a process's peer service listens.
-
-    Attributes:
-      host: Host name or IP address that other processes can connect to.
-      port: TCP port.
-    """
-
-    host: str
-    port: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host:
-            raise ValueError(f"PeerAddress.host must be a non-empty str, got {self.host!r}.")
-        if isinstance(self.port, bool) or not isinstance(self.port, int):
-            raise ValueError(f"PeerAddress.port must be an int, got {self.port!r}.")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"PeerAddress.port must be in [1, 65535], got {self.port}.")
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """Returns a JSON-compatible dict (see `from_dict`)."""
-        return {"host": self.host, "port": self.port}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PeerAddress":
-        """Builds an address from the output of `to_dict`."""
-        return cls(host=data["host"], port=data["port"])
 
 
 def http_kvstore_spec(address: PeerAddress, token: str, run_id: str) -> dict[str, Any]:
@@ -110,22 +78,42 @@ def _transport_errors(address: PeerAddress, action: str, timeout: float) -> Iter
 
 
 class _ConnectFailed(Exception):
+    """Carries a connect failure that is neither a timeout nor a `ConnectionError`."""
+
     def __init__(self, error: OSError) -> None:
         self.error = error
 
 
 def _connect(address: PeerAddress, timeout: float) -> socket.socket:
+    """Opens a TCP connection with Nagle off.
+
+    Raises:
+      TimeoutError, ConnectionError: As `socket.create_connection` raises them.
+      _ConnectFailed: Wrapping any other OSError (unreachable network, unknown host).
+    """
     try:
         sock = socket.create_connection((address.host, address.port), timeout=timeout)
     except (TimeoutError, ConnectionError):
         raise
-    except OSError as e:  # Unreachable network, unknown host, ...
+    except OSError as e:
         raise _ConnectFailed(e) from e
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
 
+class _Connection(http.client.HTTPConnection):
+    """An `http.client` connection that connects through `_connect`."""
+
+    def __init__(self, address: PeerAddress, timeout: float) -> None:
+        super().__init__(address.host, address.port, timeout=timeout)
+        self._address, self._connect_timeout = address, timeout
+
+    def connect(self) -> None:
+        self.sock = _connect(self._address, self._connect_timeout)
+
+
 def _raise_for_status(address: PeerAddress, action: str, status: int, body: bytes) -> None:
+    """Raises the built-in error for an HTTP error status; returns on 2xx."""
     if 200 <= status < 300:
         return
     try:
@@ -140,10 +128,14 @@ def _raise_for_status(address: PeerAddress, action: str, status: int, body: byte
     raise OSError(_STATUS_ERRNO.get(status, errno.EIO), message)
 
 
+_NO_ANSWER: Final = "the peer closed the connection without answering"
+
+
 def _read_response(reader: Any) -> tuple[int, bytes]:
+    """Reads one response (status line, headers, body) from a raw socket's reader."""
     line = reader.readline(65537)
     if not line:
-        raise ConnectionResetError("the peer closed the connection without answering")
+        raise ConnectionResetError(_NO_ANSWER)
     try:
         status = int(line.split(None, 2)[1])
     except (IndexError, ValueError) as e:
@@ -162,17 +154,24 @@ def _request(
     relpath: str,
     timeout: float,
 ) -> bytes:
+    """Sends one body-less request to a peer; returns the body of its 2xx answer."""
     check_run_id(run_id)
     check_token(token)
     rel = clean_relpath(relpath, allow_empty=kind == "list")
     action = f"{method} {relpath!r} of run {run_id!r}"
     url = f"/{kind}/{urllib.parse.quote(run_id)}/{urllib.parse.quote(rel)}"
     with _transport_errors(address, action, timeout):
-        sock = _connect(address, timeout)
-        with sock, sock.makefile("rb") as reader:
-            head = f"{method} {url} HTTP/1.1\r\nHost: {address}\r\n{TOKEN_HEADER}: {token}\r\n"
-            sock.sendall(f"{head}Content-Length: 0\r\nConnection: close\r\n\r\n".encode())
-            status, body = _read_response(reader)
+        conn = _Connection(address, timeout)
+        with contextlib.closing(conn):
+            conn.request(method, url, headers={TOKEN_HEADER: token, "Connection": "close"})
+            try:
+                response = conn.getresponse()
+                status, body = response.status, response.read()
+            except http.client.RemoteDisconnected as e:
+                raise ConnectionResetError(_NO_ANSWER) from e
+            except http.client.IncompleteRead as e:
+                got, size = len(e.partial), len(e.partial) + (e.expected or 0)
+                raise ConnectionResetError(f"Connection closed after {got} of {size} bytes.") from e
     _raise_for_status(address, action, status, body)
     return body
 
@@ -269,6 +268,11 @@ def push_directory(
     total = push_body_length(len(header), files)
     action = f"push of {src!r} to {dest_relpath!r} of run {run_id!r}"
     url = f"/push/{urllib.parse.quote(run_id)}/{urllib.parse.quote(rel)}"
+    # A raw socket, because http.client cannot speak this exchange: it sends a
+    # request's body right after its headers and skips interim answers, so it
+    # cannot wait for "100 Continue" before streaming (the server's chance to
+    # refuse a push before any body byte moves) nor read the refusal that comes
+    # instead. The raw socket also lets `_send_files` use zero-copy sendfile.
     request = (
         f"POST {url} HTTP/1.1\r\nHost: {address}\r\n{TOKEN_HEADER}: {token}\r\n"
         f"Content-Type: application/octet-stream\r\nContent-Length: {total}\r\n"

@@ -17,8 +17,9 @@ from typing import Any
 from jaxckpt import _faults, _format, _multihost, _placement
 from jaxckpt._memory_tier import MemoryTier
 from jaxckpt._options import TierOptions
-from jaxckpt.peer._client import PeerAddress, http_kvstore_spec, push_directory, redact_token
+from jaxckpt.peer._client import http_kvstore_spec, push_directory, redact_token
 from jaxckpt.peer._server import PeerServer
+from jaxckpt.peer._wire import PeerAddress
 
 Inventory = dict[int, set[int]]  # step -> owners whose verified part a process holds
 

@@ -3,11 +3,13 @@
 Authenticates each request by token and run, confines its path to the run
 directory, and serves files (with ``Range`` and ``ETag``), listings, deletions
 and pushes, which it receives into a temporary directory and commits with a
-rename. The wire format is defined in `_peer_wire`.
+rename. The wire format is defined in `_wire`. What a handler needs to know about
+the service it answers for (run directory, run, token, limits) comes in a
+`ServiceConfig`.
 """
 
 import concurrent.futures
-import contextlib
+import dataclasses
 import errno
 import hmac
 import http.server
@@ -15,11 +17,14 @@ import json
 import logging
 import os
 import re
-import shutil
+import socketserver
+import threading
 import urllib.parse
 import zlib
-from typing import TYPE_CHECKING, Any, BinaryIO, Final
+from collections.abc import Callable
+from typing import Any, BinaryIO, Final
 
+from jaxckpt._fs import remove_entry
 from jaxckpt.peer._wire import (
     TEMP_PREFIX,
     TOKEN_HEADER,
@@ -30,16 +35,41 @@ from jaxckpt.peer._wire import (
     read_u32,
 )
 
-if TYPE_CHECKING:
-    from jaxckpt.peer._server import PeerHTTPServer
-
 logger = logging.getLogger(__name__)
 
 _MAX_PUSH_HEADER_BYTES: Final = 64 << 20
 _BUFFER_BYTES: Final = 8 << 20
 
 
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    """What the request handlers of one peer service share.
+
+    Attributes:
+      run_dir: Real path of the run directory served and written.
+      run_id: The run served; requests naming another run are refused.
+      token: The run's shared secret, encoded; every request must carry it.
+      max_push_bytes: Largest push body accepted; bigger ones get HTTP 413.
+      io_timeout: Seconds any one recv/send on a connection may block.
+      temp_name: Returns a fresh name (starting with `TEMP_PREFIX`) for a
+        temporary entry in the run directory, given its purpose.
+      commit_lock: Serialises the renames that commit pushes and deletions.
+    """
+
+    run_dir: str
+    run_id: str
+    token: bytes = dataclasses.field(repr=False)
+    max_push_bytes: int
+    io_timeout: float
+    temp_name: Callable[[str], str]
+    commit_lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, compare=False, repr=False
+    )
+
+
 class _HTTPError(Exception):
+    """A refusal to answer with ``status`` and a JSON ``{"error": message}`` body."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
@@ -47,17 +77,39 @@ class _HTTPError(Exception):
 
 
 class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
-    """Answers the requests of one connection to a `PeerHTTPServer`."""
+    """Answers the requests of one connection to a peer service.
+
+    A server makes one per connection, binding the service's `ServiceConfig`
+    first: ``functools.partial(PeerRequestHandler, config=config)``.
+    """
 
     protocol_version = "HTTP/1.1"
     server_version = "jaxckpt-peer/1"
     disable_nagle_algorithm = True
-    server: "PeerHTTPServer"
+
+    def __init__(
+        self,
+        request: Any,
+        client_address: Any,
+        server: socketserver.BaseServer,
+        *,
+        config: ServiceConfig,
+    ) -> None:
+        """Answers the requests of one connection (the base class does so here).
+
+        Args:
+          request: The connection's socket.
+          client_address: The peer's address.
+          server: The server that accepted the connection.
+          config: The service this connection talks to.
+        """
+        self.config = config  # Before the base class starts answering.
+        super().__init__(request, client_address, server)
 
     def setup(self) -> None:
         super().setup()
         # A stalled client cannot pin this thread: every recv/send times out.
-        self.connection.settimeout(self.server.io_timeout)
+        self.connection.settimeout(self.config.io_timeout)
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("peer service %s: %s", self.address_string(), format % args)
@@ -118,7 +170,7 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
     def _route(self, method: str, kind: str) -> str:
         """Authenticates the request and returns its cleaned relative path."""
         sent = (self.headers.get(TOKEN_HEADER) or "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(sent, self.server.token):
+        if not hmac.compare_digest(sent, self.config.token):
             raise _HTTPError(403, f"Missing or wrong {TOKEN_HEADER} header.")
         try:
             path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path, errors="strict")
@@ -127,9 +179,9 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
         parts = path.split("/", 3)  # ["", kind, run_id, relpath]
         if len(parts) < 3 or parts[1] != kind:
             raise _HTTPError(404, f"Unknown path {path!r}; expected /{kind}/<run_id>/<path>.")
-        if parts[2] != self.server.run_id:
+        if parts[2] != self.config.run_id:
             raise _HTTPError(
-                409, f"This peer serves run {self.server.run_id!r}, not run {parts[2]!r}."
+                409, f"This peer serves run {self.config.run_id!r}, not run {parts[2]!r}."
             )
         try:
             return clean_relpath(parts[3] if len(parts) > 3 else "", allow_empty=True)
@@ -138,12 +190,16 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def _resolve(self, rel: str) -> str:
         """Joins ``rel`` to the run directory; 400 if symlinks lead outside it."""
-        run_dir = self.server.run_dir
+        run_dir = self.config.run_dir
         path = os.path.join(run_dir, rel) if rel else run_dir
         real = os.path.realpath(path)
         if real != run_dir and not real.startswith(run_dir + os.sep):
             raise _HTTPError(400, f"Path {rel!r} resolves outside the run directory.")
         return path
+
+    def _temp_path(self, purpose: str) -> str:
+        """Returns a fresh temporary path in the run directory (hidden from listings)."""
+        return os.path.join(self.config.run_dir, self.config.temp_name(purpose))
 
     def _reply(self, status: int, body: bytes, content_type: str) -> None:
         self.send_response(status)
@@ -197,8 +253,8 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
         if not rel:
             raise _HTTPError(400, "Refusing to delete the whole run directory.")
         path = self._resolve(rel)
-        trash = os.path.join(self.server.run_dir, self.server.temp_name("delete"))
-        with self.server.commit_lock:
+        trash = self._temp_path("delete")
+        with self.config.commit_lock:
             os.rename(path, trash)  # FileNotFoundError -> 404
         remove_entry(trash)
         self._reply(204, b"", "application/json")
@@ -207,11 +263,11 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             raise _HTTPError(411, "A push needs a Content-Length header.")
-        if int(length) > self.server.max_push_bytes:
+        if int(length) > self.config.max_push_bytes:
             raise _HTTPError(
                 413,
                 f"Push of {length} bytes exceeds this peer's limit of "
-                f"{self.server.max_push_bytes} bytes (PeerServer max_push_bytes).",
+                f"{self.config.max_push_bytes} bytes (PeerServer max_push_bytes).",
             )
         return int(length)
 
@@ -221,7 +277,7 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
         dest = self._resolve(rel)
         total = self._push_length()
         files = self._read_push_header(total)
-        tmp = os.path.join(self.server.run_dir, self.server.temp_name("push"))
+        tmp = self._temp_path("push")
         committed = False
         try:
             os.mkdir(tmp)
@@ -237,11 +293,11 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
                         raise _HTTPError(
                             400, f"CRC-32 mismatch for {name!r}: corrupted in transit."
                         )
-            old = os.path.join(self.server.run_dir, self.server.temp_name("old"))
+            old = self._temp_path("old")
             # IMPORTANT: rename only after every byte arrived and matched, and
             # move an existing destination away before renaming over it, so
             # readers see the old directory or the new one, never a mix.
-            with self.server.commit_lock:
+            with self.config.commit_lock:
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 had_old = os.path.lexists(dest)
                 if had_old:
@@ -324,12 +380,3 @@ def _parse_range(value: str | None, size: int) -> tuple[int, int] | None:
 def _checksum_and_write(out: BinaryIO, data: memoryview, crc: int) -> int:
     out.write(data)
     return zlib.crc32(data, crc)
-
-
-def remove_entry(path: str) -> None:
-    """Removes a file, symlink or directory tree; absent is fine."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)

@@ -1,7 +1,7 @@
 """Peer service server: serves a process's memory tier to other processes over HTTP.
 
 Each process runs one `PeerServer` (a daemon thread in the training process)
-that serves ``root/run_id/`` to peers in the wire format of `_peer_wire`. Peers
+that serves ``root/run_id/`` to peers in the wire format of `_wire`. Peers
 read files with plain HTTP GET (with ``Range``), so tensorstore's ``http``
 kvstore driver can open the zarr3 arrays there directly, and push whole
 directories in one request that the server commits atomically. Each request is
@@ -9,6 +9,7 @@ answered by a `PeerRequestHandler` on its own thread.
 """
 
 import contextlib
+import functools
 import http.server
 import logging
 import os
@@ -16,11 +17,12 @@ import socket
 import socketserver
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
-from jaxckpt.peer._client import PeerAddress
-from jaxckpt.peer._request_handler import PeerRequestHandler, remove_entry
-from jaxckpt.peer._wire import TEMP_PREFIX, check_run_id, check_token
+from jaxckpt import _fs
+from jaxckpt.peer._request_handler import PeerRequestHandler, ServiceConfig
+from jaxckpt.peer._wire import TEMP_PREFIX, PeerAddress, check_run_id, check_token
 
 logger = logging.getLogger(__name__)
 
@@ -28,39 +30,28 @@ logger = logging.getLogger(__name__)
 class PeerHTTPServer(http.server.ThreadingHTTPServer):
     """Threaded HTTP server that tracks its connections so `close` can abort them.
 
-    Holds what `PeerRequestHandler` needs: the run directory, run id, token,
-    limits, and the lock that serialises renames in the run directory.
+    Each connection is answered by a `PeerRequestHandler` given ``config``.
+
+    Attributes:
+      config: The service's run directory, run, token and limits.
     """
 
     daemon_threads = True
     block_on_close = False
     request_queue_size = 128
 
-    def __init__(
-        self,
-        address: tuple[str, int],
-        *,
-        run_dir: str,
-        run_id: str,
-        token: str,
-        max_push_bytes: int,
-        io_timeout: float,
-    ) -> None:
+    def __init__(self, address: tuple[str, int], config: ServiceConfig) -> None:
+        """Binds and listens on ``address`` (host, port; port 0 picks a free one)."""
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.run_dir, self.run_id, self.token = run_dir, run_id, token.encode()
-        self.max_push_bytes, self.io_timeout = max_push_bytes, io_timeout
-        self.commit_lock = threading.Lock()
+        self.config = config
         self._live_lock = threading.Lock()
         self._live: dict[threading.Thread, socket.socket] = {}
-        super().__init__(address, PeerRequestHandler)
+        super().__init__(address, functools.partial(PeerRequestHandler, config=config))
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind calls getfqdn(), which can block on DNS.
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
-
-    def temp_name(self, purpose: str) -> str:
-        return f"{TEMP_PREFIX}{os.getpid()}-{purpose}-{uuid.uuid4().hex}"
 
     def process_request(self, request: Any, client_address: Any) -> None:
         thread = threading.Thread(
@@ -141,14 +132,15 @@ class PeerServer:
             )
         run_dir = os.path.realpath(os.path.join(os.fspath(root), run_id))
         os.makedirs(run_dir, exist_ok=True)
-        self._httpd = PeerHTTPServer(
-            (host, port),
+        config = ServiceConfig(
             run_dir=run_dir,
             run_id=run_id,
-            token=token,
+            token=token.encode(),
             max_push_bytes=max_push_bytes,
             io_timeout=io_timeout,
+            temp_name=_temp_name,
         )
+        self._httpd = PeerHTTPServer((host, port), config)
         advertised = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
         self._address = PeerAddress(advertised, self._httpd.server_address[1])
         self._lock = threading.Lock()
@@ -175,7 +167,7 @@ class PeerServer:
                 raise RuntimeError(f"PeerServer at {self._address} is closed; make a new one.")
             if self._thread is not None:
                 return
-            _remove_stale_temps(self._httpd.run_dir)
+            _fs.remove_entries(Path(self._httpd.config.run_dir), which=_is_stale_temp)
             self._thread = threading.Thread(
                 target=self._httpd.serve_forever,
                 kwargs={"poll_interval": 0.1},
@@ -195,7 +187,7 @@ class PeerServer:
             self._httpd.shutdown()
             thread.join()
         self._httpd.server_close()
-        self._httpd.abort_requests(timeout=self._httpd.io_timeout)
+        self._httpd.abort_requests(timeout=self._httpd.config.io_timeout)
 
     def __enter__(self) -> "PeerServer":
         self.start()
@@ -205,14 +197,20 @@ class PeerServer:
         self.close()
 
 
-def _remove_stale_temps(run_dir: str) -> None:
-    for name in os.listdir(run_dir):
-        if not name.startswith(TEMP_PREFIX):
-            continue
-        pid = name.removeprefix(TEMP_PREFIX).split("-", 1)[0]
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            remove_entry(os.path.join(run_dir, name))
-        except (ValueError, PermissionError):
-            pass  # Not ours to judge, or the process is alive under another user.
+def _temp_name(purpose: str) -> str:
+    """Returns a fresh temporary entry name that records this process's pid."""
+    return f"{TEMP_PREFIX}{os.getpid()}-{purpose}-{uuid.uuid4().hex}"
+
+
+def _is_stale_temp(entry: Path) -> bool:
+    """Whether ``entry`` is a `_temp_name` of a process of this host that no longer runs."""
+    if not entry.name.startswith(TEMP_PREFIX):
+        return False
+    pid = entry.name.removeprefix(TEMP_PREFIX).split("-", 1)[0]
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, PermissionError):
+        pass  # Not ours to judge, or the process is alive under another user.
+    return False

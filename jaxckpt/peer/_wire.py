@@ -1,6 +1,8 @@
-"""Peer service wire format, version 1: what `_peer_server` and `_peer_client` agree on.
+"""Peer service wire format, version 1: what `_server` and `_client` agree on.
 
 This format is a compatibility promise between the processes of a run:
+
+* A process's service is reached at a `PeerAddress` (host and TCP port).
 
 * Every request carries the run's secret in the ``X-Jaxckpt-Token`` header and
   names the run in its path: ``/files/<run>/<relpath>`` (GET, HEAD, DELETE),
@@ -13,6 +15,7 @@ This format is a compatibility promise between the processes of a run:
 * Errors are JSON ``{"error": "<sentence>"}`` with the HTTP status.
 """
 
+import dataclasses
 import json
 import re
 from typing import Any, Final
@@ -23,6 +26,40 @@ TOKEN_HEADER: Final = "X-Jaxckpt-Token"
 TEMP_PREFIX: Final = ".jaxckpt-peer-tmp-"
 PUSH_VERSION: Final = 1
 _RUN_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerAddress:
+    """Where a process's peer service listens.
+
+    Attributes:
+      host: Host name or IP address that other processes can connect to.
+      port: TCP port.
+    """
+
+    host: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"PeerAddress.host must be a non-empty str, got {self.host!r}.")
+        if isinstance(self.port, bool) or not isinstance(self.port, int):
+            raise ValueError(f"PeerAddress.port must be an int, got {self.port!r}.")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"PeerAddress.port must be in [1, 65535], got {self.port}.")
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a JSON-compatible dict (see `from_dict`)."""
+        return {"host": self.host, "port": self.port}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PeerAddress":
+        """Builds an address from the output of `to_dict`."""
+        return cls(host=data["host"], port=data["port"])
 
 
 def check_run_id(run_id: str) -> None:
