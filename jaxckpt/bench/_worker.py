@@ -41,7 +41,7 @@ def _start_jax(cfg: dict[str, Any]) -> None:
             heartbeat_timeout_seconds=10,
             initialization_timeout=int(cfg["timeout_s"]),
         )
-    jax.devices()  # every process must touch the backend (see docs/multihost.md)
+    jax.devices()  # every process must touch the backend: the others wait on its device topology
 
 
 def main(argv: list[str] | None = None) -> int:
