@@ -35,14 +35,17 @@ def run(
     timeout: float = 240,
     env: dict[int, dict[str, str]] | None = None,
     expect_ok: bool = True,
+    worker: str = "mp_worker.py",
 ) -> list[ProcessResult]:
     """Starts len(roots) processes; process i uses memory root roots[i] in failure domain domains[i].
+
+    `worker` is the scenario script in tests/ (it defines `scenario_<name>` functions).
 
     Returns each process's parsed `RESULT` line. With `expect_ok`, any process
     exiting non-zero fails the caller with every process's output.
     """
     for attempt in range(3):
-        results = _run_once(scenario, roots, domains, args, timeout, env or {})
+        results = _run_once(worker, scenario, roots, domains, args, timeout, env or {})
         if not any(port_in_use(r.output) for r in results):
             break
         time.sleep(0.5 + attempt)
@@ -54,7 +57,7 @@ def run(
     return results
 
 
-def _run_once(scenario, roots, domains, args, timeout, env) -> list[ProcessResult]:
+def _run_once(worker, scenario, roots, domains, args, timeout, env) -> list[ProcessResult]:
     n = len(roots)
     port = portpicker.pick_unused_port()
     procs = []
@@ -72,7 +75,7 @@ def _run_once(scenario, roots, domains, args, timeout, env) -> list[ProcessResul
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / "mp_worker.py"), scenario, json.dumps(args)],
+                [sys.executable, str(HERE / worker), scenario, json.dumps(args)],
                 env=proc_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
