@@ -298,11 +298,20 @@ def scenario_recover(args: dict) -> dict:
     return {"recovered": recovered, "tokens": tokens, "peer_hosts": sorted(hosts)}
 
 
-if __name__ == "__main__":
+def main(scenarios: dict) -> None:
+    """Runs `scenario_<argv[1]>` from `scenarios` (a worker's globals()) with argv[2] as JSON.
+
+    Other worker scripts import this module (which starts JAX) and call
+    `main(globals())` with their own scenarios.
+    """
     scenario, raw = sys.argv[1], json.loads(sys.argv[2])
     try:
-        result = globals()[f"scenario_{scenario}"](raw)
+        result = scenarios[f"scenario_{scenario}"](raw)
     except Exception:
         traceback.print_exc()
         sys.exit(1)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(globals())
