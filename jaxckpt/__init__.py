@@ -5,5 +5,13 @@ from jaxckpt._handler import TieredCheckpointHandler as TieredCheckpointHandler
 from jaxckpt._handler import TieredRestore as TieredRestore
 from jaxckpt._handler import TieredSave as TieredSave
 from jaxckpt._options import TierOptions as TierOptions
+from jaxckpt._resume import latest_restorable_step as latest_restorable_step
 
-__all__ = ["TierOptions", "TieredCheckpointHandler", "TieredRestore", "TieredSave", "__version__"]
+__all__ = [
+    "TierOptions",
+    "TieredCheckpointHandler",
+    "TieredRestore",
+    "TieredSave",
+    "__version__",
+    "latest_restorable_step",
+]

@@ -401,6 +401,22 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"jaxckpt: {len(errors)} step(s) failed to persist; first: {errors[0]}"
             ) from errors[0]
 
+    def restorable_steps(self, item_dir: epath.Path | Path) -> list[int]:
+        """Every finalized step next to `item_dir` that can be restored from some tier.
+
+        Collective: every process calls it; the processes exchange what their
+        memory tiers hold (bounded by `TierOptions.timeout_s`) and all get the
+        same answer.
+
+        Args:
+          item_dir: any `<checkpoint dir>/<step>/<item>` directory of this item
+            (the step need not exist).
+
+        Returns:
+          The restorable steps, newest first.
+        """
+        return self._global_view(item_dir, self._memory_for(item_dir)).restorable_steps()
+
     def pending_persistence(self) -> set[int]:
         """Steps queued or being written to persistent storage."""
         return self._persister.pending_steps()

@@ -1,0 +1,83 @@
+"""Resuming a job: the newest step some tier can restore, as one collective call."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from jaxckpt import _multihost
+from jaxckpt._handler import TieredCheckpointHandler
+
+
+def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | None:
+    """The newest step of `mngr` that every jaxckpt item can restore, from any tier.
+
+    After a process crash the newest step is usually still in memory; after a
+    node or rack loss `mngr.latest_step()` may name a step whose only copies are
+    gone. This finds the newest step that can really be restored (own memory,
+    a peer's memory or persistent storage), so a job resumes with:
+
+        step = jaxckpt.latest_restorable_step(mngr)
+        if step is not None:
+            state = mngr.restore(step, args=...)
+
+    Collective: every process calls it, and all get the same answer.
+
+    Args:
+      mngr: an `ocp.CheckpointManager` with at least one item handled by a
+        `TieredCheckpointHandler` (through a handler registry or `item_handlers=`).
+        Items of other handlers are taken to be restorable from the manager's
+        directory, as Orbax would.
+      delete_newer: delete (`mngr.delete`) the finalized steps newer than the
+        returned one: none of them can be restored, and the manager skips saving
+        a step number that already exists, so the resumed job's next saves of
+        those steps would otherwise be lost.
+
+    Returns:
+      The step, or None if no step can be restored (then, with `delete_newer`,
+      every step is deleted).
+
+    Raises:
+      ValueError: if `mngr` has no item handled by a `TieredCheckpointHandler`.
+      TimeoutError: if another process does not take part in time.
+    """
+    handlers = tiered_handlers(mngr)
+    if not handlers:
+        raise ValueError(
+            f"[process {_multihost.process_index()}] The CheckpointManager at {mngr.directory} "
+            "has no item handled by jaxckpt.TieredCheckpointHandler: register one "
+            "(handler_registry.add(item, jaxckpt.TieredSave, handler), and the same for "
+            "TieredRestore) or use mngr.latest_step()."
+        )
+    mngr.reload()
+    steps = sorted(mngr.all_steps())
+    root = Path(os.fspath(mngr.directory))
+    restorable = set(steps)
+    for item, handler in sorted(handlers.items()):
+        # Any item directory will do: the handler looks at the step directories next to it.
+        restorable &= set(handler.restorable_steps(root / "0" / item))
+    newest = max(restorable, default=None)
+    if delete_newer:
+        for step in steps:
+            if newest is None or step > newest:
+                mngr.delete(step)
+    return newest
+
+
+def tiered_handlers(mngr: Any) -> dict[str, TieredCheckpointHandler]:
+    """item -> the `TieredCheckpointHandler` that handles it in `mngr`.
+
+    Orbax exposes no public accessor for a manager's handlers; this reads its
+    composite handler's registry and finds nothing (rather than failing) if a
+    future Orbax moves it.
+    """
+    composite = getattr(getattr(mngr, "_checkpointer", None), "handler", None)
+    registry = getattr(composite, "_handler_registry", None)
+    entries = registry.get_all_entries() if registry is not None else {}
+    return {
+        item: handler
+        for (item, _), handler in entries.items()
+        if item is not None and isinstance(handler, TieredCheckpointHandler)
+    }
+

@@ -1,0 +1,86 @@
+"""`jaxckpt.latest_restorable_step`: the one call a resuming job makes."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
+
+import jaxckpt
+
+
+def _state(step: int) -> dict:
+    state = sharded_state(mesh_1d(), seed=step)
+    state["step"] = step
+    return state
+
+
+def _saved(memory_root, ckpt_dir, steps, **manager_options):
+    handler = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=2, memory_keep=2)
+    )
+    mngr = manager(ckpt_dir, handler, **manager_options)
+    for step in steps:
+        save(mngr, step, _state(step))
+    mngr.wait_until_finished()
+    handler.wait_for_persistence()
+    return mngr, handler
+
+
+def test_memory_intact_returns_the_newest_step_and_deletes_nothing(memory_root, ckpt_dir):
+    mngr, _ = _saved(memory_root, ckpt_dir, [1, 2, 3])
+    mngr.close()
+    handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    mngr = manager(ckpt_dir, handler)
+    assert jaxckpt.latest_restorable_step(mngr) == 3
+    assert mngr.all_steps() == [1, 2, 3]
+    assert_tree_equal(restore(mngr, 3, abstract(_state(3))), _state(3))
+    mngr.close()
+
+
+@pytest.mark.parametrize("registry", [True, False], ids=["handler_registry", "item_handlers"])
+def test_memory_loss_returns_the_newest_persisted_step_and_frees_newer(
+    memory_root, ckpt_dir, registry
+):
+    mngr, _ = _saved(memory_root, ckpt_dir, [1, 2, 3, 4, 5], registry=registry)
+    mngr.close()
+    shutil.rmtree(memory_root)  # the host is gone: only persisted steps (2, 4) survive
+
+    handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    mngr = manager(ckpt_dir, handler, registry=registry)
+    assert mngr.latest_step() == 5  # what Orbax alone would try, and fail to restore
+    assert jaxckpt.latest_restorable_step(mngr, delete_newer=False) == 4
+    assert mngr.all_steps() == [1, 2, 3, 4, 5]
+    assert jaxckpt.latest_restorable_step(mngr) == 4
+    assert mngr.all_steps() == [1, 2, 3, 4]
+    assert_tree_equal(restore(mngr, 4, abstract(_state(4))), _state(4))
+
+    # The resumed job saves step 5 again, and it is really saved.
+    save(mngr, 5, _state(5))
+    mngr.wait_until_finished()
+    assert mngr.all_steps()[-1] == 5
+    assert_tree_equal(restore(mngr, 5, abstract(_state(5))), _state(5))
+    mngr.close()
+
+
+def test_nothing_restorable_returns_none_and_deletes_every_step(memory_root, ckpt_dir):
+    mngr, _ = _saved(memory_root, ckpt_dir, [1])  # persist_every=2: step 1 lives in memory only
+    mngr.close()
+    shutil.rmtree(memory_root)
+    handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    mngr = manager(ckpt_dir, handler)
+    assert jaxckpt.latest_restorable_step(mngr) is None
+    assert mngr.all_steps() == []
+    mngr.close()
+
+
+def test_a_manager_without_a_tiered_item_is_refused(ckpt_dir):
+    mngr = ocp.CheckpointManager(ckpt_dir, item_handlers={"x": ocp.StandardCheckpointHandler()})
+    mngr.save(1, args=ocp.args.Composite(x=ocp.args.StandardSave({"a": np.zeros(2)})))
+    mngr.wait_until_finished()
+    with pytest.raises(ValueError, match="no item handled by jaxckpt.TieredCheckpointHandler"):
+        jaxckpt.latest_restorable_step(mngr)
+    mngr.close()
