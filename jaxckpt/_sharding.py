@@ -6,16 +6,22 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 
 def describe(sharding: jax.sharding.Sharding) -> dict[str, Any]:
-    """A JSON description of `sharding` for the manifest."""
+    """A JSON description of `sharding` for the manifest.
+
+    A named sharding keeps its mesh's axis types ("Auto", "Explicit", "Manual"):
+    `jax.make_mesh` makes Explicit axes, and an array on an Auto copy of that
+    mesh cannot meet arrays of the original in a jitted op under `jax.set_mesh`.
+    """
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh
         return {
             "type": "named",
             "axis_names": list(mesh.axis_names),
+            "axis_types": [t.name for t in mesh.axis_types],
             "mesh_shape": list(mesh.devices.shape),
             "device_ids": [int(d.id) for d in mesh.devices.flat],
             "spec": [list(p) if isinstance(p, tuple) else p for p in sharding.spec],
@@ -27,16 +33,25 @@ def describe(sharding: jax.sharding.Sharding) -> dict[str, Any]:
 
 
 def rebuild(desc: dict[str, Any] | None) -> jax.sharding.Sharding | None:
-    """The saved sharding, or None if it cannot be built in this runtime."""
+    """The saved sharding, or None if it cannot be built in this runtime.
+
+    Descriptions written before axis types were recorded rebuild with Auto axes
+    (what `Mesh` made then); an axis type this JAX does not know gives None.
+    """
     if not desc:
         return None
     devices = {d.id: d for d in jax.devices()}
     if desc["type"] == "named":
         if not all(i in devices for i in desc["device_ids"]):
             return None
+        names = tuple(desc["axis_names"])
+        type_names = desc.get("axis_types", ["Auto"] * len(names))
+        if not all(t in AxisType.__members__ for t in type_names):
+            return None
         grid = np.array([devices[i] for i in desc["device_ids"]]).reshape(desc["mesh_shape"])
         spec = PartitionSpec(*(tuple(p) if isinstance(p, list) else p for p in desc["spec"]))
-        return NamedSharding(Mesh(grid, tuple(desc["axis_names"])), spec)
+        axis_types = tuple(AxisType[t] for t in type_names)
+        return NamedSharding(Mesh(grid, names, axis_types=axis_types), spec)
     if desc["type"] == "single" and desc["device_id"] in devices:
         return SingleDeviceSharding(devices[desc["device_id"]])
     return None
