@@ -5,9 +5,11 @@ from jaxckpt._handler import TieredCheckpointHandler as TieredCheckpointHandler
 from jaxckpt._handler import TieredRestore as TieredRestore
 from jaxckpt._handler import TieredSave as TieredSave
 from jaxckpt._options import TierOptions as TierOptions
+from jaxckpt._prometheus import PrometheusMetrics as PrometheusMetrics
 from jaxckpt._resume import latest_restorable_step as latest_restorable_step
 
 __all__ = [
+    "PrometheusMetrics",
     "TierOptions",
     "TieredCheckpointHandler",
     "TieredRestore",

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("save and restore steps", ("_persister", "_snapshot", "_restore", "_target")),
     ("peer service", ("peer", "peer.*")),
     ("handler", ("_handler",)),
-    ("public API", ("_resume", "__init__")),
+    ("public API", ("_resume", "_prometheus", "__init__")),
     ("operator tools and launcher", ("tools", "tools.*", "launch", "launch.*")),
     ("benchmark", ("bench", "bench.*")),
     ("command line", ("cli",)),
