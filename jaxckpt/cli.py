@@ -14,13 +14,16 @@ but some part has no copy in reach.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
+
+import rich.console
+from rich import progress
 
 from jaxckpt.tools import _advise, _catalog, _inspect, _table, _verify
 
@@ -144,12 +147,11 @@ def _inspect_cmd(args: argparse.Namespace) -> int:
 
 def _verify_cmd(args: argparse.Namespace) -> int:
     catalog = _catalog_of(args)
-    bar = None if args.no_progress else ProgressBar(sys.stderr)
-    try:
-        report = _verify.verify(catalog, args.step, bar)
-    finally:
-        if bar is not None:
-            bar.close()
+    if args.no_progress:
+        report = _verify.verify(catalog, args.step)
+    else:
+        with _progress(sys.stderr, f"verify step {args.step}") as update:
+            report = _verify.verify(catalog, args.step, update)
     _emit(args, report, _verify.render(report))
     if report["bad_copies"]:
         return BAD_COPY
@@ -211,37 +213,26 @@ def _bench(argv: list[str]) -> int:
     return int(bench.main(argv) or 0)
 
 
-class ProgressBar:
-    """A one-line progress bar on a terminal; a line per tenth done otherwise."""
+@contextlib.contextmanager
+def _progress(stream: TextIO, description: str) -> Iterator[_verify.Progress]:
+    """A rich progress bar on `stream` (redrawn on a terminal, printed once when done
+    otherwise); yields the callback `_verify.verify` reports to."""
+    columns = (
+        progress.TextColumn("{task.description}"),
+        progress.BarColumn(),
+        progress.TextColumn("{task.fields[chunks]} chunks"),
+        progress.DownloadColumn(binary_units=True),
+        progress.TransferSpeedColumn(),
+        progress.TimeRemainingColumn(),
+    )
+    console = rich.console.Console(file=stream)
+    with progress.Progress(*columns, console=console) as bar:
+        task = bar.add_task(description, total=None, chunks="0/?")
 
-    def __init__(self, stream: TextIO, width: int = 30):
-        self._stream = stream
-        self._tty = stream.isatty()
-        self._width = width
-        self._shown = -1.0
-        self._tenth = -1
+        def update(done: int, total: int, done_bytes: int, total_bytes: int) -> None:
+            bar.update(task, completed=done_bytes, total=total_bytes, chunks=f"{done}/{total}")
 
-    def __call__(self, done: int, total: int, done_bytes: int, total_bytes: int) -> None:
-        fraction = done / total if total else 1.0
-        now = time.monotonic()
-        text = (
-            f"verify [{'#' * int(fraction * self._width):<{self._width}}] {done}/{total} chunks, "
-            f"{_table.size(done_bytes)} of {_table.size(total_bytes)}"
-        )
-        if self._tty:
-            if done == total or now - self._shown > 0.1:
-                self._stream.write("\r" + text)
-                self._stream.flush()
-                self._shown = now
-        elif int(fraction * 10) > self._tenth:
-            self._tenth = int(fraction * 10)
-            self._stream.write(text + "\n")
-            self._stream.flush()
-
-    def close(self) -> None:
-        if self._tty and self._shown >= 0:
-            self._stream.write("\n")
-            self._stream.flush()
+        yield update
 
 
 if __name__ == "__main__":
