@@ -25,18 +25,9 @@ from typing import Any
 
 from jaxckpt import _format, _multihost
 
-_AGREED = "_jaxckpt_agreed"  # attribute set on an exception every process raises
 _SHOWN = 5  # differing leaves named in an error
-
-
-def is_agreed(error: BaseException) -> bool:
-    """Whether every process that took part raises `error` too (no further agreement needed)."""
-    return bool(getattr(error, _AGREED, False))
-
-
-def mark_agreed(error: BaseException) -> BaseException:
-    setattr(error, _AGREED, True)
-    return error
+is_agreed = _multihost.is_agreed
+mark_agreed = _multihost.mark_agreed
 
 
 def agree(

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from etils import epath
 from orbax.checkpoint import checkpoint_args
 
 from jaxckpt import (
+    _agreement,
+    _aio,
     _faults,
     _format,
     _fs,
@@ -28,6 +31,7 @@ from jaxckpt import (
     _placement,
     _plan,
     _restore,
+    _retention,
     _snapshot,
     _target,
     _tree,
@@ -73,10 +77,14 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._retainer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="jaxckpt-retain"
         )
+        self._retention_errors: list[BaseException] = []  # appended by the retainer thread
+        self._keeper = _retention.Keeper(options.persist_every, self._persister.pending_steps)
         self._on_metrics = on_metrics
         self.last_save_metrics: dict[str, Any] = {}
         self.last_restore_metrics: dict[str, Any] = {}
         self.last_persist_metrics: dict[str, Any] = {}
+        # Garbage collection keeps the newest durable step whatever the manager's options.
+        _retention.guard_garbage_collection()
 
     @property
     def options(self) -> TierOptions:
@@ -95,21 +103,36 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         """
         pi = _multihost.process_index()
         started = time.perf_counter()
+        tag = self._tag("save", directory)
+        step, memory = args.step, None
+        refused: Exception | None = None
         try:
             step = _step_of(directory, args.step)
             memory = self._memory_for(directory)
             snapshot = _snapshot.take(args.state, pi)  # validates every leaf first
-            peers = self._connect(memory)  # collective, once per run: after local validation
-            self._check_placement(peers)
-            _faults.maybe_crash("snapshot", step, pi)
         except Exception as error:
-            log.error("jaxckpt: [process %d] save into %s refused: %s", pi, directory, error)
-            commit = _raise(error)
+            refused = error
+        try:
+            # IMPORTANT: a process that refused the save still meets its peers (collective,
+            # once per run), so that every process takes part in the same exchanges; the
+            # refusal is agreed on in the commit, where every process raises it.
+            if memory is None:  # only after an error
+                self._decline(directory, refused or RuntimeError("no memory tier"))
+            else:
+                self._check_placement(self._connect(memory))
+        except Exception as error:
+            refused = refused or error
+        if refused is not None or memory is None:
+            refused = refused or RuntimeError("no memory tier")
+            log.error("jaxckpt: [process %d] save into %s refused: %s", pi, directory, refused)
+            commit = self._refuse(tag, step, refused)
         else:
+            assert step is not None  # set when nothing was refused
+            _faults.maybe_crash("snapshot", step, pi)
             metrics = {"event": "save", "step": step, "process": pi, "bytes": snapshot.nbytes}
             metrics["stall_s"] = time.perf_counter() - started
-            commit = self._commit(
-                Path(os.fspath(directory)), step, snapshot, memory, pi, metrics, started
+            commit = self._commit_agreed(
+                tag, Path(os.fspath(directory)), step, snapshot, memory, pi, metrics, started
             )
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
@@ -124,7 +147,56 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             for f in await self.async_save(directory, args):
                 f.result()
 
-        asyncio.run(run())
+        _aio.run_sync(run())  # also from a thread that runs an event loop (Jupyter)
+
+    async def _refuse(self, tag: str, step: int | None, error: BaseException) -> None:
+        """The commit of a save this process refused: every process raises with it."""
+        if not _agreement.is_agreed(error):
+            await asyncio.to_thread(
+                _agreement.agree_on_save,
+                None,
+                error,
+                tag=tag,
+                step=step,
+                timeout_s=self._options.timeout_s,
+            )
+        raise error
+
+    async def _commit_agreed(
+        self,
+        tag: str,
+        directory: Path,
+        step: int,
+        snapshot: _snapshot.Snapshot,
+        memory: _memory_tier.MemoryTier,
+        pi: int,
+        metrics: dict[str, Any],
+        started: float,
+    ) -> None:
+        """`_commit`, agreed on: every process fails it if one fails before its index
+        manifest or saved another tree (see `_agreement`)."""
+        agreed = False
+
+        async def agree(error: BaseException | None) -> None:
+            nonlocal agreed
+            agreed = True
+            start = time.perf_counter()
+            await asyncio.to_thread(
+                _agreement.agree_on_save,
+                snapshot.leaves,
+                error,
+                tag=tag,
+                step=step,
+                timeout_s=self._options.timeout_s,
+            )
+            metrics["agree_s"] = time.perf_counter() - start
+
+        try:
+            await self._commit(directory, step, snapshot, memory, pi, metrics, started, agree)
+        except Exception as error:
+            if not agreed:
+                await agree(error)
+            raise
 
     async def _commit(
         self,
@@ -135,27 +207,30 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         pi: int,
         metrics: dict[str, Any],
         started: float,
+        agree: Callable[[BaseException | None], Awaitable[None]],
     ) -> None:
         start = time.perf_counter()
         by_leaf: dict[int, list[_snapshot.HostShard]] = {}
         for shard in snapshot.shards:
             by_leaf.setdefault(shard.leaf, []).append(shard)
         staging = memory.new_staging_dir(step, pi)
+        writes: list[asyncio.Future[None]] = []
         try:
             part = _zarr.file_kvstore(str(staging))
             crcs = asyncio.gather(
                 *(asyncio.to_thread(_zarr.checksum, s.data) for s in snapshot.shards)
             )
-            await asyncio.gather(
-                *(
+            writes = [
+                asyncio.ensure_future(
                     _zarr.write_chunks(
                         _zarr.array_kvstore(part, leaf),
                         snapshot.leaves[leaf],
                         [(s.index, s.data) for s in shards],
                     )
-                    for leaf, shards in by_leaf.items()
                 )
-            )
+                for leaf, shards in by_leaf.items()
+            ]
+            await _zarr.settle(writes)
             chunks: dict[int, list[_format.ChunkRecord]] = {}
             for s, crc in zip(snapshot.shards, await crcs, strict=True):
                 chunks.setdefault(s.leaf, []).append(
@@ -173,6 +248,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 leaves=snapshot.leaves,
                 chunks={leaf: tuple(cs) for leaf, cs in chunks.items()},
                 iterator_states=snapshot.iterator_states,
+                scalars=snapshot.scalars,
+                shardings=snapshot.shardings,
                 created=time.time(),
                 metrics=dict(metrics),
             )
@@ -181,6 +258,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             committed = memory.commit(staging, step, pi)
             _faults.maybe_crash("memory_commit", step, pi)
         except BaseException:
+            # IMPORTANT: remove the staging directory only once no write into it is in
+            # flight (a failed one, say ENOSPC, does not stop the others), or they would
+            # recreate files in it after the removal.
+            if writes:
+                await asyncio.wait(writes, timeout=self._options.timeout_s)
             _fs.remove_entry(staging)
             raise
         metrics["safe_in_memory_s"] = time.perf_counter() - started
@@ -192,6 +274,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             metrics["replicate_bytes_per_s"] = sent / max(push_s, 1e-9)
             metrics["safe_on_peers_s"] = time.perf_counter() - started
             _faults.maybe_crash("replicated", step, pi)
+        # IMPORTANT: every process agrees that all committed the same tree before any writes
+        # its index manifest: a step is indexed by every process or by none.
+        await agree(None)
         # IMPORTANT: the index manifest is written only after the memory part is committed
         # (and replicated), so an index never points at copies that do not exist yet.
         manifest = dataclasses.replace(manifest, metrics=dict(metrics))
@@ -219,7 +304,10 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
         Collective: every process calls it for the same step. The processes
         exchange what their memory tiers hold, and all reach the same verdict on
-        whether the step is restorable before any of them reads a byte.
+        whether the step is restorable before any of them reads a byte. Any error
+        is agreed on before it returns: if one process fails, every process
+        raises (the same built-in type, naming the process), so none is left
+        waiting at the CheckpointManager's barrier.
 
         Raises:
           FileNotFoundError: if the step cannot be restored from any tier; the
@@ -227,19 +315,33 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           ValueError, TypeError: if the target does not match the saved tree.
           TimeoutError: if another process does not take part within the timeout.
         """
+        try:
+            result = self._restore(directory, args)
+        except Exception as error:
+            if not _agreement.is_agreed(error):
+                self._agree("restore", directory, error)
+            raise
+        self._agree("restore", directory, None)
+        return result
+
+    def _restore(self, directory: epath.Path, args: TieredRestore | None) -> Any:
+        """`restore` on this process; a failing process still takes part in the exchanges."""
         start = time.perf_counter()
         args = args if args is not None else TieredRestore()
         item_dir = Path(os.fspath(directory))
         step = _step_of(directory, None)
-        memory = self._memory_for(directory)
         pi = _multihost.process_index()
         index = _restore.read_index(item_dir)
+        recorded = index.get(pi) or next(iter(index.values()), None)
+        with self._taking_part(directory, recorded, None):
+            memory = self._memory_for(directory, recorded=recorded)
         count = _multihost.process_count()
-        fn = args.iterator_state_fn
-        if index:  # validate the target before any collective, so all fail alike
+        fns = (args.iterator_state_fn, args.per_process_fn)
+        if index:  # validate the target before reading; agreed on in `restore`
             leaves = next(iter(index.values())).leaves
-            ctx = _target.Context(index, pi, count, step, fn)
-            _target.check(leaves, args.abstract_state, ctx)
+            ctx = _target.Context(index, pi, count, step, *fns)
+            with self._taking_part(directory, recorded, memory):
+                _target.check(leaves, args.abstract_state, ctx)
         view = self._global_view(directory, memory)
         plan = view.plan(step, item_dir)
         if not plan.restorable:
@@ -252,7 +354,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             timeout_s=self._options.timeout_s,
         )
         try:
-            ctx = _target.Context(plan.manifests, pi, count, step, fn)
+            ctx = _target.Context(plan.manifests, pi, count, step, *fns)
             result = _target.fill(restorer, plan.leaves, args.abstract_state, ctx)
         except _restore.ChunkUnavailableError as e:
             raise FileNotFoundError(
@@ -307,7 +409,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         return kvstore_for
 
     def _retain(self, memory: _memory_tier.MemoryTier, directory: Path, step: int) -> None:
-        """Once `step` is finalized, bounds the memory tier to `memory_keep` steps."""
+        """Once `step` is finalized, bounds the memory tier to `memory_keep` steps.
+
+        Runs on the retainer thread; a failure is recorded and raised by the next
+        `wait_for_persistence()` or `close()` (nobody reads this call's future).
+        """
         try:
             _paths.wait_finalized(
                 directory, _paths.final_item_dir(directory), step, self._options.timeout_s
@@ -315,7 +421,19 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         except OSError as e:  # not finalized: keep everything
             log.warning("jaxckpt: memory retention skipped after step %d: %s", step, e)
             return
-        memory.retain(self._options.memory_keep, upto=step, pinned=self._persister.pending_steps())
+        try:
+            memory.retain(
+                self._options.memory_keep, upto=step, pinned=self._persister.pending_steps()
+            )
+        except Exception as e:
+            log.exception("jaxckpt: memory retention after step %d failed", step)
+            error = OSError(
+                f"[process {_multihost.process_index()}] Memory retention after step {step} "
+                f"in {memory.run_dir} failed: {e}. Older steps stay in memory until it "
+                "succeeds; check that the memory root is writable and has free space."
+            )
+            error.__cause__ = e
+            self._retention_errors.append(error)
 
     def _check_placement(self, peers: _peers.Peers | None) -> None:
         """Raises ValueError if `replicas` copies cannot live outside each owner's domain."""
@@ -336,7 +454,17 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             self.last_persist_metrics = metrics
         log.info("jaxckpt: %s", metrics)
         if self._on_metrics is not None:
-            self._on_metrics(dict(metrics))
+            # The user's callback is no part of checkpointing: its failure must not fail
+            # a save or a restore, nor be taken for a failed persist.
+            try:
+                self._on_metrics(dict(metrics))
+            except Exception:
+                log.exception(
+                    "jaxckpt: the on_metrics callback failed on the %s event of step %s; "
+                    "checkpointing is not affected",
+                    metrics.get("event"),
+                    metrics.get("step"),
+                )
 
     def _redact(self, text: str) -> str:
         return self._peers.redact(text) if self._peers is not None else text
@@ -345,8 +473,13 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
     def metadata(self, directory: epath.Path) -> Any:
         """The saved tree: `jax.ShapeDtypeStruct` per array leaf (with the saved
-        sharding when its devices exist here, else without), scalars as saved,
-        and this process's iterator state wrapped in `IteratorState`.
+        sharding when its devices exist here, else without; without for an array
+        saved uncommitted), scalars as saved, and this process's iterator state
+        wrapped in `IteratorState`. Per-process leaves show this process's own
+        saved value (another process count: process 0's).
+
+        Every node is nested as dicts and lists; the result is a restore target
+        for any saved tree (leaves are matched by key names).
         """
         index = _restore.read_index(Path(os.fspath(directory)))
         if not index:
@@ -355,9 +488,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         manifest = index.get(pi, next(iter(index.values())))
         entries = []
         for i, record in enumerate(manifest.leaves):
-            entries.append(
-                (record.keys, _target.leaf_metadata(record, manifest.iterator_states.get(i)))
-            )
+            entries.append((record.keys, _target.leaf_metadata(i, record, manifest)))
         return _tree.nest(entries)
 
     def finalize(self, directory: epath.Path) -> None:
@@ -367,7 +498,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         """Drains pending persistence (bounded by `TierOptions.timeout_s`).
 
         Raises:
-          OSError: if a step failed to persist.
+          OSError: if a step failed to persist, or memory retention failed.
+          TimeoutError: if persistence is not done within the timeout (it goes on
+            in the background; a later save reuses the same worker).
         """
         try:
             self._retainer.shutdown(wait=True)
@@ -379,11 +512,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             if self._peers is not None:
                 self._peers.close()
                 self._peers = None
-        errors = self._persister.take_errors()
-        if errors:
-            raise OSError(
-                f"jaxckpt: {len(errors)} step(s) failed to persist; first: {errors[0]}"
-            ) from errors[0]
+        self._raise_background_errors()
 
     def wait_for_persistence(self, timeout_s: float | None = None) -> None:
         """Blocks until the background work queued so far (memory retention,
@@ -395,11 +524,23 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         timeout_s = self._options.timeout_s if timeout_s is None else timeout_s
         self._retainer.submit(lambda: None).result(timeout=timeout_s)
         self._persister.drain(timeout_s)
-        errors = self._persister.take_errors()
-        if errors:
-            raise OSError(
-                f"jaxckpt: {len(errors)} step(s) failed to persist; first: {errors[0]}"
-            ) from errors[0]
+        self._raise_background_errors()
+
+    def _raise_background_errors(self) -> None:
+        """Raises what failed on the background threads since the last call, if anything.
+
+        Raises:
+          OSError: naming the failed persists and retention runs, chained to the first.
+        """
+        persist = self._persister.take_errors()
+        retention, self._retention_errors = self._retention_errors, []
+        said = []
+        if persist:
+            said.append(f"{len(persist)} step(s) failed to persist; first: {persist[0]}")
+        if retention:
+            said.append(f"memory retention failed {len(retention)} time(s); first: {retention[0]}")
+        if said:
+            raise OSError("jaxckpt: " + "; ".join(said)) from (persist or retention)[0]
 
     def restorable_steps(self, item_dir: epath.Path | Path) -> list[int]:
         """Every finalized step next to `item_dir` that can be restored from some tier.
@@ -422,14 +563,68 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         return self._persister.pending_steps()
 
     def preservation_policy(self, base: Any) -> Any:
-        """An Orbax PreservationPolicy that keeps what `base` keeps plus every step
-        still being persisted, so garbage collection never deletes one mid-write.
+        """An Orbax PreservationPolicy that keeps what `base` keeps, the newest
+        durable (persisted) step, and every newer step to be persisted.
 
-        Pass it as `CheckpointManagerOptions(preservation_policy=...)`.
+        Not needed: a manager holding this handler keeps those steps whatever
+        its options (see `_retention`); this explicit form is kept for code that
+        already uses it, and for an Orbax where that automatic guard cannot be
+        installed. Pass it as `CheckpointManagerOptions(preservation_policy=...)`.
         """
-        return _KeepPersisting(base, self._persister)
+        return self._keeper.policy(base)
 
     # ---- helpers --------------------------------------------------------------
+
+    def _tag(self, verb: str, directory: epath.Path | Path) -> str:
+        """The exchange tag of a save or restore of this item: the same on every process,
+        and apart for every checkpoint directory and item (their commits run concurrently)."""
+        run = self._options.run_id or _paths.default_run_id(directory)
+        return f"{verb}/{run}/{_paths.strip_tmp(Path(os.fspath(directory)).name)}"
+
+    def _agree(self, verb: str, directory: epath.Path | Path, error: BaseException | None) -> None:
+        """Raises on every process if `error` or another process's error is set (collective)."""
+        _agreement.agree(
+            error,
+            tag=self._tag(verb, directory),
+            what=f"The {verb} of step {_paths.step_of(directory)}",
+            timeout_s=self._options.timeout_s,
+        )
+
+    @contextlib.contextmanager
+    def _taking_part(
+        self,
+        directory: epath.Path | Path,
+        recorded: _format.PartManifest | None,
+        memory: _memory_tier.MemoryTier | None,
+    ) -> Iterator[None]:
+        """On an error inside, takes part in the restore's exchange of inventories all the
+        same (with nothing to offer), then raises it: `restore` agrees on it afterwards."""
+        try:
+            yield
+        except Exception as error:
+            # IMPORTANT: the other processes are about to meet in `_global_view`; skipping
+            # it would leave them waiting and this process's exchanges out of step.
+            if memory is not None:
+                self._global_view(directory, memory)
+            elif _multihost.process_count() > 1:
+                saved = recorded.run_id if recorded is not None else None
+                run_id = _paths.run_id(directory, self._options.run_id, saved)
+                if self._peers is None or self._peers.run_id != run_id:
+                    self._decline(directory, error, run_id)
+                else:
+                    self._peers.exchange_inventories({})
+            raise
+
+    def _decline(
+        self, directory: epath.Path | Path, error: BaseException, run_id: str | None = None
+    ) -> None:
+        """Where the others meet their peers, takes part without a memory tier (collective):
+        all raise `error`. Nothing to do if this run's peers were met already."""
+        if _multihost.process_count() == 1:
+            return
+        run_id = run_id or _paths.run_id(directory, self._options.run_id, None)
+        if self._peers is None or self._peers.run_id != run_id:
+            _peers.Peers.decline(run_id, self._options, error)
 
     def _connect(self, memory: _memory_tier.MemoryTier) -> _peers.Peers | None:
         """Meets the other processes once per run (collective); None in one process."""
@@ -441,8 +636,18 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             self._peers = _peers.Peers.connect(memory, self._options)
         return self._peers
 
-    def _memory_for(self, directory: epath.Path | Path) -> _memory_tier.MemoryTier:
-        run_id = self._options.run_id or _paths.default_run_id(directory)
+    def _memory_for(
+        self, directory: epath.Path | Path, recorded: _format.PartManifest | None = None
+    ) -> _memory_tier.MemoryTier:
+        """This run's memory tier, for the item directory `directory`.
+
+        The run id is the one `recorded` in the step's index manifest (a restore:
+        the copies to read carry it, whatever the directory is called now), else
+        `TierOptions.run_id`, else one derived from the checkpoint directory's
+        real path (so a symlink to it finds the same tier).
+        """
+        self._keeper.note(directory)
+        run_id = _paths.run_id(directory, self._options.run_id, recorded and recorded.run_id)
         if self._memory is None or self._memory.run_id != run_id:
             memory = _memory_tier.MemoryTier(self._options.memory_root, run_id)
             memory.prepare(
@@ -453,17 +658,6 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             memory.clear_staging(older_than_s=self._options.timeout_s)
             self._memory = memory
         return self._memory
-
-
-@dataclasses.dataclass
-class _KeepPersisting:
-    base: Any
-    persister: _persister.Persister
-
-    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> Sequence[bool]:
-        keep = self.base.should_preserve(checkpoints, context=context)
-        pending = self.persister.pending_steps()
-        return [k or c.step in pending for k, c in zip(keep, checkpoints, strict=True)]
 
 
 async def _raise(error: BaseException) -> None:
@@ -488,10 +682,22 @@ class TieredSave(ocp.args.CheckpointArgs):
     Attributes:
       state: params, optimizer state, typed PRNG keys, iterators, scalars.
       step: only needed outside a CheckpointManager, whose directories name the step.
+
+    Raises:
+      TypeError: on construction, for a leaf jaxckpt cannot save and restore
+        exactly (an unsupported type or dtype), naming its path: the error comes
+        from the `mngr.save()` line of that very step, asynchronous manager
+        included, before Orbax starts anything.
     """
 
     state: Any
     step: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            _tree.validate(self.state)
+        except TypeError as e:
+            raise TypeError(f"[process {_multihost.process_index()}] {e}") from None
 
 
 @checkpoint_args.register_with_handler(TieredCheckpointHandler, for_restore=True)
@@ -508,9 +714,21 @@ class TieredRestore(ocp.args.CheckpointArgs):
         saved sharding. None restores everything to host (numpy).
       iterator_state_fn: only needed to restore iterators onto another process
         count when each process saved a different state: called as
-        `fn(saved_states, process_index, process_count)`, it returns this
-        process's state. Not needed when the saved states are identical.
+        `fn(saved_states, process_index, process_count)` for every iterator
+        whenever the process count changed, it returns this process's state.
+        `per_process_fn` does the same for every per-process leaf.
+      per_process_fn: only needed to restore leaves saved per process
+        (process-local jax.Arrays, numpy arrays, scalars, iterator states) onto
+        another process count when the processes saved different values:
+        called as `fn(path, saved_values, process_index, process_count)` for
+        each such leaf (`path` as `jax.tree_util.keystr` prints it;
+        `saved_values` in the saving processes' order, numpy arrays for
+        arrays), it returns this process's value. Values every process saved
+        alike restore everywhere without it; on the saving process count each
+        process gets its own. For a target sharding that spans processes, it
+        must return the same value on every process.
     """
 
     abstract_state: Any = None
     iterator_state_fn: _target.IteratorStateFn | None = None
+    per_process_fn: _target.PerProcessFn | None = None

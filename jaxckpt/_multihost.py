@@ -36,6 +36,7 @@ from jax._src import distributed
 _PREFIX = "jaxckpt"
 _GAVE_UP = 1 << 20  # added to `n` by a process that stops waiting (more than any process count)
 _COMPLETE = "complete"
+_AGREED = "_jaxckpt_agreed"  # attribute of an exception that every process raises
 _lock = threading.Lock()
 _rounds: dict[str, int] = {}  # tag -> next round; every process calls a tag's rounds in order
 
@@ -48,6 +49,17 @@ class KeyValueClient(Protocol):
     def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
     def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...
     def key_value_delete(self, key: str) -> None: ...
+
+
+def is_agreed(error: BaseException) -> bool:
+    """Whether every process that took part raises `error` too (no further agreement needed)."""
+    return bool(getattr(error, _AGREED, False))
+
+
+def mark_agreed(error: BaseException) -> BaseException:
+    """Marks `error` as one every process that took part raises as well."""
+    setattr(error, _AGREED, True)
+    return error
 
 
 def process_index() -> int:
@@ -136,13 +148,15 @@ def exchange(
         if outcome == _COMPLETE:
             return _values(client, key, count)
         posted = _posted(client, key)
-        raise _timeout(me, what, timeout_s, count, posted, outcome)
+        raise mark_agreed(_timeout(me, what, timeout_s, count, posted, outcome))
     except TimeoutError:
         raise
     except Exception as e:  # the runtime raises its own error types
-        raise ConnectionError(
-            f"[process {me}] The exchange '{what}' through the jax.distributed coordination "
-            f"service failed: {e}. Is the coordinator (process 0) still running?"
+        raise mark_agreed(
+            ConnectionError(
+                f"[process {me}] The exchange '{what}' through the jax.distributed coordination "
+                f"service failed: {e}. Is the coordinator (process 0) still running?"
+            )
         ) from e
     finally:
         _finish(client, key, count, me)

@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _faults, _format, _multihost, _placement
+from jaxckpt import _agreement, _faults, _format, _multihost, _placement
 from jaxckpt._memory_tier import MemoryTier
 from jaxckpt._options import TierOptions
 from jaxckpt.peer._client import http_kvstore_spec, push_directory, redact_token
@@ -53,32 +53,77 @@ class Peers:
         Raises:
           ValueError: if `options.replicas` cannot be placed in other failure domains.
           TimeoutError: if another process does not show up within the timeout.
+          Any error another process met starting its peer service (the same
+            built-in type, naming it), on every process.
         """
-        tag = f"peers/{memory.run_id}"
+        return cls._meet(memory.run_id, memory, options, None)
+
+    @classmethod
+    def decline(cls, run_id: str, options: TierOptions, error: BaseException) -> None:
+        """Takes part in meeting the others without a memory tier to serve (collective).
+
+        A process whose memory tier failed calls this where the others call
+        `connect`, so that they all learn of `error` at once instead of waiting
+        for it, and every process's exchanges stay in step.
+
+        Raises:
+          `error` (marked as agreed), always.
+        """
+        cls._meet(run_id, None, options, error)
+        raise _agreement.mark_agreed(error)  # _meet raised it already; for the type checker
+
+    @classmethod
+    def _meet(
+        cls,
+        run_id: str,
+        memory: MemoryTier | None,
+        options: TierOptions,
+        error: BaseException | None,
+    ) -> Peers:
+        tag = f"peers/{run_id}"
         token = _multihost.broadcast(
             secrets.token_hex(32) if _multihost.process_index() == 0 else None,
             tag=f"{tag}/token",
             timeout_s=options.timeout_s,
         )
-        server = PeerServer(
-            memory.run_dir.parent,
-            run_id=memory.run_id,
-            token=token,
-            host=options.peer_host,
-            io_timeout=options.timeout_s,
+        server = None
+        if error is None and memory is not None:
+            try:
+                server = PeerServer(
+                    memory.run_dir.parent,
+                    run_id=run_id,
+                    token=token,
+                    host=options.peer_host,
+                    io_timeout=options.timeout_s,
+                )
+                server.start()
+            except Exception as e:  # agreed on below, so every process raises it
+                if server is not None:
+                    server.close()
+                server, error = None, e
+        me = (
+            {"address": server.address.to_dict(), "domain": options.resolved_failure_domain}
+            if server is not None
+            else None
         )
-        server.start()
         try:
-            me = {"address": server.address.to_dict(), "domain": options.resolved_failure_domain}
-            everyone = _multihost.allgather(me, tag=f"{tag}/hello", timeout_s=options.timeout_s)
+            # IMPORTANT: a process that cannot serve still takes part, with its error, so
+            # the others raise it at once instead of timing out.
+            everyone = _agreement.agree(
+                error,
+                tag=f"{tag}/hello",
+                what=f"Starting the peer data service of run {run_id}",
+                timeout_s=options.timeout_s,
+                payload=me,
+            )
         except BaseException:
-            server.close()
+            if server is not None:
+                server.close()
             raise
+        assert server is not None  # no process failed, this one included
         addresses = [PeerAddress.from_dict(p["address"]) for p in everyone]
         domains = [str(p["domain"]) for p in everyone]
-        return cls(
-            server, token, memory.run_id, addresses, domains, options.replicas, options.timeout_s
-        )
+        return cls(server, token, run_id, addresses, domains, options.replicas, options.timeout_s)
 
     @property
     def holders(self) -> tuple[tuple[int, ...], ...]:
