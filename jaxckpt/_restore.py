@@ -3,7 +3,8 @@
 For each target shard (any sharding, any process count) the chunks that
 intersect it are read from the fastest source in the plan, checked against
 their CRC-32, and on any error the next source is tried. Only chunks that
-intersect this process's target shards are read.
+intersect this process's target shards are read. A per-process leaf (every
+part holds its own value) is read from the one owner the caller names.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import numpy as np
 from absl import logging as log
 
-from jaxckpt import _chunking, _format, _memory_tier, _plan, _sharding, _tree, _zarr
+from jaxckpt import _aio, _chunking, _format, _memory_tier, _plan, _sharding, _zarr
 
 KvstoreFor = Callable[[_plan.Source, int], dict[str, Any]]  # (source, owner) -> part kvstore
 
@@ -108,15 +109,20 @@ class Restorer:
             )
         return self._arrays[key]
 
-    async def _read_chunk(self, leaf: int, index: tuple[int, ...]) -> np.ndarray:
+    async def _read_chunk(
+        self, leaf: int, index: tuple[int, ...], owner: int | None = None
+    ) -> np.ndarray:
         record = self._plan.leaves[leaf]
         assert record.stored_shape is not None and record.chunk_shape is not None
-        owner = self._owners.get((leaf, index))
         if owner is None:
+            owner = self._owners.get((leaf, index))
+        saved = self._plan.manifests[owner].chunks.get(leaf, ()) if owner is not None else ()
+        expected = next((c for c in saved if c.index == index), None)
+        if owner is None or expected is None:
             raise ChunkUnavailableError(
-                f"Chunk {index} of {record.path} is in no part of step {self._plan.step}."
+                f"Chunk {index} of {record.path} is in no part of step {self._plan.step}"
+                + (f" (looked in the part of process {owner})." if owner is not None else ".")
             )
-        expected = next(c for c in self._plan.manifests[owner].chunks[leaf] if c.index == index)
         region = _chunking.chunk_region(index, record.stored_shape, record.chunk_shape)
         tried = []
         for source in self._plan.sources.get(owner, ()):
@@ -154,7 +160,7 @@ class Restorer:
         )
 
     async def _read_regions(
-        self, leaf: int, regions: Sequence[_chunking.Region]
+        self, leaf: int, regions: Sequence[_chunking.Region], owner: int | None = None
     ) -> list[np.ndarray]:
         record = self._plan.leaves[leaf]
         assert (
@@ -172,7 +178,7 @@ class Restorer:
         chunks = dict(
             zip(
                 needed,
-                await asyncio.gather(*(self._read_chunk(leaf, i) for i in needed)),
+                await asyncio.gather(*(self._read_chunk(leaf, i, owner) for i in needed)),
                 strict=True,
             )
         )
@@ -189,8 +195,13 @@ class Restorer:
 
     # ---- leaves -------------------------------------------------------------
 
-    def array(self, leaf: int, sharding: jax.sharding.Sharding) -> jax.Array:
-        """The saved array leaf, laid out with `sharding` (any mesh)."""
+    def array(
+        self, leaf: int, sharding: jax.sharding.Sharding, owner: int | None = None
+    ) -> jax.Array:
+        """The saved array leaf, laid out with `sharding` (any mesh).
+
+        `owner` names the part to read a per-process leaf from.
+        """
         record = self._plan.leaves[leaf]
         assert record.stored_shape is not None and record.shape is not None
         data_sharding = (
@@ -205,7 +216,7 @@ class Restorer:
         ]
         # Replicated targets ask for the same region on many devices: read it once.
         unique = {_chunking.region_key(r): r for r in regions}
-        read = asyncio.run(self._read_regions(leaf, list(unique.values())))
+        read = _aio.run_sync(self._read_regions(leaf, list(unique.values()), owner))
         bufs = dict(zip(unique, read, strict=True))
         arrays = [
             jax.device_put(bufs[_chunking.region_key(r)], d)
@@ -214,17 +225,12 @@ class Restorer:
         data = jax.make_array_from_single_device_arrays(record.stored_shape, data_sharding, arrays)
         return jax.random.wrap_key_data(data, impl=record.key_impl) if record.key_impl else data
 
-    def host_array(self, leaf: int) -> np.ndarray:
-        """The whole saved array leaf as one numpy array."""
+    def host_array(self, leaf: int, owner: int | None = None) -> np.ndarray:
+        """The whole saved array leaf as one numpy array (`owner`: as for `array`)."""
         record = self._plan.leaves[leaf]
         assert record.stored_shape is not None
         whole = tuple(slice(0, n) for n in record.stored_shape)
-        return asyncio.run(self._read_regions(leaf, [whole]))[0]
-
-    def iterator_state(self, leaf: int, process_index: int) -> Any:
-        """The iterator state that process `process_index` saved for a leaf."""
-        manifest = self._plan.manifests[process_index]
-        return _tree.decode_iterator_state(manifest.iterator_states[leaf])
+        return _aio.run_sync(self._read_regions(leaf, [whole], owner))[0]
 
 
 class GlobalView:
