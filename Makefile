@@ -4,7 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-oldest lint clean
+
+# The oldest releases pyproject.toml allows; `make test-oldest` runs the suite against them.
+OLDEST := jax==0.10.0 jaxlib==0.10.0 orbax-checkpoint==0.12.6 tensorstore==0.1.84 \
+	flax==0.12.0 optax==0.2.6 grain==0.2.15 numpy==2.0.2
+OLDEST_VENV := .venv-oldest
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -23,5 +28,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check jaxckpt tests examples
 	$(BIN)/mypy
 
+$(OLDEST_VENV)/.installed: pyproject.toml Makefile
+	test -d $(OLDEST_VENV) || $(PY) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install --quiet --upgrade pip
+	$(OLDEST_VENV)/bin/pip install --quiet -e '.[dev]' $(OLDEST)
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_VENV)/bin/python -m pytest -q tests
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) build *.egg-info
