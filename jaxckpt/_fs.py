@@ -10,9 +10,15 @@ What is atomic here, and what is not:
 - `replace_dir` over an existing directory takes two renames (old away, new in):
   between them the name is briefly absent. Readers that find it absent retry or
   fall back; they never see a mix of old and new files.
-- None of these calls fsync: after a power loss (not a process crash) a renamed
-  file can be empty on a disk-backed filesystem. The memory tier lives on tmpfs,
-  which a power loss empties anyway.
+- Visible is not durable: after a power loss (not a process crash) a renamed
+  file can be empty, or a rename undone, on a disk-backed filesystem, unless the
+  data and the directories holding the names were fsynced. `write_atomic` and
+  `replace_dir` do not fsync (the memory tier lives on tmpfs, which a power loss
+  empties anyway); the persister calls `fsync_tree` on a part before its
+  durability rename and `fsync_dirs` on the directories above it afterwards.
+  (Tensorstore's file kvstore already fsyncs each chunk file and its directory
+  by default, `file_io_sync`; `fsync_tree` covers everything else too: the
+  manifest and every directory created on the way.)
 - Removal is not atomic: `remove_entry` of a tree deletes file by file. Callers
   that need a tree to vanish at once rename it into a staging directory first and
   remove it there.
@@ -62,6 +68,39 @@ def replace_dir(staging: Path, final: Path, *, make_parents: bool = True) -> Non
     os.rename(staging, final)
     if old is not None:
         remove_entry(old)
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flushes one file or directory (its data, or its names) to stable storage."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flushes every file and directory under `root`, and `root`, to stable storage.
+
+    Files first, then each directory after its entries (bottom-up), so that once
+    this returns, a power loss keeps every name under `root` and every byte
+    behind it. Symlinks are not followed.
+
+    Raises:
+      OSError: if a file cannot be opened or flushed (the tree is then not durable).
+    """
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                fsync_path(path)
+        fsync_path(directory)
+
+
+def fsync_dirs(*directories: Path) -> None:
+    """Flushes the names held by each directory (e.g. after a rename into it)."""
+    for directory in directories:
+        fsync_path(directory)
 
 
 def remove_entry(path: str | os.PathLike[str]) -> None:

@@ -647,7 +647,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         real path (so a symlink to it finds the same tier).
         """
         self._keeper.note(directory)
-        run_id = _paths.run_id(directory, self._options.run_id, recorded and recorded.run_id)
+        run_id = _paths.run_id(
+            directory, self._options.run_id, recorded.run_id if recorded else None
+        )
         if self._memory is None or self._memory.run_id != run_id:
             memory = _memory_tier.MemoryTier(self._options.memory_root, run_id)
             memory.prepare(

@@ -4,6 +4,7 @@ Layout under `<memory_root>/<run_id>/`:
 
     RUN.json                      who this run is (checkpoint directory, created)
     step_<step>/part_<owner>/     committed parts (own and replicas held for peers)
+    step_<step>/.pin-<pid>-<id>   pins: the step is in use by a live process (a held lock)
     .staging/<unique>/            parts being written; never read
 
 A part becomes visible only by `os.rename` of a complete staging directory, so
@@ -20,10 +21,15 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from jaxckpt import _format, _fs
+from absl import logging as log
+
+from jaxckpt import _format, _fs, _liveness
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PART_RE = re.compile(r"^part_(\d+)$")
+
+# A pin on a step; `release()` removes it. Judged live by its lock, not by a pid.
+Pin = _liveness.HeldFile
 
 
 class MemoryTier:
@@ -34,7 +40,13 @@ class MemoryTier:
         self.run_id = run_id
 
     def prepare(self, checkpoint_dir: str, process_index: int, failure_domain: str = "") -> None:
-        """Creates the run directory and checks that it is writable.
+        """Creates the run directory, checks that it is writable, records the run.
+
+        RUN.json records the checkpoint directory and the failure domain of the
+        processes using this memory root (the operator tools read it). Every
+        process sharing a memory root is on one host, so in one failure domain;
+        one that declares another is logged, since replicas placed "in another
+        domain" could then share this host.
 
         Raises:
           PermissionError: if the memory root cannot be written, naming it.
@@ -46,21 +58,38 @@ class MemoryTier:
             probe.unlink()
             run_file = self.run_dir / "RUN.json"
             if not run_file.exists():
-                _fs.write_atomic(
-                    run_file,
-                    json.dumps(
-                        {
-                            "run_id": self.run_id,
-                            "checkpoint_dir": checkpoint_dir,
-                            "created": time.time(),
-                        }
-                    ),
-                )
+                run = {
+                    "run_id": self.run_id,
+                    "checkpoint_dir": checkpoint_dir,
+                    "created": time.time(),
+                }
+                if failure_domain:
+                    run["failure_domain"] = failure_domain
+                _fs.write_atomic(run_file, json.dumps(run))
+            elif failure_domain:
+                self._check_domain(run_file, failure_domain, process_index)
         except OSError as e:
             raise PermissionError(
                 f"[process {process_index}] The memory tier {self.run_dir} is not writable ({e}). "
                 "Point TierOptions.memory_root at a writable tmpfs directory such as /dev/shm/jaxckpt."
             ) from e
+
+    def _check_domain(self, run_file: Path, failure_domain: str, process_index: int) -> None:
+        try:
+            recorded = json.loads(run_file.read_text()).get("failure_domain")
+        except (OSError, ValueError, AttributeError):
+            return
+        if recorded is not None and recorded != failure_domain:
+            log.warning(
+                "jaxckpt: [process %d] the memory tier %s is used by processes of failure "
+                "domain %r, but this process declares %r; processes sharing a memory root "
+                "share a host, so set one TierOptions.failure_domain (or "
+                "JAXCKPT_FAILURE_DOMAIN) for all of them.",
+                process_index,
+                self.run_dir,
+                recorded,
+                failure_domain,
+            )
 
     @staticmethod
     def step_name(step: int) -> str:
@@ -110,27 +139,20 @@ class MemoryTier:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def pin(self, step: int) -> Path:
+    def pin(self, step: int) -> Pin:
         """Marks `step` as in use by this process (e.g. waiting to be persisted).
 
-        Pins are files, so that every process sharing this memory root (several
-        processes on one host) respects them; a pin of a dead process is ignored.
+        Pins are locked files, so that every process sharing this memory root
+        (several processes on one host, in one container or several) respects
+        them; the lock ends with its process, so a dead process's pin is ignored
+        (a pid would not do: pids are reused, and differ across containers).
+        Call `release()` on the returned pin when done.
         """
-        path = self.step_dir(step) / f".pin-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        path.touch()
-        return path
+        return Pin(self.step_dir(step) / f".pin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
     def is_pinned(self, step: int) -> bool:
         """Whether a live process holds a pin on `step`."""
-        for pin in self.step_dir(step).glob(".pin-*"):
-            try:
-                os.kill(int(pin.name.split("-")[1]), 0)
-                return True
-            except PermissionError:
-                return True  # alive, another user's
-            except (ProcessLookupError, ValueError, IndexError):
-                continue
-        return False
+        return any(_liveness.is_held(pin) for pin in self.step_dir(step).glob(".pin-*"))
 
     def retain(self, keep: int, upto: int, pinned: Iterable[int] = ()) -> list[int]:
         """Of the steps up to `upto`, deletes all but the newest `keep`; never a pinned one.

@@ -7,6 +7,8 @@ import os
 import socket
 from typing import Final
 
+from jaxckpt import _paths
+
 PERSIST_COMPRESSIONS: Final = (None, "zstd", "gzip", "blosc")
 
 
@@ -31,8 +33,11 @@ class TierOptions:
       persist_compression: zarr3 codec for persisted chunks (`None`, "zstd",
         "gzip" or "blosc"); memory tiers are always uncompressed.
       run_id: names this run's data in memory tiers; defaults to a hash of the
-        CheckpointManager's directory, so a restarted job finds its snapshots
-        and another job never reads them.
+        CheckpointManager's directory (its real path, so any spelling of it
+        finds the same tier), so a restarted job finds its snapshots and
+        another job never reads them. Restore reads the run id recorded in the
+        step's index instead. 1-255 ASCII letters, digits, '-', '_', '.',
+        starting with a letter or digit.
       timeout_s: the longest any wait on another process, a peer or a
         background queue may take before it fails with an error.
       peer_host: interface the peer data service binds to and advertises.
@@ -66,12 +71,11 @@ class TierOptions:
             raise ValueError(
                 f"TierOptions.timeout_s must be a positive number of seconds, got {self.timeout_s!r}."
             )
-        if self.run_id is not None and (
-            not self.run_id or not all(c.isalnum() or c in "-_." for c in self.run_id)
-        ):
+        if self.run_id is not None and not _paths.is_valid_run_id(self.run_id):
             raise ValueError(
-                "TierOptions.run_id may only hold letters, digits, '-', '_' and '.', "
-                f"got {self.run_id!r}."
+                "TierOptions.run_id may only hold 1-255 ASCII letters, digits, '-', '_' and "
+                "'.', starting with a letter or digit (it names a directory: '.' or '..' "
+                f"would name the memory root or its parent), got {self.run_id!r}."
             )
         if self.failure_domain is not None and not str(self.failure_domain):
             raise ValueError("TierOptions.failure_domain must not be empty.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from pathlib import Path
 
@@ -13,6 +14,15 @@ import orbax.checkpoint as ocp
 # and renames both to `<root>/<step>/<item>` when the step is finalized (on object stores it
 # writes a commit file instead). Step names are Orbax's: `<step>` or `<prefix>_<step>`.
 STAGING_DIR = ".jaxckpt-staging"
+
+# A run id names a directory in the memory root and a URL segment of the peer
+# service: no '/', and not '.' or '..' (the first character is a letter or digit).
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+def is_valid_run_id(run_id: object) -> bool:
+    """Whether `run_id` can name a run directory (and the peer service's URL segment)."""
+    return isinstance(run_id, str) and RUN_ID_RE.fullmatch(run_id) is not None
 
 
 def is_temporary(name: str) -> bool:
@@ -51,9 +61,26 @@ def checkpoint_root(directory: os.PathLike | str) -> Path:
 
 
 def default_run_id(directory: os.PathLike | str) -> str:
-    """A run id derived from the checkpoint root: stable across restarts of a job."""
-    root = os.path.abspath(os.fspath(checkpoint_root(directory)))
+    """A run id derived from the checkpoint root: stable across restarts of a job.
+
+    The root's real path is hashed, so every spelling of it (a symlink, a
+    relative path, `..`) gives the same run id.
+    """
+    root = os.path.realpath(os.fspath(checkpoint_root(directory)))
     return "run-" + hashlib.sha256(root.encode()).hexdigest()[:16]
+
+
+def run_id(directory: os.PathLike | str, configured: str | None, recorded: str | None) -> str:
+    """The run id whose memory tier holds the copies of the step in `directory`.
+
+    `recorded` (from the step's index manifest, when restoring) wins: the copies
+    carry it, whatever the directory is called now and however the run id was
+    chosen then. Else `configured` (`TierOptions.run_id`), else `default_run_id`.
+    An invalid recorded id (a damaged manifest) is ignored.
+    """
+    if recorded and is_valid_run_id(recorded):
+        return recorded
+    return configured or default_run_id(directory)
 
 
 def sibling_steps(directory: os.PathLike | str) -> dict[int, Path]:

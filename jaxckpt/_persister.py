@@ -4,7 +4,13 @@ Runs on its own thread and queue so that a slow persistent store never holds up
 the next `mngr.save()` (the manager waits for the previous save's commit
 futures, and persistence is not one of them). A persisted part becomes visible
 only by renaming a complete staging directory to `<item_dir>/part_<owner>`;
-its existence is the durability marker.
+its existence is the durability marker, so every file and directory of the part
+(and the owner's index manifest) is fsynced before that rename, and the
+directories above it after.
+
+One worker thread at a time: `close` stops it once the queue is empty; if it
+is still busy when `close` gives up waiting, it finishes its jobs and a later
+`submit` hands it more rather than starting a second worker.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 
 from absl import logging as log
 
-from jaxckpt import _faults, _format, _fs, _paths, _zarr
+from jaxckpt import _faults, _format, _fs, _memory_tier, _paths, _zarr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +38,7 @@ class PersistJob:
     source_part: Path
     item_dir: Path  # where the manager is writing the step now
     final_item_dir: Path  # where it will be once the manager finalizes the step
-    pin: Path | None = None  # memory-tier pin on the source step, removed when done
+    pin: _memory_tier.Pin | None = None  # memory-tier pin on the source step, released when done
 
 
 class Persister:
@@ -58,12 +64,14 @@ class Persister:
     def submit(self, job: PersistJob) -> None:
         with self._lock:
             self._pending[job.manifest.step] = self._pending.get(job.manifest.step, 0) + 1
+            # IMPORTANT: queued under the lock that the worker holds when it decides to
+            # stop, so a job is never left behind by a worker that has just stopped.
+            self._queue.put(job)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="jaxckpt-persist", daemon=True
                 )
                 self._thread.start()
-        self._queue.put(job)
 
     def pending_steps(self) -> set[int]:
         """Steps queued or being persisted; memory retention keeps them."""
@@ -90,39 +98,75 @@ class Persister:
                 )
 
     def close(self) -> None:
-        """Drains the queue and stops the worker."""
+        """Drains the queue and stops the worker.
+
+        Raises:
+          TimeoutError: if jobs are still pending after `timeout_s`; the worker
+            then keeps running until they are done (and a later `submit` reuses
+            it), it is never abandoned with work in hand.
+        """
         try:
             self.drain()
         finally:
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread.join(timeout=self._timeout_s)
-                self._thread = None
+            with self._lock:
+                thread = self._thread
+                if thread is not None:
+                    self._queue.put(None)  # stop once the jobs queued before it are done
+            if thread is not None:
+                thread.join(timeout=self._timeout_s)
+                if thread.is_alive():
+                    log.warning(
+                        "jaxckpt: the persistence worker is still busy after %.0f s; "
+                        "it finishes its queued steps in the background.",
+                        self._timeout_s,
+                    )
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                metrics = self._persist(job)
-                if self._on_persisted is not None:
-                    self._on_persisted(metrics)
-            except BaseException as e:
-                log.error("jaxckpt: persisting step %d failed: %s", job.manifest.step, e)
-                error = OSError(
-                    f"Persisting step {job.manifest.step} of process {job.manifest.owner} "
-                    f"into {job.final_item_dir} failed: {e}"
-                )
-                error.__cause__ = e
+        while True:
+            job = self._queue.get()
+            if job is None:
                 with self._lock:
-                    self._errors.append(error)
-            finally:
-                if job.pin is not None:
-                    job.pin.unlink(missing_ok=True)
-                with self._idle:
-                    step = job.manifest.step
-                    self._pending[step] -= 1
-                    if not self._pending[step]:
-                        del self._pending[step]
-                    self._idle.notify_all()
+                    # A job submitted after close() keeps this worker going.
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            metrics = self._run_one(job)
+            if metrics is not None and self._on_persisted is not None:
+                # The user's metrics callback is no part of persisting: its failure
+                # must not turn a durable step into a reported persistence failure.
+                try:
+                    self._on_persisted(metrics)
+                except Exception:
+                    log.exception(
+                        "jaxckpt: the metrics callback failed on step %d's persist event "
+                        "(the step is persisted)",
+                        job.manifest.step,
+                    )
+
+    def _run_one(self, job: PersistJob) -> dict[str, Any] | None:
+        """Persists one job; records its failure. Returns its metrics if it succeeded."""
+        try:
+            return self._persist(job)
+        except BaseException as e:
+            log.error("jaxckpt: persisting step %d failed: %s", job.manifest.step, e)
+            error = OSError(
+                f"Persisting step {job.manifest.step} of process {job.manifest.owner} "
+                f"into {job.final_item_dir} failed: {e}"
+            )
+            error.__cause__ = e
+            with self._lock:
+                self._errors.append(error)
+            return None
+        finally:
+            if job.pin is not None:
+                job.pin.release()
+            with self._idle:
+                step = job.manifest.step
+                self._pending[step] -= 1
+                if not self._pending[step]:
+                    del self._pending[step]
+                self._idle.notify_all()
 
     def _persist(self, job: PersistJob) -> dict[str, Any]:
         start = time.perf_counter()
@@ -142,42 +186,47 @@ class Persister:
         staging.mkdir(parents=True)
         try:
             asyncio.run(self._copy(manifest, job.source_part, staging))
-            seconds = time.perf_counter() - start
-            metrics = {
-                "event": "persist",
-                "step": manifest.step,
-                "process": manifest.owner,
-                "bytes": manifest.nbytes,
-                "persist_s": seconds,
-                "persist_bytes_per_s": manifest.nbytes / max(seconds, 1e-9),
-            }
+            copy_s = time.perf_counter() - start
             manifest = dataclasses.replace(
-                manifest, metrics={**manifest.metrics, "persist_s": seconds}
+                manifest, metrics={**manifest.metrics, "persist_s": copy_s}
             )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
+            sync_start = time.perf_counter()
+            _fs.fsync_tree(staging)
+            fsync_s = time.perf_counter() - sync_start
             _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
             _paths.wait_finalized(job.item_dir, job.final_item_dir, manifest.step, self._timeout_s)
-            # IMPORTANT: the rename is the durability marker; it comes after every byte is
-            # written, and never recreates a step directory that garbage collection removed.
+            final = job.final_item_dir
+            # IMPORTANT: the rename is the durability marker; it comes after every byte of
+            # the part and its index manifest is on stable storage, and never recreates a
+            # step directory that garbage collection removed.
             try:
-                _fs.replace_dir(
-                    staging,
-                    job.final_item_dir / _format.part_dir_name(manifest.owner),
-                    make_parents=False,
-                )
+                _fs.fsync_path(final / _format.index_file(manifest.owner))
+                part = final / _format.part_dir_name(manifest.owner)
+                _fs.replace_dir(staging, part, make_parents=False)
             except FileNotFoundError as e:
                 raise FileNotFoundError(
                     f"Step {manifest.step} was deleted (garbage-collected) before it was persisted."
                 ) from e
+            # The new name, and the finalized step's own names, survive a power loss.
+            _fs.fsync_dirs(final, final.parent, root)
             _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
-            return metrics
+            return {
+                "event": "persist",
+                "step": manifest.step,
+                "process": manifest.owner,
+                "bytes": manifest.nbytes,
+                "persist_s": copy_s,  # copying and verifying, as in the part's manifest
+                "persist_bytes_per_s": manifest.nbytes / max(copy_s, 1e-9),
+                "fsync_s": fsync_s,  # flushing the part to stable storage
+            }
         finally:
             _fs.remove_entry(staging)
 
     async def _copy(self, manifest: _format.PartManifest, source: Path, staging: Path) -> None:
         src, dst = _zarr.file_kvstore(str(source)), _zarr.file_kvstore(str(staging))
-        await asyncio.gather(
-            *(
+        await _zarr.settle(
+            [
                 _zarr.copy_chunks(
                     _zarr.array_kvstore(src, leaf),
                     _zarr.array_kvstore(dst, leaf),
@@ -186,5 +235,5 @@ class Persister:
                     self._compression,
                 )
                 for leaf, chunks in manifest.chunks.items()
-            )
+            ]
         )

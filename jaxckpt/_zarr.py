@@ -7,8 +7,10 @@ uncompressed; persisted parts may add a compression codec.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import zlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +52,15 @@ def file_kvstore(path: str) -> dict[str, Any]:
     return {"driver": "file", "path": str(path).rstrip("/") + "/"}
 
 
+def _fill_value(dtype: str | None) -> Any:
+    """The zarr3 fill value of `dtype` in JSON: complex numbers are [real, imag]."""
+    if dtype == "bool":
+        return False
+    if dtype is not None and np.dtype(dtype).kind == "c":
+        return [0, 0]
+    return 0
+
+
 def create(
     kvstore: dict[str, Any], record: _format.LeafRecord, compression: str | None = None
 ) -> ts.Future:
@@ -65,7 +76,7 @@ def create(
         "data_type": record.stored_dtype,
         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]
         + _COMPRESSION_CODECS[compression],
-        "fill_value": 0 if record.stored_dtype != "bool" else False,
+        "fill_value": _fill_value(record.stored_dtype),
     }
     spec = {"driver": "zarr3", "kvstore": kvstore, "metadata": metadata}
     return ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)
@@ -85,6 +96,23 @@ def open_array(kvstore: dict[str, Any], record: _format.LeafRecord | None = None
     return ts.open(spec, open=True, context=_CONTEXT)
 
 
+async def settle(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
+    """Awaits every one of `awaitables`, then raises the first failure, if any.
+
+    Unlike `asyncio.gather`, a failure (say ENOSPC) does not return while the
+    other writes are still in flight: a caller that removes the directory they
+    write into on failure would otherwise race them and leave files behind.
+    """
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    if tasks:
+        await asyncio.wait(tasks)
+    # Retrieving every exception (not only the first) keeps asyncio from logging the rest.
+    errors = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
+    if errors:
+        raise errors[0]
+    return [task.result() for task in tasks]
+
+
 async def write_chunks(
     kvstore: dict[str, Any],
     record: _format.LeafRecord,
@@ -94,12 +122,14 @@ async def write_chunks(
     """Writes whole chunks of one leaf into a new zarr3 array."""
     assert record.stored_shape is not None and record.chunk_shape is not None
     array = await create(kvstore, record, compression)
-    writes = [
-        array[_chunking.chunk_region(index, record.stored_shape, record.chunk_shape)].write(data)
-        for index, data in chunks
-    ]
-    for w in writes:
-        await w
+    await settle(
+        [
+            array[_chunking.chunk_region(index, record.stored_shape, record.chunk_shape)].write(
+                data
+            )
+            for index, data in chunks
+        ]
+    )
 
 
 async def copy_chunks(
@@ -122,13 +152,18 @@ async def copy_chunks(
     ]
     reads = [source[r].read() for r in regions]
     writes = []
-    for chunk, region, read in zip(chunks, regions, reads, strict=True):
-        data = await read
-        if checksum(data) != chunk.crc32:
-            raise ValueError(
-                f"Chunk {chunk.index} of leaf {record.path} at {src.get('path')} does not match "
-                "its checksum; it was not copied."
-            )
-        writes.append(target[region].write(data))
-    for w in writes:
-        await w
+    try:
+        for chunk, region, read in zip(chunks, regions, reads, strict=True):
+            data = await read
+            if checksum(data) != chunk.crc32:
+                raise ValueError(
+                    f"Chunk {chunk.index} of leaf {record.path} at {src.get('path')} does not "
+                    "match its checksum; it was not copied."
+                )
+            writes.append(target[region].write(data))
+    except BaseException:
+        # IMPORTANT: no write is left in flight when this raises (see `settle`).
+        with contextlib.suppress(Exception):
+            await settle(writes)
+        raise
+    await settle(writes)

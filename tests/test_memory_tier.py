@@ -33,7 +33,7 @@ def test_retention_keeps_newest_and_pinned_steps(tmp_path):
     pin = tier.pin(2)
     assert tier.retain(2, upto=5, pinned={3}) == [1]
     assert tier.steps() == [2, 3, 4, 5]
-    pin.unlink()
+    pin.release()
     assert tier.retain(2, upto=4) == [2]
     assert tier.steps() == [3, 4, 5]  # 5 is after `upto`: still being saved
 
@@ -57,7 +57,7 @@ def test_pins_of_dead_processes_are_ignored(tmp_path):
     live = tier.pin(1)
     assert tier.is_pinned(1)
     assert tier.retain(1, upto=3) == [2] and tier.steps() == [1, 3]
-    live.unlink()
+    live.release()
 
 
 def test_runs_are_kept_apart(tmp_path):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from jaxckpt import _liveness
 from jaxckpt.peer._client import (
     delete_path,
     fetch_file,
@@ -376,8 +377,10 @@ def test_stale_temps_of_dead_processes_are_removed_on_start(root: Path) -> None:
         text=True,
         check=True,
     )
-    stale = root / RUN / f"{TEMP_PREFIX}{dead.stdout.strip()}-push-abc"
-    mine = root / RUN / f"{TEMP_PREFIX}{os.getpid()}-push-def"
+    # Records as `_liveness.record` writes them: pid.start.pid-namespace.boot
+    here = _liveness.record().split(".", 2)[2]
+    stale = root / RUN / f"{TEMP_PREFIX}{dead.stdout.strip()}.1.{here}-push-abc"
+    mine = root / RUN / f"{TEMP_PREFIX}{_liveness.record()}-push-def"
     stale.mkdir(parents=True)
     mine.mkdir()
     with PeerServer(root, run_id=RUN, token=TOKEN):

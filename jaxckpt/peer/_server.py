@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _fs
+from jaxckpt import _fs, _liveness
 from jaxckpt.peer._request_handler import PeerRequestHandler, ServiceConfig
 from jaxckpt.peer._wire import TEMP_PREFIX, PeerAddress, check_run_id, check_token
 
@@ -156,8 +156,10 @@ class PeerServer:
         """Starts serving; idempotent.
 
         First removes temporary entries (`TEMP_PREFIX`) left in the run
-        directory by processes of this host that no longer run (judged by the
-        pid in their name), such as a push cut short by a crash.
+        directory by processes of this host that certainly no longer run (judged
+        by the pid, process start time, pid namespace and boot recorded in their
+        name: a reused pid or a pid of another container is never taken for the
+        writer), such as a push cut short by a crash.
 
         Raises:
           RuntimeError: If the server was closed.
@@ -198,19 +200,12 @@ class PeerServer:
 
 
 def _temp_name(purpose: str) -> str:
-    """Returns a fresh temporary entry name that records this process's pid."""
-    return f"{TEMP_PREFIX}{os.getpid()}-{purpose}-{uuid.uuid4().hex}"
+    """Returns a fresh temporary entry name that records this process (`_liveness.record`)."""
+    return f"{TEMP_PREFIX}{_liveness.record()}-{purpose}-{uuid.uuid4().hex}"
 
 
 def _is_stale_temp(entry: Path) -> bool:
-    """Whether ``entry`` is a `_temp_name` of a process of this host that no longer runs."""
+    """Whether ``entry`` is a `_temp_name` of a process that certainly no longer runs."""
     if not entry.name.startswith(TEMP_PREFIX):
         return False
-    pid = entry.name.removeprefix(TEMP_PREFIX).split("-", 1)[0]
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except (ValueError, PermissionError):
-        pass  # Not ours to judge, or the process is alive under another user.
-    return False
+    return _liveness.is_gone(entry.name.removeprefix(TEMP_PREFIX).split("-", 1)[0])

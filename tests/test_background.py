@@ -1,0 +1,125 @@
+"""The background threads: one persistence worker at a time, failures that are
+reported where they happen (not in the user's callback, not lost in a future)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import manager, mesh_1d, save, sharded_state
+
+import jaxckpt
+from jaxckpt import _memory_tier, _persister
+
+
+def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
+    return jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, **kw))
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeManifest:
+    step: int
+    owner: int = 0
+
+
+def fake_job(step: int) -> _persister.PersistJob:
+    return _persister.PersistJob(FakeManifest(step), Path("src"), Path("item"), Path("final"))  # type: ignore[arg-type]
+
+
+def test_close_after_a_drain_timeout_never_starts_a_second_worker(monkeypatch):
+    gate = threading.Event()
+    running: list[int] = []
+    overlap: list[tuple[int, ...]] = []
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def persist(self, job):
+        with lock:
+            running.append(job.manifest.step)
+            if len(running) > 1:
+                overlap.append(tuple(running))
+        if job.manifest.step == 1:
+            assert gate.wait(30)
+        time.sleep(0.05)
+        with lock:
+            running.remove(job.manifest.step)
+            done.append(job.manifest.step)
+        return {"event": "persist", "step": job.manifest.step}
+
+    monkeypatch.setattr(_persister.Persister, "_persist", persist)
+    p = _persister.Persister(None, timeout_s=1.0)
+    p.submit(fake_job(1))
+    worker = p._thread
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            p.close()  # step 1 is stuck: drain times out after 1 s, then joins for 1 s
+        except BaseException as e:
+            errors.append(e)
+
+    closing = threading.Thread(target=close)
+    closing.start()
+    time.sleep(1.5)  # close() is waiting for the worker to stop
+    p.submit(fake_job(2))  # goes to the same worker, after step 1; not dropped
+    closing.join()
+    assert len(errors) == 1 and isinstance(errors[0], TimeoutError)
+    p.submit(fake_job(3))
+    assert p._thread is worker and worker.is_alive()  # no second worker
+    gate.set()
+    p.drain(timeout_s=10)
+    assert done == [1, 2, 3] and not overlap
+    p.close()
+    deadline = time.monotonic() + 5
+    while any(t.name == "jaxckpt-persist" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the worker did not stop"
+        time.sleep(0.01)
+    p.submit(fake_job(4))  # a closed persister starts a fresh worker
+    p.drain(timeout_s=10)
+    assert done[-1] == 4
+    p.close()
+
+
+def test_a_failing_metrics_callback_fails_neither_save_nor_persist(memory_root, ckpt_dir):
+    events = []
+
+    def on_metrics(metrics):
+        events.append(metrics["event"])
+        raise RuntimeError("the user's dashboard is down")
+
+    h = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=1), on_metrics=on_metrics
+    )
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        save(mngr, 1, sharded_state(mesh_1d()))
+        h.wait_for_persistence()  # no "failed to persist"
+        assert (ckpt_dir / "1" / "train" / "part_00000" / "manifest.json").exists()
+        assert mngr.all_steps() == [1]
+    assert events == ["save", "persist"]
+
+
+def test_memory_retention_failure_is_reported(memory_root, ckpt_dir, monkeypatch):
+    def broken(self, keep, upto, pinned=()):
+        raise PermissionError(13, "Permission denied", str(self.run_dir))
+
+    monkeypatch.setattr(_memory_tier.MemoryTier, "retain", broken)
+    h = handler(memory_root, persist_every=1000)
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        save(mngr, 1, sharded_state(mesh_1d()))
+        with pytest.raises(OSError, match=r"Memory retention after step 1 .*Permission denied"):
+            h.wait_for_persistence()
+        h.wait_for_persistence()  # reported once
+
+
+def test_run_file_records_the_failure_domain(tmp_path, caplog):
+    tier = _memory_tier.MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0, "rack-7")
+    assert json.loads((tier.run_dir / "RUN.json").read_text())["failure_domain"] == "rack-7"
+    tier.prepare("ckpt", 1, "rack-7")
+    assert "failure domain" not in caplog.text
+    tier.prepare("ckpt", 2, "rack-9")  # shares the host's tmpfs, declares another domain
+    assert "'rack-7'" in caplog.text and "'rack-9'" in caplog.text

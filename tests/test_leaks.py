@@ -1,0 +1,118 @@
+"""A write that fails for lack of space leaves nothing behind, in either tier."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from helpers import manager, mesh_1d, save
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import _zarr
+
+
+def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
+    return jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, **kw))
+
+
+def leftovers(staging: Path) -> list[str]:
+    """Everything under a staging directory (files and directories)."""
+    return (
+        sorted(str(p.relative_to(staging)) for p in staging.rglob("*")) if staging.exists() else []
+    )
+
+
+def state_of(mib: float, leaves: int = 4) -> dict[str, jax.Array]:
+    n = int(mib * 2**20 / 4 / leaves) // 8 * 8
+    sharding = NamedSharding(mesh_1d(), P("data"))
+    return {f"x{i}": jax.device_put(np.full(n, i, np.float32), sharding) for i in range(leaves)}
+
+
+def failing_after_others(monkeypatch, name: str) -> None:
+    """`_zarr.<name>` fails with ENOSPC for leaf 0 at once; the other leaves write late.
+
+    The late writes run on threads, as tensorstore's writes run in C++: like
+    them, they go on when the coroutine awaiting them is cancelled.
+    """
+    original = getattr(_zarr, name)
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+
+    def late(*args, **kwargs):
+        time.sleep(0.3)
+        return asyncio.run(original(*args, **kwargs))
+
+    async def flaky(*args, **kwargs):
+        if str(args[0]["path"]).rstrip("/").endswith("arrays/0"):
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return await asyncio.wrap_future(pool.submit(late, *args, **kwargs))
+
+    monkeypatch.setattr(_zarr, name, flaky)
+
+
+def test_failed_memory_write_leaves_no_staging_chunks(memory_root, ckpt_dir, monkeypatch):
+    failing_after_others(monkeypatch, "write_chunks")
+    h = handler(memory_root, persist_every=1000)
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        with pytest.raises(OSError, match="No space left"):
+            save(mngr, 1, state_of(0.1))
+        time.sleep(0.6)  # a write still in flight would land by now
+        assert leftovers(Path(memory_root) / h._memory.run_id / ".staging") == []
+
+
+def test_failed_persistence_leaves_no_staging_dirs(memory_root, ckpt_dir, monkeypatch):
+    failing_after_others(monkeypatch, "copy_chunks")
+    h = handler(memory_root, persist_every=1)
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        save(mngr, 1, state_of(0.1))
+        with pytest.raises(OSError, match=r"step 1 .*No space left"):
+            h.wait_for_persistence()
+        time.sleep(0.6)
+        assert leftovers(ckpt_dir / ".jaxckpt-staging") == []
+        assert not (ckpt_dir / "1" / "train" / "part_00000").exists()
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    """A tmpfs of `size` at `path` (needs root; skips the test otherwise)."""
+    path.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_full_tmpfs_memory_tier_leaves_nothing(tmp_path, ckpt_dir):
+    with small_tmpfs(tmp_path / "shm", "1m") as root:
+        h = handler(str(root), persist_every=1000)
+        with manager(ckpt_dir, h, use_async=False) as mngr:
+            # Tensorstore reports ENOSPC as ValueError("RESOURCE_EXHAUSTED ...").
+            with pytest.raises((OSError, ValueError), match="No space left"):
+                save(mngr, 1, state_of(4, leaves=8))
+            time.sleep(0.3)
+            assert leftovers(root / h._memory.run_id / ".staging") == []
+
+
+def test_full_persistent_storage_leaves_nothing(memory_root, tmp_path):
+    with small_tmpfs(tmp_path / "disk", "2m") as ckpt:
+        h = handler(memory_root, persist_every=1)
+        with manager(ckpt, h, use_async=False) as mngr:
+            save(mngr, 1, state_of(4, leaves=8))
+            with pytest.raises(OSError, match="step 1"):
+                h.wait_for_persistence()
+            time.sleep(0.3)
+            assert leftovers(ckpt / ".jaxckpt-staging") == []
