@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +14,33 @@ import numpy as np
 
 from jaxckpt import _format
 
-SCALAR_TYPES = (bool, int, float, str)
+SCALAR_TYPES = (bool, int, float, complex, str)
+_BUILTIN_SCALARS: dict[str, type] = {t.__name__: t for t in SCALAR_TYPES}
+
+# The dtypes tensorstore's zarr3 driver stores (tensorstore 0.1.86; its raw-bits
+# types r<N> are not used). An array of any other dtype is refused at save: left
+# to the background commit it would fail there, after the save was accepted.
+STORABLE_DTYPES = frozenset(
+    {
+        "bool",
+        *(f"int{n}" for n in (2, 4, 8, 16, 32, 64)),
+        *(f"uint{n}" for n in (8, 16, 32, 64)),
+        "float4_e2m1fn",
+        "float8_e3m4",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e4m3b11fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "bfloat16",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    }
+)
 
 
 def is_iterator(x: Any) -> bool:
@@ -84,10 +112,20 @@ def kind_of(path: str, leaf: Any) -> str:
     if is_iterator(leaf):
         return _format.ITERATOR
     if isinstance(leaf, jax.Array):
+        if not is_typed_key(leaf):  # keys are stored as their uint32 key data
+            _check_array_dtype(path, "jax.Array", np.dtype(leaf.dtype))
         return _format.ARRAY
     if isinstance(leaf, np.ndarray):
+        if isinstance(leaf, np.ma.MaskedArray):
+            raise TypeError(
+                f"Cannot checkpoint the masked array at {path or '<root>'}: jaxckpt would save "
+                "its data without its mask. Save x.data and np.ma.getmaskarray(x) as two "
+                "leaves and rebuild it with np.ma.MaskedArray(data, mask) after restoring."
+            )
+        _check_array_dtype(path, "numpy array", leaf.dtype)
         return _format.NUMPY
     if isinstance(leaf, (np.generic, *SCALAR_TYPES)):
+        encode_scalar(path, leaf)  # refuses a value that would not come back exactly
         return _format.SCALAR
     raise TypeError(
         f"Cannot checkpoint the leaf at {path or '<root>'} of type {type(leaf).__name__}: "
@@ -97,21 +135,169 @@ def kind_of(path: str, leaf: Any) -> str:
     )
 
 
-def scalar_record(path: str, leaf: Any) -> _format.LeafRecord:
-    """The manifest record of a scalar leaf, holding its value."""
-    if isinstance(leaf, np.generic):
-        return _format.LeafRecord(
-            path, _format.SCALAR, value=leaf.item(), scalar_type=np.dtype(leaf.dtype).name
+def validate(tree: Any) -> None:
+    """Checks every leaf of `tree` as a save would, reading nothing and writing nothing.
+
+    Raises:
+      TypeError: for the first leaf jaxckpt cannot save and restore exactly,
+        naming its path, its type or dtype, and what to do instead.
+    """
+    for path, leaf in flatten(tree)[0]:
+        kind_of(path, leaf)
+
+
+def _check_array_dtype(path: str, what: str, dtype: np.dtype) -> None:
+    """Raises TypeError unless an array of `dtype` is stored and read back exactly."""
+    if dtype.name in STORABLE_DTYPES and dtype.isnative:
+        return
+    where = f"Cannot checkpoint the {what} at {path or '<root>'} with dtype {dtype}"
+    if not dtype.isnative:
+        why, fix = "its byte order is not this machine's", "x.astype(x.dtype.newbyteorder('='))"
+    elif dtype.name in ("uint2", "uint4"):
+        why = f"tensorstore's zarr3 format has no {dtype.name}"
+        fix = f"x.astype(np.uint8) (exact: every {dtype.name} value fits) and convert back after "
+        fix += "restoring"
+    elif dtype.name == "float8_e4m3":
+        why = "tensorstore's zarr3 format has no float8_e4m3"
+        bits = (
+            "jax.lax.bitcast_convert_type(x, np.uint8)"
+            if what == "jax.Array"
+            else "x.view(np.uint8)"
         )
-    return _format.LeafRecord(path, _format.SCALAR, value=leaf, scalar_type=type(leaf).__name__)
+        fix = f"its bits, {bits}, and bitcast them back after restoring"
+    elif dtype.kind in "USO":
+        why = "text and Python objects are not array data jaxckpt can store"
+        fix = "str scalars for text (a list of them is fine), or keep it out of the saved state"
+    elif dtype.kind == "V":
+        why = "structured and void arrays are not stored"
+        fix = "each field as its own array (a dict of arrays)"
+    elif dtype.kind in "Mm":
+        why = "datetime and timedelta arrays are not stored"
+        fix = "x.view(np.int64) and restore the unit with .view(x.dtype) after restoring"
+    else:
+        why, fix = "tensorstore's zarr3 format cannot store it", "a supported dtype"
+    raise TypeError(
+        f"{where}: {why}. Save {fix} instead. The array dtypes jaxckpt stores are: "
+        f"{', '.join(sorted(STORABLE_DTYPES))}."
+    )
+
+
+def encode_scalar(path: str, leaf: Any) -> tuple[str, Any]:
+    """(scalar_type, JSON value) that `decode_scalar` turns back into `leaf` exactly.
+
+    The value is readable JSON where that is exact (finite floats, ints, bools,
+    text; complex numbers as [real, imag]), else {"__bits__": hex of its bytes}
+    (NaN payloads, infinities, datetimes, bytes, long doubles). Numpy scalars
+    keep their dtype: `scalar_type` is a dtype spec np.dtype() reads back.
+
+    Raises:
+      TypeError: if the value would not come back with its type and bits, naming the leaf.
+    """
+    where = f"Cannot checkpoint the scalar at {path or '<root>'} of type {type(leaf).__name__}"
+    if isinstance(leaf, np.generic):
+        scalar_type = _numpy_scalar_type(leaf.dtype)
+        candidates = [_readable(leaf.item()), {"__bits__": leaf.tobytes().hex()}]
+    elif type(leaf) in SCALAR_TYPES:
+        scalar_type = type(leaf).__name__
+        candidates = [_readable(leaf), _bits(leaf)]
+    else:
+        base = next(t for t in SCALAR_TYPES if isinstance(leaf, t)).__name__
+        raise TypeError(
+            f"{where}: it is a subclass of {base} and would come back as a plain {base}. "
+            f"Save {base}(x) instead and convert it back after restoring."
+        )
+    if scalar_type is not None:
+        for value in candidates:
+            if value is None:
+                continue
+            try:
+                back = decode_scalar(scalar_type, json.loads(json.dumps(value, allow_nan=False)))
+            except (TypeError, ValueError, OverflowError, struct.error):
+                continue
+            if _same(leaf, back):
+                return scalar_type, value
+    raise TypeError(
+        f"{where} and dtype {getattr(leaf, 'dtype', '-')}: it would not come back exactly "
+        "from the manifest's JSON. Save a Python bool, int, float, complex or str, a numpy "
+        "scalar of a numeric, bool, str, bytes or datetime dtype, or a numpy array instead."
+    )
+
+
+def decode_scalar(scalar_type: str, value: Any) -> Any:
+    """The Python or numpy scalar `encode_scalar` gave (scalar_type, value) for."""
+    bits = bytes.fromhex(value["__bits__"]) if isinstance(value, dict) else None
+    if scalar_type in _BUILTIN_SCALARS:
+        if scalar_type == "float" and bits is not None:
+            return struct.unpack("<d", bits)[0]
+        if scalar_type == "complex":
+            return complex(*(struct.unpack("<dd", bits) if bits is not None else value))
+        return _BUILTIN_SCALARS[scalar_type](value)
+    dtype = np.dtype(scalar_type)
+    if bits is not None:
+        return np.frombuffer(bits, dtype=dtype)[0]
+    if dtype.kind == "c":
+        return dtype.type(complex(*value))
+    return dtype.type(value)
+
+
+def _numpy_scalar_type(dtype: np.dtype) -> str | None:
+    """A spec np.dtype() reads back as exactly `dtype`: its name where that works and
+    is not a builtin's ("bool" would restore a Python bool), else its str ('<U3')."""
+    for spec in (dtype.name, dtype.str):
+        if spec in _BUILTIN_SCALARS:
+            continue
+        try:
+            if np.dtype(spec) == dtype:
+                return spec
+        except TypeError:
+            continue
+    return None
+
+
+def _readable(value: Any) -> Any:
+    """`value` as plain JSON when JSON holds it exactly, else None."""
+    if isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    if isinstance(value, complex) and math.isfinite(value.real) and math.isfinite(value.imag):
+        return [value.real, value.imag]
+    return None
+
+
+def _bits(value: Any) -> dict[str, str] | None:
+    if isinstance(value, float):
+        return {"__bits__": struct.pack("<d", value).hex()}
+    if isinstance(value, complex):
+        return {"__bits__": struct.pack("<dd", value.real, value.imag).hex()}
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Same type and same bits (NaN payloads and -0.0 included)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.generic):
+        return bool(a.dtype == b.dtype) and a.tobytes() == b.tobytes()
+    if isinstance(a, (float, complex)):
+        return _bits(a) == _bits(b)
+    return bool(a == b)
+
+
+def scalar_record(path: str, leaf: Any) -> _format.LeafRecord:
+    """The manifest record of a scalar leaf, holding its value (see `encode_scalar`).
+
+    Raises:
+      TypeError: if the value would not come back exactly, naming the leaf.
+    """
+    scalar_type, value = encode_scalar(path, leaf)
+    return _format.LeafRecord(path, _format.SCALAR, value=value, scalar_type=scalar_type)
 
 
 def scalar_value(record: _format.LeafRecord) -> Any:
     """The Python or numpy value a scalar record was saved from."""
-    builtin = {"int": int, "float": float, "bool": bool, "str": str}
-    if record.scalar_type in builtin:
-        return builtin[record.scalar_type](record.value)
-    return np.dtype(record.scalar_type).type(record.value)
+    assert record.scalar_type is not None
+    return decode_scalar(record.scalar_type, record.value)
 
 
 def encode_iterator_state(path: str, state: Any) -> Any:
