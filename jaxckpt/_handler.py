@@ -95,9 +95,10 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     async def async_save(self, directory: epath.Path, args: TieredSave) -> list[Any]:
         """Snapshots this process's shards to host and returns the commit future.
 
-        Bad input (an unsupported leaf, an unwritable memory root, ...) is logged
-        at once and raised by the returned future, that is by `mngr.save()` in a
-        synchronous manager and by `wait_until_finished()` or the next `save()`
+        An unsupported leaf or dtype is refused earlier, when `TieredSave` is
+        built. Other bad input (an unwritable memory root, an iterator state
+        that is not JSON, ...) is logged at once and raised by the returned
+        future, that is by `mngr.save()` in a synchronous manager and by `wait_until_finished()` or the next `save()`
         in an asynchronous one. Raising here instead would strand Orbax's
         directory-creation threads; the step is not finalized either way.
         """
