@@ -1,0 +1,124 @@
+"""Scenarios for tests/test_agreement_multiprocess.py: processes that disagree must all fail, at once.
+
+Run by tests/multiproc.py, one JAX process per "host" (see mp_worker.py).
+"""
+
+from __future__ import annotations
+
+import mp_worker  # starts JAX: 2 CPU devices per process, jax.distributed on loopback
+
+# isort: split
+
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from mp_worker import ROWS, check, expected, manager, mesh, state, target
+
+import jaxckpt
+from jaxckpt import _multihost
+
+
+def attempt(fn) -> dict:
+    """Runs `fn`; its outcome and how long it took."""
+    started = time.perf_counter()
+    try:
+        value = fn()
+    except Exception as e:  # reported to the test
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - started}
+    return {"value": value, "seconds": time.perf_counter() - started}
+
+
+def keys_in_store(label: str) -> int:
+    """jaxckpt's keys in the coordinator's store once every process is out of its exchanges."""
+    multihost_utils.sync_global_devices(f"keys-{label}")
+    count = len(_multihost.stored_keys())
+    multihost_utils.sync_global_devices(f"keys-{label}-counted")
+    return count
+
+
+def corrupt_part(roots: list[str], step: int, owner: int) -> list[str]:
+    """Flips bytes in every chunk of `owner`'s part of `step` in every memory root."""
+    hit = []
+    for root in roots:
+        for part in Path(root).glob(f"run-*/step_{step:012d}/part_{owner:05d}"):
+            for f in sorted((part / "arrays").rglob("*")):
+                if f.is_file() and f.name != "zarr.json":
+                    data = bytearray(f.read_bytes())
+                    for i in range(0, len(data), max(1, len(data) // 4)):
+                        data[i] ^= 0xFF
+                    f.write_bytes(bytes(data))
+                    hit.append(str(f))
+    return hit
+
+
+def scenario_agreement(args: dict) -> dict:
+    """Saves and restores where one process differs from the others; see the test."""
+    pi = jax.process_index()
+    mngr, _ = manager(
+        args["ckpt"], replicas=1, persist_every=1000, timeout_s=args["timeout_s"], memory_keep=2
+    )
+    m = mesh()
+    out: dict = {}
+
+    def save(step: int, tree: dict) -> None:
+        mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(tree)))
+        mngr.wait_until_finished()  # an asynchronous manager raises a failed commit here
+
+    def restore(step: int, tgt: dict) -> list[str]:
+        restored = mngr.restore(step, args=ocp.args.Composite(train=jaxckpt.TieredRestore(tgt)))
+        return check(restored.train, step)
+
+    out["save_1"] = attempt(lambda: save(1, state(1, m)))
+
+    # Process 1 saves an extra leaf (a global array it alone has in its tree).
+    extra = state(2, m)
+    if pi == 1:
+        sharding = NamedSharding(m, P(m.axis_names[0]))
+        extra["extra"] = jax.make_array_from_callback(
+            (ROWS,), sharding, lambda idx: np.zeros((ROWS,), np.float32)[idx]
+        )
+    out["save_2_extra_leaf"] = attempt(lambda: save(2, extra))
+
+    # Process 2 saves "w" with another sharding (replicated instead of row-sharded).
+    other = state(3, m)
+    if pi == 2:
+        w = np.asarray(expected(3)["w"])
+        other["w"] = jax.make_array_from_callback(w.shape, NamedSharding(m, P()), lambda i: w[i])
+    out["save_3_other_sharding"] = attempt(lambda: save(3, other))
+
+    # The job goes on: every process's exchanges are still in step.
+    out["save_4"] = attempt(lambda: save(4, state(4, m)))
+    out["keys_after_save_4"] = keys_in_store("save4")
+
+    # A target that is wrong on process 1 only.
+    bad = target(m)
+    if pi == 1:
+        bad["w"] = jax.ShapeDtypeStruct((ROWS, 4), np.float32, sharding=bad["w"].sharding)
+    out["restore_wrong_target_on_1"] = attempt(lambda: restore(4, bad))
+    out["restore_4"] = attempt(lambda: restore(4, target(m)))
+
+    # Every copy of process 1's part of step 4 damaged: only process 1 reads it.
+    multihost_utils.sync_global_devices("before-corruption")
+    if pi == 1:
+        out["corrupted_files"] = len(corrupt_part(args["roots"], 4, 1))
+    multihost_utils.sync_global_devices("after-corruption")
+    out["restore_corrupt_for_1"] = attempt(lambda: restore(4, target(m)))
+
+    # Many more saves and restores: the store holds nothing of finished exchanges.
+    for step in range(5, 5 + args["more_saves"]):
+        save(step, state(step, m))
+    out["restore_last"] = attempt(lambda: restore(step, target(m)))
+    out["keys_after_more"] = keys_in_store("more")
+    out["saves"] = 4 + args["more_saves"]
+    mngr.close()
+    return out
+
+
+if __name__ == "__main__":
+    mp_worker.main(globals())
