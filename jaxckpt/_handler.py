@@ -99,8 +99,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         built. Other bad input (an unwritable memory root, an iterator state
         that is not JSON, ...) is logged at once and raised by the returned
         future, that is by `mngr.save()` in a synchronous manager and by
-        `wait_until_finished()` or the next `save()` in an asynchronous one. Raising here instead would strand Orbax's
-        directory-creation threads; the step is not finalized either way.
+        `wait_until_finished()` or the next `save()` in an asynchronous one.
+        Raising here instead would strand Orbax's directory-creation threads;
+        the step is not finalized either way.
         """
         pi = _multihost.process_index()
         started = time.perf_counter()
