@@ -11,6 +11,14 @@ persistent) stores the same thing for a part:
 and the CheckpointManager's item directory always holds `index_<owner>.json`
 (the same manifest) for every saved step, persisted or not. Change a field only
 together with `FORMAT_VERSION` and a reader for the old version.
+
+Versions: 1 saved numpy arrays once (process 0) and scalars inside the leaf
+records. 2 saves every value that can differ per process (process-local
+jax.Arrays, numpy arrays, scalars) in every process's own part: such a leaf's
+record says `per_process`, its chunks are in each owner's `chunks`, a scalar's
+value is in each owner's `scalars` and a process-local array's sharding in
+each owner's `shardings`; the leaf records stay identical in every part.
+Version 1 manifests are still read (every field added since has a default).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 FORMAT_NAME: Final = "jaxckpt"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
+READABLE_VERSIONS: Final = (1, 2)
 MANIFEST_FILE: Final = "manifest.json"
 ARRAYS_DIR: Final = "arrays"
 
@@ -39,8 +48,8 @@ JAXCKPT_VERSION: Final = _installed_version()  # the writer's version, informati
 
 # Leaf kinds.
 ARRAY: Final = "array"  # jax.Array (typed PRNG keys are stored as their key data)
-NUMPY: Final = "numpy"  # np.ndarray, one chunk owned by process 0
-SCALAR: Final = "scalar"  # Python or numpy scalar, value in the manifest
+NUMPY: Final = "numpy"  # np.ndarray, one chunk (v1: process 0's; v2: per process)
+SCALAR: Final = "scalar"  # Python or numpy scalar, value in the manifest (v2: per process)
 ITERATOR: Final = "iterator"  # anything with get_state()/set_state(), state per process
 
 
@@ -88,6 +97,12 @@ class LeafRecord:
       key_impl: PRNG implementation name of a typed key array.
       value: the JSON value of a SCALAR; `scalar_type` says how to rebuild it.
       scalar_type: "int", "float", "bool", "str" or a numpy dtype name.
+      per_process: every process saved its own value (a process-local
+        jax.Array, a numpy array, a scalar): the leaf's chunks, scalar value
+        and sharding are in each owner's part, not in this record.
+      uncommitted: the saved jax.Array was not committed to its devices (made
+        outside any mesh or device_put); restored uncommitted when no target
+        sharding is given.
     """
 
     path: str
@@ -102,11 +117,18 @@ class LeafRecord:
     key_impl: str | None = None
     value: Any = None
     scalar_type: str | None = None
+    per_process: bool = False
+    uncommitted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["keys"] = [list(k) for k in self.keys]
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if v is not None}
+        # Flags are written only when set, so version-1 records read back unchanged.
+        return {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in d.items()
+            if v is not None and v is not False
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LeafRecord:
@@ -133,6 +155,8 @@ class PartManifest:
       leaves: the whole tree, identical in every part of a step.
       chunks: leaf index -> the chunks `owner` wrote.
       iterator_states: leaf index -> `owner`'s iterator state (JSON).
+      scalars: leaf index -> `owner`'s value of a per-process scalar (JSON).
+      shardings: leaf index -> `owner`'s sharding of a per-process jax.Array.
       created: wall-clock time of the snapshot.
       metrics: measurements of the save (stall, bytes, ...), informational.
     """
@@ -148,6 +172,8 @@ class PartManifest:
     iterator_states: Mapping[int, Any]
     created: float
     metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    scalars: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+    shardings: Mapping[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -166,6 +192,8 @@ class PartManifest:
             "leaves": [leaf.to_dict() for leaf in self.leaves],
             "chunks": {str(i): [c.to_dict() for c in cs] for i, cs in self.chunks.items()},
             "iterator_states": {str(i): s for i, s in self.iterator_states.items()},
+            "scalars": {str(i): v for i, v in self.scalars.items()},
+            "shardings": {str(i): s for i, s in self.shardings.items()},
             "created": self.created,
             "metrics": dict(self.metrics),
             "jaxckpt_version": JAXCKPT_VERSION,
@@ -175,10 +203,11 @@ class PartManifest:
     def from_dict(cls, d: Mapping[str, Any]) -> PartManifest:
         if d.get("format") != FORMAT_NAME:
             raise ValueError(f"Not a jaxckpt manifest (format={d.get('format')!r}).")
-        if d.get("version") != FORMAT_VERSION:
+        if d.get("version") not in READABLE_VERSIONS:
             raise ValueError(
                 f"jaxckpt manifest version {d.get('version')!r} is not supported by this "
-                f"jaxckpt (reads version {FORMAT_VERSION}); upgrade jaxckpt."
+                f"jaxckpt (reads versions {', '.join(map(str, READABLE_VERSIONS))}); "
+                "upgrade jaxckpt."
             )
         return cls(
             step=int(d["step"]),
@@ -194,6 +223,8 @@ class PartManifest:
             iterator_states={int(i): s for i, s in d["iterator_states"].items()},
             created=float(d["created"]),
             metrics=dict(d.get("metrics", {})),
+            scalars={int(i): v for i, v in d.get("scalars", {}).items()},
+            shardings={int(i): s for i, s in d.get("shardings", {}).items()},
         )
 
     def to_json(self) -> str:

@@ -52,11 +52,19 @@ class StepPlan:
         return next(iter(self.manifests.values())).leaves
 
     def chunk_owners(self) -> dict[tuple[int, tuple[int, ...]], int]:
-        """(leaf, chunk index) -> the owner whose part holds the chunk."""
+        """(leaf, chunk index) -> the owner whose part holds the chunk.
+
+        Only leaves saved once are listed: a per-process leaf has its own value
+        in every part, and its reader names the owner it reads.
+        """
+        per_process = (
+            {i for i, r in enumerate(self.leaves) if r.per_process} if self.manifests else set()
+        )
         return {
             (leaf, c.index): owner
             for owner, m in self.manifests.items()
             for leaf, chunks in m.chunks.items()
+            if leaf not in per_process
             for c in chunks
         }
 

@@ -3,6 +3,11 @@
 Everything here runs on the caller's thread inside `async_save`; it copies only
 the shards whose `replica_id` is 0 (one copy of every byte in the whole job)
 and reads iterator states, so that all later work can run in the background.
+
+Values that can differ per process are saved by every process into its own
+part: numpy arrays, scalars and, in a multi-process job, jax.Arrays whose
+devices all belong to this process (process-local: `is_fully_addressable`).
+A global array, even fully replicated, has one value and is saved once.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _chunking, _format, _sharding, _tree
+from jaxckpt import _chunking, _format, _multihost, _sharding, _tree
 
 
 @dataclasses.dataclass
@@ -35,6 +40,8 @@ class Snapshot:
     shards: list[HostShard]
     iterator_states: dict[int, Any]
     stall_s: float
+    scalars: dict[int, Any] = dataclasses.field(default_factory=dict)  # per-process values
+    shardings: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -44,6 +51,11 @@ class Snapshot:
 def take(state: Any, process_index: int) -> Snapshot:
     """Validates `state` and copies this process's share of it to host.
 
+    Args:
+      state: the pytree to save.
+      process_index: the saving process. Every process saves its own per-process
+        values (numpy arrays, scalars, process-local arrays), process 0 included.
+
     Raises:
       TypeError: for an unsupported leaf, naming its path.
     """
@@ -52,14 +64,20 @@ def take(state: Any, process_index: int) -> Snapshot:
     pairs = [(path, leaf) for path, _, leaf in triples]
     kinds = [_tree.kind_of(path, leaf) for path, leaf in pairs]  # validate before any copy
 
+    multi_process = _multihost.process_count() > 1
     records: list[_format.LeafRecord] = []
     pending: list[tuple[int, jax.Array, tuple[int, ...]]] = []
-    shards: list[HostShard] = []
-    iterator_states: dict[int, Any] = {}
+    local: list[tuple[int, jax.Array]] = []  # process-local arrays, saved whole as one chunk
+    snap = Snapshot((), [], {}, 0.0)
     for i, ((path, leaf), kind) in enumerate(zip(pairs, kinds, strict=True)):
         if kind == _format.ARRAY:
-            records.append(_array_record(path, leaf))
             data = jax.random.key_data(leaf) if _tree.is_typed_key(leaf) else leaf
+            if multi_process and leaf.is_fully_addressable:
+                records.append(_array_record(path, leaf, per_process=True))
+                snap.shardings[i] = _sharding.describe(leaf.sharding)
+                local.append((i, data))
+                continue
+            records.append(_array_record(path, leaf))
             chunk_shape = records[-1].chunk_shape
             assert chunk_shape is not None
             for shard in data.addressable_shards:
@@ -76,25 +94,35 @@ def take(state: Any, process_index: int) -> Snapshot:
                     stored_shape=leaf.shape,
                     stored_dtype=leaf.dtype.name,
                     chunk_shape=tuple(max(1, n) for n in leaf.shape),
+                    per_process=True,
                 )
             )
-            if process_index == 0:
-                shards.append(HostShard(i, (0,) * leaf.ndim, np.array(leaf, copy=True)))
+            snap.shards.append(HostShard(i, (0,) * leaf.ndim, np.array(leaf, copy=True)))
         elif kind == _format.SCALAR:
-            records.append(_tree.scalar_record(path, leaf))
+            record = _tree.scalar_record(path, leaf)
+            # The value lives in this process's part: the records stay the same everywhere.
+            snap.scalars[i] = record.value
+            records.append(dataclasses.replace(record, value=None, per_process=True))
         else:
             records.append(_format.LeafRecord(path, kind))
-            iterator_states[i] = _tree.encode_iterator_state(path, leaf.get_state())
+            snap.iterator_states[i] = _tree.encode_iterator_state(path, leaf.get_state())
 
     # IMPORTANT: start every device->host transfer before waiting on any of them.
     for _, buf, _ in pending:
         buf.copy_to_host_async()
+    for _, data in local:
+        for shard in data.addressable_shards:
+            if shard.replica_id == 0:
+                shard.data.copy_to_host_async()
     for i, buf, index in pending:
-        shards.append(HostShard(i, index, _to_host(buf)))
-    records = [
+        snap.shards.append(HostShard(i, index, _to_host(buf)))
+    for i, data in local:
+        snap.shards.append(HostShard(i, (0,) * data.ndim, _whole_on_host(data)))
+    snap.leaves = tuple(
         dataclasses.replace(r, keys=keys) for r, (_, keys, _) in zip(records, triples, strict=True)
-    ]
-    return Snapshot(tuple(records), shards, iterator_states, time.perf_counter() - start)
+    )
+    snap.stall_s = time.perf_counter() - start
+    return snap
 
 
 @functools.cache
@@ -118,7 +146,23 @@ def _to_host(buf: jax.Array) -> np.ndarray:
     return np.array(buf, copy=True)
 
 
-def _array_record(path: str, leaf: jax.Array) -> _format.LeafRecord:
+def _whole_on_host(data: jax.Array) -> np.ndarray:
+    """A process-local array's whole value on host (one chunk of its own part)."""
+    shards = [s for s in data.addressable_shards if s.replica_id == 0]
+    if len(shards) == 1 and shards[0].data.shape == data.shape:
+        return _to_host(shards[0].data)  # one device holds it all: no assembly
+    out = np.empty(data.shape, dtype=data.dtype)
+    for s in shards:
+        out[s.index] = np.asarray(s.data)
+    return out
+
+
+def _array_record(path: str, leaf: jax.Array, per_process: bool = False) -> _format.LeafRecord:
+    """The record of a jax.Array leaf.
+
+    A per-process (process-local) array is saved whole, as one chunk, and its
+    sharding goes into the owner's part: each process's may name other devices.
+    """
     is_key = _tree.is_typed_key(leaf)
     key_impl = str(jax.random.key_impl(leaf)) if is_key else None
     if key_impl is not None:
@@ -126,7 +170,10 @@ def _array_record(path: str, leaf: jax.Array) -> _format.LeafRecord:
     else:
         tail, stored_dtype = (), np.dtype(leaf.dtype).name
     stored_shape = tuple(leaf.shape) + tail
-    shard_shape = tuple(leaf.sharding.shard_shape(leaf.shape)) + tail
+    if per_process:
+        shard_shape = stored_shape
+    else:
+        shard_shape = tuple(leaf.sharding.shard_shape(leaf.shape)) + tail
     chunk = tuple(max(1, n) for n in shard_shape)  # zarr chunks are never empty
     return _format.LeafRecord(
         path,
@@ -136,6 +183,8 @@ def _array_record(path: str, leaf: jax.Array) -> _format.LeafRecord:
         stored_shape=stored_shape,
         stored_dtype=stored_dtype,
         chunk_shape=chunk,
-        sharding=_sharding.describe(leaf.sharding),
+        sharding=None if per_process else _sharding.describe(leaf.sharding),
         key_impl=key_impl,
+        per_process=per_process,
+        uncommitted=not leaf.committed,
     )
