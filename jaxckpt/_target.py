@@ -113,7 +113,7 @@ def _saved_sharding(
 ) -> jax.sharding.Sharding | None:
     """The sharding `manifest`'s owner saved an array with, if it exists here (a
     per-process one only on this process's devices); None for an uncommitted array."""
-    if record.uncommitted:
+    if _own_record(i, record, manifest).uncommitted:
         return None
     if not record.per_process:
         return _sharding.rebuild(record.sharding)
@@ -124,8 +124,19 @@ def _saved_sharding(
 def _scalar(i: int, record: _format.LeafRecord, manifest: _format.PartManifest) -> Any:
     """The scalar `manifest`'s owner saved (version 1: the one value in the record)."""
     if record.per_process:
-        record = dataclasses.replace(record, value=manifest.scalars.get(i))
+        own = _own_record(i, record, manifest)
+        record = dataclasses.replace(own, value=manifest.scalars.get(i))
     return _tree.scalar_value(record)
+
+
+def _own_record(
+    i: int, record: _format.LeafRecord, manifest: _format.PartManifest | None
+) -> _format.LeafRecord:
+    """`manifest`'s own record of a per-process leaf: its owner's scalar type and
+    commitment, which may differ from other processes'."""
+    if record.per_process and manifest is not None and i < len(manifest.leaves):
+        return manifest.leaves[i]
+    return record
 
 
 # ---- per-process leaves -------------------------------------------------------
@@ -143,7 +154,7 @@ def _saved_key(i: int, record: _format.LeafRecord, manifest: _format.PartManifes
     if record.kind == _format.ITERATOR:
         value = manifest.iterator_states.get(i)
     elif record.kind == _format.SCALAR:
-        value = manifest.scalars.get(i)
+        value = [manifest.scalars.get(i), _own_record(i, record, manifest).scalar_type]
     else:
         value = sorted((list(c.index), c.crc32, c.nbytes) for c in manifest.chunks.get(i, ()))
     return json.dumps(value, sort_keys=True)
@@ -384,10 +395,10 @@ def _placement(
         return sharding
     if record.kind != _format.ARRAY:
         return HOST  # a numpy array was saved and no sharding asked for
-    if record.uncommitted:
-        return UNCOMMITTED
     if owner is None:
         owner = ctx.process if ctx.process in ctx.manifests else min(ctx.manifests, default=0)
+    if _own_record(i, record, ctx.manifests.get(owner)).uncommitted:
+        return UNCOMMITTED
     saved = _saved_sharding(i, record, ctx.manifests.get(owner))
     if saved is None:
         whose = f"process {owner} saved it with" if record.per_process else "saved sharding"

@@ -17,7 +17,7 @@ import pytest
 from helpers import REPO, fresh_iterator, manager, mesh_1d, save, sharded_state
 
 import jaxckpt
-from jaxckpt import cli
+from jaxckpt import _format, cli
 from jaxckpt.tools import _advise, _inspect
 
 STEPS = (1, 2, 3)  # persist_every=2 persists step 2; memory_keep=2 keeps steps 2 and 3
@@ -150,7 +150,7 @@ def test_inspect_shows_tree_shardings_iterators_and_metrics(capsys, saved):
     assert report["iterator_states"]["['data']"]["0"] is not None
     assert (report["format"], report["format_version"], report["process_count"]) == (
         "jaxckpt",
-        1,
+        _format.FORMAT_VERSION,
         1,
     )
     (proc,) = report["processes"]

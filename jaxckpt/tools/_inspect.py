@@ -257,8 +257,10 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
                 "bytes": sum(c.nbytes for c in chunks),
                 "chunks": len(chunks),
                 "key_impl": rec.key_impl,
-                "value": rec.value,
+                # A per-process scalar's value is in each part: the first process's here.
+                "value": first.scalars.get(i) if rec.per_process else rec.value,
                 "scalar_type": rec.scalar_type,
+                "per_process": rec.per_process,
             }
         )
     iterators = {
