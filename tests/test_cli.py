@@ -159,7 +159,11 @@ def test_inspect_shows_tree_shardings_iterators_and_metrics(capsys, saved):
 
     code, text, _ = jaxckpt_cli(capsys, "inspect", ckpt, 2)
     assert code == 0
-    assert "jaxckpt format v1" in text and "ITERATOR STATES" in text and "SAVE METRICS" in text
+    assert (
+        f"jaxckpt format v{_format.FORMAT_VERSION}" in text
+        and "ITERATOR STATES" in text
+        and "SAVE METRICS" in text
+    )
     (w_line,) = [line for line in text.splitlines() if line.startswith("w ")]
     assert "(16, 6)" in w_line and "float32" in w_line and "P('data') data=8" in w_line
 
