@@ -301,3 +301,76 @@ def test_kill_owner_after_push_and_holder_mid_receive(tmp_path):
         assert tokens == results[0].result["tokens"]
         logged = "\n".join(ln for ln in r.output.splitlines() if not ln.startswith("RESULT "))
         assert not any(t in logged for t in tokens), f"process {p} logged a token"
+
+
+# ---- a process killed during a multi-process save, restarted on fewer processes -------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["memory_commit", "replicated"])
+def test_kill_during_multiprocess_save_then_restore_on_3_processes(phase, tmp_path):
+    """4 processes save with one replica each; process 1 is SIGKILLed in the middle of step
+    3's save (after its snapshot, before its index manifest). The job restarts with 3
+    processes, the killed node's memory kept (node 3 left the job) or lost (node 1 left):
+    step 2 comes back bitwise from memory and peers, step 3 is never read, nothing hangs,
+    and the 3-process job saves and restores step 3 anew."""
+    from multiproc import run
+
+    hosts, ckpt = tmp_path / "crash" / "hosts", tmp_path / "crash" / "ckpt"
+    roots = [str(hosts / f"node{i}") for i in range(4)]
+    args = {"ckpt": str(ckpt), "steps": [1, 2, CRASH_STEP], "timeout_s": 30}
+    env = {1: {"JAXCKPT_FAULT": f"{phase}@{CRASH_STEP}@1"}}
+    saved = run(
+        "save_until_killed",
+        roots,
+        [f"node{i}" for i in range(4)],
+        args,
+        env=env,
+        expect_ok=False,
+        timeout=120,
+        worker="mp_kill_resize.py",
+    )
+    assert saved[1].returncode == -9, saved[1].output[-3000:]
+    assert not (ckpt / str(CRASH_STEP)).exists()  # step 3 never finalized
+
+    tried = wrong = hangs = 0
+    for variant, nodes in {"kept": [0, 1, 2], "lost": [0, 2, 3]}.items():
+        job = tmp_path / variant
+        shutil.copytree(tmp_path / "crash", job, symlinks=True)
+        if variant == "lost":
+            shutil.rmtree(job / "hosts" / "node1")  # the killed node's memory is gone
+        started = time.monotonic()
+        results = run(
+            "restart",
+            [str(job / "hosts" / f"node{i}") for i in nodes],
+            [f"node{i}" for i in nodes],
+            {"ckpt": str(job / "ckpt"), "crashed_step": CRASH_STEP, "timeout_s": 30},
+            expect_ok=False,
+            timeout=180,
+            worker="mp_kill_resize.py",
+        )
+        seconds = time.monotonic() - started
+        slowest = max(
+            (t["seconds"] for r in results if r.result for t in r.result["tries"]), default=0
+        )
+        print(f"RESTART {phase}/{variant}: {seconds:.1f} s in all, slowest restore {slowest:.1f} s")
+        for p, r in enumerate(results):
+            if r.result is None:  # killed by the run's timeout, or crashed
+                hangs += "TIMEOUT" in r.output
+                raise AssertionError(f"{phase}/{variant} process {p}:\n{r.output[-4000:]}")
+            for t in r.result["tries"]:
+                tried += 1
+                wrong += bool(t.get("bad"))
+            label = f"kill_mp_{phase}_{variant}"
+            outcome = Outcome("ok" if r.result["restored"] == CRASH_STEP - 1 else "error", seconds)
+            if p == 0:
+                tally(label, "memory+peer", outcome)
+            assert r.result["latest"] == CRASH_STEP - 1, (label, p, r.result)
+            assert r.result["restored"] == CRASH_STEP - 1, (label, p, r.result["tries"])
+            assert "persistent" not in r.result["tiers"], (label, p, r.result["tiers"])
+            crashed = r.result["crashed"]
+            assert "error" in crashed and "bad" not in crashed, (label, p, crashed)
+            assert r.result["tries"][-1].get("bad") == [], (label, p, r.result["tries"][-1])
+    print(f"TALLY kill_mp_{phase} restores_tried={tried} wrong={wrong} hangs={hangs}")
+    assert wrong == 0 and hangs == 0
