@@ -487,7 +487,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         if not index:
             raise FileNotFoundError(f"{directory} holds no jaxckpt index manifest.")
         pi = _multihost.process_index()
-        manifest = index.get(pi, next(iter(index.values())))
+        same_count = {m.process_count for m in index.values()} == {_multihost.process_count()}
+        # Per-process leaves show this process's own value, which only exists on the same count.
+        manifest = index[pi] if same_count and pi in index else index[min(index)]
         entries = []
         for i, record in enumerate(manifest.leaves):
             entries.append((record.keys, _target.leaf_metadata(i, record, manifest)))

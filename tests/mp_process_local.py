@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt import _paths
 
-PER_PROCESS = ("loc", "pinned", "np", "s")  # leaves whose value is the saving process's index
+PER_PROCESS = ("loc", "pinned", "key", "np", "s")  # the saving process's index as value
 EQUAL = 7  # step 2: every per-process leaf holds this on every process
 
 
@@ -40,6 +40,7 @@ def state(step: int) -> dict:
     return {
         "loc": jnp.full((4,), float(v)),  # uncommitted, on this process's default device
         "pinned": jax.device_put(jnp.full((2,), float(v)), jax.local_devices()[1]),
+        "key": jax.random.wrap_key_data(jnp.full((2,), v, jnp.uint32)),  # a typed key, local
         "np": np.full(3, v),
         "s": v,
         "same": jax.device_put(jnp.arange(4.0), jax.local_devices()[0]),  # local, equal everywhere
@@ -54,6 +55,7 @@ def target() -> dict:
     return {
         "loc": jnp.zeros((4,)),
         "pinned": jax.ShapeDtypeStruct((2,), jnp.float32, sharding=SingleDeviceSharding(local[1])),
+        "key": jax.random.key(0),  # fresh: uncommitted
         "np": np.zeros(3, dtype=np.int64),
         "s": 0,
         "same": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=SingleDeviceSharding(local[0])),
@@ -67,7 +69,16 @@ def target() -> dict:
 def summary(restored: dict) -> dict:
     """Each leaf as this process sees it (the addressable data of jax.Arrays)."""
     out = {}
+    rows = np.arange(mp_worker.ROWS * 2, dtype=np.float32).reshape(mp_worker.ROWS, 2)
     for name, x in restored.items():
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        if name == "w":
+            out["w_ok"] = (
+                np.array_equal(x, rows)
+                if isinstance(x, np.ndarray)
+                else all(np.array_equal(s.data, rows[s.index]) for s in x.addressable_shards)
+            )
         if isinstance(x, jax.Array):
             out[name] = {
                 "values": sorted(

@@ -14,12 +14,13 @@ from multiproc import run
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 WORKER = "mp_process_local.py"
-LOCAL = ("loc", "pinned", "np", "s")
+LOCAL = ("loc", "pinned", "key", "np", "s")
 
 
 def _check_common(leaves: dict) -> None:
     assert leaves["same"]["values"] == [0.0, 1.0, 2.0, 3.0], leaves["same"]
     assert leaves["g"]["values"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], leaves["g"]
+    assert leaves["w_ok"] is True, leaves["w"]
 
 
 def test_process_local_values(tmp_path):
@@ -40,6 +41,7 @@ def test_process_local_values(tmp_path):
             _check_common(leaves)
             if not phase.endswith("_none"):
                 assert leaves["loc"]["committed"] is False  # the target was uncommitted
+                assert leaves["key"]["committed"] is False
                 assert leaves["pinned"]["fully_addressable"] and leaves["w"]["committed"]
                 assert leaves["s"]["type"] == "int" and leaves["np"]["numpy"]
         tiers = {phase: set(got["bytes_by_tier"]) for phase, got in r.result.items()}
