@@ -128,9 +128,9 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
     read = []
     original = _restore.Restorer._read_chunk
 
-    async def spy(self, leaf, index):
+    async def spy(self, leaf, index, owner=None):
         read.append(index)
-        return await original(self, leaf, index)
+        return await original(self, leaf, index, owner)
 
     monkeypatch.setattr(_restore.Restorer, "_read_chunk", spy)
     h = handler(memory_root)
