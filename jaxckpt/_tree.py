@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -50,7 +51,12 @@ def is_iterator(x: Any) -> bool:
 
 def is_typed_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and _is_key_dtype(dtype)
+
+
+@functools.cache
+def _is_key_dtype(dtype: Any) -> bool:  # cached: issubdtype is slow, and saves ask per leaf
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
 def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
@@ -113,7 +119,7 @@ def kind_of(path: str, leaf: Any) -> str:
         return _format.ITERATOR
     if isinstance(leaf, jax.Array):
         if not is_typed_key(leaf):  # keys are stored as their uint32 key data
-            _check_array_dtype(path, "jax.Array", np.dtype(leaf.dtype))
+            _check_array_dtype(path, "jax.Array", leaf.dtype)
         return _format.ARRAY
     if isinstance(leaf, np.ndarray):
         if isinstance(leaf, np.ma.MaskedArray):
@@ -142,15 +148,27 @@ def validate(tree: Any) -> None:
       TypeError: for the first leaf jaxckpt cannot save and restore exactly,
         naming its path, its type or dtype, and what to do instead.
     """
-    for path, leaf in flatten(tree)[0]:
-        kind_of(path, leaf)
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_iterator)
+    for keys, leaf in pairs:
+        try:
+            kind_of("", leaf)  # the path is only needed in the error: spell it out then
+        except TypeError:
+            kind_of(jax.tree_util.keystr(keys), leaf)
+            raise
 
 
 def _check_array_dtype(path: str, what: str, dtype: np.dtype) -> None:
     """Raises TypeError unless an array of `dtype` is stored and read back exactly."""
+    problem = _dtype_problem(what, dtype)
+    if problem is not None:
+        raise TypeError(f"Cannot checkpoint the {what} at {path or '<root>'} {problem}")
+
+
+@functools.cache  # per dtype, not per leaf: dtype.name alone costs microseconds
+def _dtype_problem(what: str, dtype: np.dtype) -> str | None:
+    """Why an array of `dtype` cannot be saved and what to save instead, or None."""
     if dtype.name in STORABLE_DTYPES and dtype.isnative:
-        return
-    where = f"Cannot checkpoint the {what} at {path or '<root>'} with dtype {dtype}"
+        return None
     if not dtype.isnative:
         why, fix = "its byte order is not this machine's", "x.astype(x.dtype.newbyteorder('='))"
     elif dtype.name in ("uint2", "uint4"):
@@ -176,9 +194,9 @@ def _check_array_dtype(path: str, what: str, dtype: np.dtype) -> None:
         fix = "x.view(np.int64) and restore the unit with .view(x.dtype) after restoring"
     else:
         why, fix = "tensorstore's zarr3 format cannot store it", "a supported dtype"
-    raise TypeError(
-        f"{where}: {why}. Save {fix} instead. The array dtypes jaxckpt stores are: "
-        f"{', '.join(sorted(STORABLE_DTYPES))}."
+    return (
+        f"with dtype {dtype}: {why}. Save {fix} instead. The array dtypes jaxckpt stores "
+        f"are: {', '.join(sorted(STORABLE_DTYPES))}."
     )
 
 
@@ -194,12 +212,12 @@ def encode_scalar(path: str, leaf: Any) -> tuple[str, Any]:
       TypeError: if the value would not come back with its type and bits, naming the leaf.
     """
     where = f"Cannot checkpoint the scalar at {path or '<root>'} of type {type(leaf).__name__}"
+    if type(leaf) in (bool, int, str):
+        return type(leaf).__name__, leaf  # JSON holds these exactly
     if isinstance(leaf, np.generic):
         scalar_type = _numpy_scalar_type(leaf.dtype)
-        candidates = [_readable(leaf.item()), {"__bits__": leaf.tobytes().hex()}]
     elif type(leaf) in SCALAR_TYPES:
         scalar_type = type(leaf).__name__
-        candidates = [_readable(leaf), _bits(leaf)]
     else:
         base = next(t for t in SCALAR_TYPES if isinstance(leaf, t)).__name__
         raise TypeError(
@@ -207,12 +225,14 @@ def encode_scalar(path: str, leaf: Any) -> tuple[str, Any]:
             f"Save {base}(x) instead and convert it back after restoring."
         )
     if scalar_type is not None:
-        for value in candidates:
+        # Every candidate survives JSON as is (no NaN or infinity in readable values),
+        # so decoding it here is what a restore will do.
+        for value in _candidates(leaf):
             if value is None:
                 continue
             try:
-                back = decode_scalar(scalar_type, json.loads(json.dumps(value, allow_nan=False)))
-            except (TypeError, ValueError, OverflowError, struct.error):
+                back = decode_scalar(scalar_type, value)
+            except (TypeError, ValueError, OverflowError):
                 continue
             if _same(leaf, back):
                 return scalar_type, value
@@ -240,6 +260,7 @@ def decode_scalar(scalar_type: str, value: Any) -> Any:
     return dtype.type(value)
 
 
+@functools.cache
 def _numpy_scalar_type(dtype: np.dtype) -> str | None:
     """A spec np.dtype() reads back as exactly `dtype`: its name where that works and
     is not a builtin's ("bool" would restore a Python bool), else its str ('<U3')."""
@@ -252,6 +273,16 @@ def _numpy_scalar_type(dtype: np.dtype) -> str | None:
         except TypeError:
             continue
     return None
+
+
+def _candidates(leaf: Any) -> Iterator[Any]:
+    """JSON values for a scalar, readable first; the bits only when asked for."""
+    if isinstance(leaf, np.generic):
+        yield _readable(leaf.item())
+        yield {"__bits__": leaf.tobytes().hex()}
+    else:
+        yield _readable(leaf)
+        yield _bits(leaf)
 
 
 def _readable(value: Any) -> Any:
