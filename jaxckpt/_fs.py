@@ -26,6 +26,7 @@ What is atomic here, and what is not:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -79,22 +80,31 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path, *, threads: int = 32) -> None:
     """Flushes every file and directory under `root`, and `root`, to stable storage.
 
-    Files first, then each directory after its entries (bottom-up), so that once
-    this returns, a power loss keeps every name under `root` and every byte
-    behind it. Symlinks are not followed.
+    Once this returns, a power loss keeps every name under `root` and every
+    byte behind it. Everything under `root` must be written already: then the
+    order of the flushes does not matter, and they run on `threads` threads
+    (a journaling filesystem commits concurrent flushes together, which is
+    several times faster than one by one for parts of many chunks). Symlinks
+    are not followed.
 
     Raises:
-      OSError: if a file cannot be opened or flushed (the tree is then not durable).
+      OSError: if an entry cannot be opened or flushed (the tree is then not durable).
     """
-    for directory, _, files in os.walk(root, topdown=False):
-        for name in files:
-            path = os.path.join(directory, name)
-            if not os.path.islink(path):
-                fsync_path(path)
-        fsync_path(directory)
+    paths: list[str] = []
+    for directory, _, files in os.walk(root):
+        paths.append(directory)
+        paths += (os.path.join(directory, f) for f in files)
+    paths = [p for p in paths if not os.path.islink(p)]
+    if len(paths) <= 1 or threads <= 1:
+        for path in paths:
+            fsync_path(path)
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(threads, len(paths))) as pool:
+        for done in pool.map(fsync_path, paths):  # re-raises the first failure
+            del done
 
 
 def fsync_dirs(*directories: Path) -> None:
