@@ -140,6 +140,7 @@ for _name in JAX_DTYPES:
     CASES[f"numpy-{_name}"] = Case(lambda n=_name: every_bit_pattern(n), _refused)
 CASES.update(
     {
+        "jax-0d": Case(lambda: jnp.bfloat16(-0.0)),  # a 0-d jax.Array, not a scalar
         "numpy-0d": Case(lambda: np.array(np.float32(-0.0))),
         "numpy-empty": Case(lambda: np.zeros((0, 3), np.float32)),
         "numpy-str": Case(lambda: np.array(["a", "bc"]), r"\['leaf'\] with dtype <U2: text"),
@@ -198,8 +199,8 @@ SCALARS: dict[str, Any] = {
     "np.datetime64-D": np.datetime64(5, "D"),
     "np.datetime64-NaT": np.datetime64("NaT", "s"),
     "np.timedelta64": np.timedelta64(-3, "ms"),
-    "bfloat16": jnp.bfloat16(1.5),
-    "float8_e4m3fn": jnp.float8_e4m3fn(-0.0),
+    "bfloat16": np.dtype(jnp.bfloat16).type(1.5),
+    "float8_e4m3fn": np.dtype(jnp.float8_e4m3fn).type(-0.0),
     "int4": np.dtype(jnp.int4).type(-3),
 }
 CASES.update({f"scalar-{k}": Case(lambda v=v: v) for k, v in SCALARS.items()})
@@ -302,3 +303,20 @@ def test_refusal_lists_what_is_stored():
         r"^\[process 0\] Cannot checkpoint the numpy array at \['leaf'\]", str(e.value)
     )
     assert "complex64" in str(e.value) and "int4" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "scalar_type,value,expected",
+    [
+        ("bool", True, True),  # np.bool_ was saved so too, and came back a bool
+        ("int", 3, 3),
+        ("float", 0.5, 0.5),
+        ("str", "run", "run"),
+        ("float32", 0.5, np.float32(0.5)),
+        ("int64", -2, np.int64(-2)),
+        ("bfloat16", 1.5, np.dtype(jnp.bfloat16).type(1.5)),
+    ],
+)
+def test_scalar_records_written_before_exact_scalars_still_read(scalar_type, value, expected):
+    record = _format.LeafRecord("x", _format.SCALAR, value=value, scalar_type=scalar_type)
+    assert_exact(_tree.scalar_value(record), expected)
