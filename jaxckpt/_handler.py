@@ -666,10 +666,6 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         return self._memory
 
 
-async def _raise(error: BaseException) -> None:
-    raise error
-
-
 def _step_of(directory: epath.Path | Path, explicit: int | None) -> int:
     step = explicit if explicit is not None else _paths.step_of(directory)
     if step is None:
