@@ -318,7 +318,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           TimeoutError: if another process does not take part within the timeout.
         """
         try:
-            result = self._restore(directory, args)
+            result = self._restore_locally(directory, args)
         except Exception as error:
             if not _agreement.is_agreed(error):
                 self._agree("restore", directory, error)
@@ -326,7 +326,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._agree("restore", directory, None)
         return result
 
-    def _restore(self, directory: epath.Path, args: TieredRestore | None) -> Any:
+    def _restore_locally(self, directory: epath.Path, args: TieredRestore | None) -> Any:
         """`restore` on this process; a failing process still takes part in the exchanges."""
         start = time.perf_counter()
         args = args if args is not None else TieredRestore()
