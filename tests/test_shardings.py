@@ -40,10 +40,11 @@ def test_restored_sharding_keeps_the_axis_types(memory_root, ckpt_dir, axis_type
 
 
 def test_mixed_axis_types_round_trip_through_json():
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
-    sharding = NamedSharding(mesh, P("data", None))
+    types = (AxisType.Explicit, AxisType.Auto, AxisType.Manual)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "model", "pipe"), axis_types=types)
+    sharding = NamedSharding(mesh, P("data", "model"))
     desc = _sharding.describe(sharding)
-    assert desc["axis_types"] == ["Explicit", "Auto"]
+    assert desc["axis_types"] == ["Explicit", "Auto", "Manual"]
     assert _sharding.rebuild(desc) == sharding
 
 
