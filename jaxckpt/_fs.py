@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import os
 import shutil
 import uuid
@@ -111,6 +112,19 @@ def fsync_dirs(*directories: Path) -> None:
     """Flushes the names held by each directory (e.g. after a rename into it)."""
     for directory in directories:
         fsync_path(directory)
+
+
+def is_out_of_space(error: BaseException) -> bool:
+    """Whether `error` reports a full filesystem: ENOSPC from Python, or from
+    tensorstore (a ValueError "RESOURCE_EXHAUSTED: ... No space left on device")."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in str(error)
+
+
+def out_of_space(error: BaseException, what: str, remedy: str) -> OSError:
+    """An OSError(ENOSPC) saying `what` did not fit, why (`error`) and `remedy`."""
+    return OSError(errno.ENOSPC, f"{what}: no space left on the device ({error}). {remedy}")
 
 
 def remove_entry(path: str | os.PathLike[str]) -> None:

@@ -259,13 +259,20 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             _faults.maybe_crash("memory_write", step, pi)
             committed = memory.commit(staging, step, pi)
             _faults.maybe_crash("memory_commit", step, pi)
-        except BaseException:
+        except BaseException as e:
             # IMPORTANT: remove the staging directory only once no write into it is in
             # flight (a failed one, say ENOSPC, does not stop the others), or they would
             # recreate files in it after the removal.
             if writes:
                 await asyncio.wait(writes, timeout=self._options.timeout_s)
             _fs.remove_entry(staging)
+            if _fs.is_out_of_space(e):
+                raise _fs.out_of_space(
+                    e,
+                    f"[process {pi}] Step {step} does not fit in the memory tier {memory.run_dir}",
+                    "Give TierOptions.memory_root's filesystem more room (a tmpfs: its size= "
+                    "mount option) or keep fewer steps there (TierOptions.memory_keep).",
+                ) from e
             raise
         metrics["safe_in_memory_s"] = time.perf_counter() - started
         if self._peers is not None and self._options.replicas:
@@ -380,16 +387,24 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self, directory: epath.Path | Path, memory: _memory_tier.MemoryTier
     ) -> _restore.GlobalView:
         """What every process holds in memory, for every finalized step (collective)."""
-        steps = _paths.sibling_steps(directory)
-        current = Path(os.fspath(directory))
-        step = _paths.step_of(directory)
-        if step is not None and current.is_dir():
-            steps[step] = current
-        local = {
-            s: _restore.memory_parts(memory, s, _restore.read_index(steps[s]))
-            for s in memory.steps()
-            if s in steps
-        }
+        steps: dict[int, Path] = {}
+        local: _peers.Inventory = {}
+        try:
+            steps = _paths.sibling_steps(directory)
+            current = Path(os.fspath(directory))
+            step = _paths.step_of(directory)
+            if step is not None and current.is_dir():
+                steps[step] = current
+            local = {
+                s: _restore.memory_parts(memory, s, _restore.read_index(steps[s]))
+                for s in memory.steps()
+                if s in steps
+            }
+        except OSError as e:
+            # IMPORTANT: still take part in the exchange below (the others wait in it),
+            # offering nothing: the restore reads from peers or persistent storage instead.
+            pi = _multihost.process_index()
+            log.warning("jaxckpt: [process %d] cannot list what it holds: %s", pi, e)
         peers = self._connect(memory)
         inventories = (
             peers.exchange_inventories(local) if peers else {_multihost.process_index(): local}
