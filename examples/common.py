@@ -30,6 +30,24 @@ them)::
     {"event": "save", "step": s, "seconds": t, "process": p}
     {"event": "done", "step": s, "seconds": t, "process": p}
     {"event": "replicas_lowered", "asked": r, "used": u, "process": p}  # fewer processes
+    {"event": "standby", "process": p}  # a hot spare, ready, waiting for its go line
+    {"event": "timeline", "process": p, "phases": {name: [start, end], ...},
+     "compile": {"cache_hits": h, "cache_misses": m, "executable": "ahead"|"jit"}}
+
+The ``timeline`` event follows the first trained step of the run: wall-clock
+(``time.time()``) start and end of each phase of this process's start -- ``startup``
+(process creation to ``main``: interpreter and imports), ``jax_init``
+(``jax.distributed`` and the backend), ``task``, ``setup`` (mesh, abstract state,
+data), ``standby`` (a hot spare's wait), ``manager``, ``restore`` or ``init``,
+``compile`` (the train step, lowered from the abstract state in a thread WHILE the
+restore runs) and ``first_step``. The launcher turns them into the recovery timeline
+of its report. ``compile`` counts the compilation caches' hits and misses of the train
+step and of the whole process.
+
+Compilation cache: on by default (``--compilation-cache``); the directory is the one
+in ``JAX_COMPILATION_CACHE_DIR`` if set (the launcher sets it), else
+``<ckpt-dir>.compilation-cache`` next to the checkpoints, so that a restarted job loads
+its executables instead of compiling them again.
 
 Environment (set by ``python -m jaxckpt.launch``; all optional):
 
@@ -39,18 +57,29 @@ Environment (set by ``python -m jaxckpt.launch``; all optional):
 - ``JAXCKPT_MEMORY_ROOT``: default of ``--memory-root``.
 - ``JAXCKPT_KILL_AT_STEP`` / ``JAXCKPT_KILL_PROCESS``: failure injection; the named
   process SIGKILLs itself right after the save of that step is issued.
+- ``JAXCKPT_STANDBY=1`` (``jaxckpt.launch --standby``): start as a hot spare of the job
+  that the variables above name (coordinator, process id and count, devices): join it,
+  build the mesh, data and abstract state, compile the train step, print the
+  ``standby`` event, then wait for one JSON line on stdin, ``{"env": {...}}``: the
+  variables of where it runs (memory root, failure domain, ...), set before the
+  checkpoint manager is built. End of input means the spare is not needed: exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 import grain
@@ -58,6 +87,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import psutil
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -69,6 +99,10 @@ ENV_CPU_DEVICES: Final = "JAXCKPT_CPU_DEVICES"
 ENV_MEMORY_ROOT: Final = "JAXCKPT_MEMORY_ROOT"
 ENV_KILL_AT_STEP: Final = "JAXCKPT_KILL_AT_STEP"
 ENV_KILL_PROCESS: Final = "JAXCKPT_KILL_PROCESS"
+ENV_STANDBY: Final = "JAXCKPT_STANDBY"
+ENV_CACHE_DIR: Final = "JAX_COMPILATION_CACHE_DIR"  # read by jax itself at import
+ENV_CACHE_MIN_SECS: Final = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+COMPILE_THREAD: Final = "compile-train-step"
 
 DATA_AXIS: Final = "data"
 FSDP_AXIS: Final = "fsdp"
@@ -127,6 +161,242 @@ def maybe_kill(step: int) -> None:
     if at is not None and int(at) == step and int(who) == jax.process_index():
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- recovery time
+
+
+class Timeline:
+    """Wall-clock phases of this process's start, reported in one ``timeline`` event.
+
+    Wall-clock (``time.time()``) rather than monotonic time: the launcher compares them
+    with its own clock (same host here; on a cluster, as good as the hosts' clock sync).
+    """
+
+    def __init__(self) -> None:
+        self.phases: dict[str, list[float]] = {}
+
+    def add(self, name: str, start: float, end: float) -> None:
+        """Records a phase that ran from ``start`` to ``end``."""
+        self.phases[name] = [round(start, 4), round(end, 4)]
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Records the phase that the ``with`` block runs."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.add(name, start, time.time())
+
+
+def process_started_at() -> float:
+    """When this process was created (wall clock), to time the interpreter and imports."""
+    return float(psutil.Process().create_time())
+
+
+def await_go(timeline: Timeline) -> None:
+    """As a hot spare (``JAXCKPT_STANDBY=1``): waits for the launcher's go line.
+
+    The spare has joined its (spare) job, built its mesh and data, and compiled its
+    train step; the go line carries the variables that say where it runs (memory root,
+    failure domain, ...). Exits 0 at the end of input: the launcher did not need it.
+
+    Raises:
+        ValueError: If the go line is not ``{"env": {...}}``, or names another
+            coordinator than the one this spare joined.
+    """
+    # Imported now, not at the restart: they are part of what the spare is for.
+    import orbax.checkpoint  # noqa: F401
+
+    import jaxckpt  # noqa: F401
+
+    start = time.time()
+    log_event("standby", process=jax.process_index())
+    line = sys.stdin.readline()
+    if not line.strip():
+        raise SystemExit(0)
+    go = json.loads(line)
+    if not isinstance(go, dict) or not isinstance(go.get("env"), dict):
+        raise ValueError(f'The go line must be {{"env": {{...}}}}, got {line.strip()!r}.')
+    env = {str(k): str(v) for k, v in go["env"].items()}
+    joined = os.environ.get(ENV_COORDINATOR)
+    if env.get(ENV_COORDINATOR, joined) != joined:
+        raise ValueError(
+            f"[process {jax.process_index()}] this spare joined the job of coordinator "
+            f"{joined}, but its go line names {env[ENV_COORDINATOR]}: the launcher must "
+            "wake spares with the job they were started for."
+        )
+    os.environ.update(env)
+    del os.environ[ENV_STANDBY]
+    timeline.add("standby", start, time.time())
+
+
+def setup_compilation_cache(cache_dir: str | None, ckpt_dir: str | None) -> str | None:
+    """Turns on JAX's persistent compilation cache, so a restart loads its executables.
+
+    Must run before the first compilation. Only process 0 writes entries (JAX's rule);
+    every process reads them, so on several hosts the directory must be shared.
+
+    Args:
+        cache_dir: ``--compilation-cache``: a directory, ``off``, or None for the default:
+            ``JAX_COMPILATION_CACHE_DIR`` if set (the launcher sets it), else
+            ``<ckpt_dir>.compilation-cache``, else no cache.
+        ckpt_dir: ``--ckpt-dir``, if checkpointing.
+
+    Returns:
+        The cache directory in use, or None.
+    """
+    if cache_dir == "off":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path = cache_dir or os.environ.get(ENV_CACHE_DIR)
+    if not path and ckpt_dir:
+        path = os.path.abspath(ckpt_dir).rstrip(os.sep) + ".compilation-cache"
+    if not path:
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Every compilation on the restart path costs recovery time, the small ones too;
+    # JAX's default caches only those that took a second or more.
+    if ENV_CACHE_MIN_SECS not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
+
+
+# Persistent-cache events per (thread name, kind): "compile_requests_use_cache" (a
+# lookup) and "cache_hits". JAX's own "cache_misses" counts only the writes, which
+# process 0 alone does, so a miss is a lookup without a hit.
+CACHE_EVENTS: collections.Counter[tuple[str, str]] = collections.Counter()
+_CACHE_EVENT_PREFIX: Final = "/jax/compilation_cache/"
+
+
+def _count_cache_event(event: str, **_: Any) -> None:
+    if event.startswith(_CACHE_EVENT_PREFIX):
+        kind = event.removeprefix(_CACHE_EVENT_PREFIX)
+        if kind in ("compile_requests_use_cache", "cache_hits"):
+            CACHE_EVENTS[(threading.current_thread().name, kind)] += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_event)
+
+
+def compile_counts(executable: str) -> dict[str, Any]:
+    """The persistent-cache lookups of the train step's compilation and of the process."""
+
+    def total(kind: str, thread: str | None = None) -> int:
+        return sum(n for (t, k), n in CACHE_EVENTS.items() if k == kind and thread in (None, t))
+
+    # A compilation in the compile thread looks up JAX's cache once (a miss of this
+    # process's own cache compiles, so it shows there too); a hit of its own does not.
+    lookups, own = "compile_requests_use_cache", PER_PROCESS_EVENTS["hits"]
+    return {
+        "cache_hits": total("cache_hits", COMPILE_THREAD) + own,
+        "cache_misses": total(lookups, COMPILE_THREAD) - total("cache_hits", COMPILE_THREAD),
+        "process_cache_hits": total("cache_hits") + own,
+        "process_cache_misses": total(lookups) - total("cache_hits"),
+        "own_cache": dict(PER_PROCESS_EVENTS),
+        "executable": executable,
+    }
+
+
+def abstract_batch(records: Sequence[Any] | np.ndarray, global_batch: int, mesh: Mesh) -> Batch:
+    """The global batch as ShapeDtypeStructs, from one record (no data is read)."""
+    sharding = batch_sharding(mesh)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            (global_batch, *np.shape(x)), np.asarray(x).dtype, sharding=sharding
+        ),
+        records[0],
+    )
+
+
+# Executables that processes other than 0 of a multi-process CPU job keep themselves.
+PER_PROCESS_CACHE: Final = "per-process-executables"
+PER_PROCESS_EVENTS: collections.Counter[str] = collections.Counter()  # "hits", "misses"
+
+
+def compile_cached(lowered: Any, cache_dir: str | None) -> Any:
+    """Compiles ``lowered`` through JAX's persistent cache, or this process's own one.
+
+    JAX writes cache entries from process 0 only, under a key that, on CPU, hashes
+    the topology as THIS process sees it: on a multi-process CPU job, every other
+    process misses on every restart and compiles again (GPU and TPU keys agree across
+    processes). Those processes keep their own executable, serialized with
+    ``jax.experimental.serialize_executable`` under a key of the lowered program, the
+    versions and the process's place in the job.
+
+    Returns:
+        The ``jax.stages.Compiled``.
+    """
+    if (
+        cache_dir is None
+        or jax.process_count() == 1
+        or jax.process_index() == 0
+        or jax.default_backend() != "cpu"
+    ):
+        return lowered.compile()
+    import jaxlib
+    from jax.experimental import serialize_executable
+
+    key = hashlib.sha256()
+    for part in (
+        lowered.as_text(),
+        jax.__version__,
+        jaxlib.__version__,
+        jax.devices()[0].client.platform_version,
+        f"{jax.process_index()}/{jax.process_count()}",
+        repr([(d.id, d.process_index) for d in jax.devices()]),
+        os.environ.get("XLA_FLAGS", ""),
+    ):
+        key.update(part.encode() + b"\0")
+    path = os.path.join(cache_dir, PER_PROCESS_CACHE, f"p{jax.process_index()}-{key.hexdigest()}")
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                payload = f.read()
+            compiled = serialize_executable.deserialize_and_load(
+                payload, lowered.in_tree, lowered.out_tree
+            )
+        except Exception as e:  # a stale or torn entry: compile instead
+            log_event("executable_unusable", path=path, error=repr(e), process=jax.process_index())
+        else:
+            PER_PROCESS_EVENTS["hits"] += 1
+            return compiled
+    PER_PROCESS_EVENTS["misses"] += 1
+    compiled = lowered.compile()
+    payload, _, _ = serialize_executable.serialize(compiled)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(payload)
+    os.replace(tmp, path)  # atomic: a process killed mid-write leaves no torn entry
+    return compiled
+
+
+def compile_ahead(
+    fn: Any, timeline: Timeline, cache_dir: str | None, *abstract_args: Any
+) -> concurrent.futures.Future[Any]:
+    """Lowers and compiles ``fn`` for ``abstract_args`` in a thread; returns its future.
+
+    Shapes and shardings are known before any byte of the checkpoint is read, so the
+    compilation (or its load from the cache, :func:`compile_cached`) overlaps the
+    restore. The thread records the ``compile`` phase.
+    """
+
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def work() -> None:
+        try:
+            with timeline.phase("compile"):
+                compiled = compile_cached(fn.lower(*abstract_args), cache_dir)
+        except BaseException as e:  # handed to the waiting thread
+            future.set_exception(e)
+        else:
+            future.set_result(compiled)
+
+    # A daemon: a failed restore must not wait for the compilation to end the process.
+    threading.Thread(target=work, name=COMPILE_THREAD, daemon=True).start()
+    return future
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -418,6 +688,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="this host's address for the peer data service (on a cluster: its reachable IP)",
     )
     parser.add_argument("--batch", type=int, default=None, help="global batch size")
+    parser.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        help="JAX persistent compilation cache, or 'off' (default: $JAX_COMPILATION_CACHE_DIR,"
+        " else <ckpt-dir>.compilation-cache)",
+    )
 
 
 def main(
@@ -439,24 +715,59 @@ def main(
     Returns:
         The process exit code (see :func:`train`).
     """
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    add_common_args(parser)
-    add_args(parser)
-    args = parser.parse_args(argv)
-    setup_jax(args.cluster)
-    return train(args, make_task(args))
+    timeline = Timeline()
+    timeline.add("startup", process_started_at(), time.time())
+
+    def parse() -> argparse.Namespace:
+        # A new parser each time: some defaults (--memory-root) are read from the
+        # environment when the parser is built.
+        parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+        add_common_args(parser)
+        add_args(parser)
+        return parser.parse_args(argv)
+
+    args = parse()
+    ckpt_dir = None if args.no_checkpoint else args.ckpt_dir
+    cache = args.compilation_cache = setup_compilation_cache(args.compilation_cache, ckpt_dir)
+    with timeline.phase("jax_init"):
+        setup_jax(args.cluster)
+
+    def go() -> argparse.Namespace:
+        await_go(timeline)
+        again = parse()  # with the go line's environment
+        again.compilation_cache = cache
+        return again
+
+    with timeline.phase("task"):
+        task = make_task(args)
+    return train(args, task, timeline, go if os.environ.get(ENV_STANDBY) == "1" else None)
 
 
-def train(args: argparse.Namespace, task: Task) -> int:
+def train(
+    args: argparse.Namespace,
+    task: Task,
+    timeline: Timeline | None = None,
+    go: Callable[[], argparse.Namespace] | None = None,
+) -> int:
     """Runs the training loop of an example, resuming from the newest checkpoint.
+
+    The train step is compiled from the abstract state in a thread while the state is
+    restored (:func:`compile_ahead`); after the first step, the ``timeline`` event
+    reports when each phase ran.
 
     Args:
         args: Parsed flags (see :func:`add_common_args`); ``setup_jax`` has run.
         task: The model, data and loss.
+        timeline: The phases so far (``startup``, ``jax_init``, ...); the rest are added.
+        go: A hot spare's wait for its go line (:func:`await_go`), called once the mesh,
+            the data and the compilation are ready, before anything that depends on
+            the job it joins (memory root, failure domain); returns the flags again.
 
     Returns:
         0 (the process exit code).
     """
+    timeline = timeline if timeline is not None else Timeline()
+    setup_start = time.time()
     begin = time.perf_counter()
     process = jax.process_index()
     mesh = make_mesh(args.data_parallel)
@@ -466,6 +777,7 @@ def train(args: argparse.Namespace, task: Task) -> int:
         num_processes=jax.process_count(),
         devices=jax.device_count(),
         mesh=dict(mesh.shape),
+        compilation_cache=getattr(args, "compilation_cache", None),
     )
     tx = optax.adamw(task.learning_rate)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: task.make_model(nnx.Rngs(0))))
@@ -495,7 +807,19 @@ def train(args: argparse.Namespace, task: Task) -> int:
         rng = jax.lax.with_sharding_constraint(rng, rng_sh)
         return params, opt_state, rng, loss, fingerprint(batch)
 
+    # IMPORTANT: started before the restore, which it overlaps; waited for after it.
+    ahead = compile_ahead(
+        train_step,
+        timeline,
+        getattr(args, "compilation_cache", None),
+        *abstract,
+        abstract_batch(task.records, task.global_batch, mesh),
+    )
     data = make_data_iterator(task.records, args.seed, task.global_batch, mesh)
+    timeline.add("setup", setup_start, time.time())
+    if go is not None:
+        args = go()
+    manager_start = time.time()
     manager = handler = None
     restored = None
     if not args.no_checkpoint:
@@ -517,20 +841,48 @@ def train(args: argparse.Namespace, task: Task) -> int:
             "data": data,
             "step": 0,
         }
-        restored = restore_latest(manager, handler, abstract_state)
+        timeline.add("manager", manager_start, time.time())
+        with timeline.phase("restore"):
+            restored = restore_latest(manager, handler, abstract_state)
     if restored is None:
-        params, opt_state, rng = jax.jit(init, out_shardings=shardings)()
+        with timeline.phase("init"):
+            params, opt_state, rng = jax.jit(init, out_shardings=shardings)()
         step = 0
     else:
         params, opt_state, rng = restored["params"], restored["opt_state"], restored["rng"]
         data, step = restored["data"], int(restored["step"])
 
+    step_fn, executable = ahead.result(), "ahead"
+    first_step = True
     while step < args.steps:
+        step_start = time.time()
         batch = to_global_batch(next(data), mesh)
-        params, opt_state, rng, loss, data_sum = train_step(params, opt_state, rng, batch)
+        try:
+            params, opt_state, rng, loss, data_sum = step_fn(params, opt_state, rng, batch)
+        except (TypeError, ValueError) as e:
+            # The executable compiled ahead checks its inputs' types and shardings
+            # before it runs: a mismatch means the abstract state was not the real one.
+            if not first_step:
+                raise
+            log_event("compiled_ahead_unusable", error=repr(e), process=process)
+            step_fn, executable = train_step, "jit"
+            params, opt_state, rng, loss, data_sum = step_fn(params, opt_state, rng, batch)
         step += 1
         # `data`: checksum of the global batch of this step (compare runs' data order).
         log_event("step", step=step, loss=float(loss), data=f"{int(data_sum):08x}", process=process)
+        if first_step:
+            first_step = False
+            timeline.add("first_step", step_start, time.time())
+            # The handler's own restore time; the rest of `restore` is Orbax's and
+            # the loop's (listing steps, barriers).
+            metrics = getattr(handler, "last_restore_metrics", None) or {}
+            log_event(
+                "timeline",
+                process=process,
+                phases=timeline.phases,
+                compile=compile_counts(executable),
+                restore={k: metrics[k] for k in ("seconds", "tier", "fallbacks") if k in metrics},
+            )
         if manager is not None:
             start = time.perf_counter()
             state = {

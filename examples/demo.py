@@ -106,6 +106,8 @@ def run_job(name: str, cfg: Config, work: Path, flags: Sequence[str], verbose: b
         *(sys.executable, "-m", "jaxckpt.launch", "-n", str(cfg.processes), "--cpu-devices", "2"),
         *("--memory-base", str(root / "memory"), "--json", str(report_path)),
         *("--max-restarts", "1" if flags else "0", *flags),
+        # Hot spares: the restart wakes processes that have already imported jax.
+        *(["--standby"] if flags else []),
         *("--", sys.executable, str(EXAMPLE), "--quick", "--steps", str(cfg.steps)),
         *("--batch", str(cfg.batch), "--seed", str(cfg.seed), "--ckpt-dir", str(root / "ckpt")),
         *("--replicas", "1", "--persist-every", str(cfg.persist_every)),
@@ -268,7 +270,64 @@ def print_recovery(failure: dict[str, Any]) -> None:
     print(f"  restore time         {restart['restore_seconds']} s (slowest process)")
     print(f"  steps of work lost   {lost} (recomputed after the restart)")
     print(f"  first step after     {restart['first_step_after_s']} s from the restart"
-          " (process start, jax import, compile, restore)")  # fmt: skip
+          " (jax.distributed, restore overlapped with compile, the step)")  # fmt: skip
+    print_timeline(restart["timeline"])
+
+
+def print_timeline(timeline: dict[str, Any]) -> None:
+    """Prints the recovery timeline: per phase, the process that ended it last."""
+    spares = "hot spares woken" if timeline["standby"] else "processes started"
+    print(f"\n  Recovery timeline (seconds from the restart: {spares}; the slowest process"
+          " of each phase):")  # fmt: skip
+    print(f"    {'phase':<12}{'process':>8}{'start':>9}{'end':>9}{'seconds':>9}")
+    for name, span in timeline["slowest"].items():
+        print(
+            f"    {name:<12}{'p' + str(span['process']):>8}{span['start']:>9.3f}"
+            f"{span['end']:>9.3f}{span['seconds']:>9.3f}"
+        )
+    print(
+        f"    restore and compile overlapped {timeline['restore_compile_overlap_s']} s;"
+        f" compilation cache: {timeline['compile_cache_hits']} hit(s),"
+        f" {timeline['compile_cache_misses']} miss(es) of the train step over all processes"
+    )
+    print(
+        f"    failure to first trained step: detected {timeline['detected_after_s']} s"
+        f" + restart {timeline['restart_after_s']} s + first step"
+        f" {timeline['first_step_after_s']} s = {timeline['recovery_s']} s"
+    )
+
+
+def timeline_summary(timeline: dict[str, Any]) -> dict[str, Any]:
+    """The recovery timeline of the summary line: totals and each phase's slowest process."""
+    restore, compile_ = timeline["restore_s"], timeline["compile_s"]
+    bound = max(restore or 0.0, compile_ or 0.0)
+    first = timeline["first_step_after_s"]
+    return {
+        **{
+            k: timeline[k]
+            for k in (
+                "detected_after_s",
+                "restart_after_s",
+                "first_step_after_s",
+                "recovery_s",
+                "standby",
+                "restore_s",
+                "compile_s",
+                "restore_compile_overlap_s",
+                "compile_cache_hits",
+                "compile_cache_misses",
+            )
+        },
+        # How close the restart comes to its floor: reading the state or loading the
+        # executable, whichever is longer (they overlap).
+        "first_step_over_max_restore_compile": (
+            round(first / bound, 2) if first is not None and bound > 0 else None
+        ),
+        "phases": {
+            name: {k: span[k] for k in ("process", "start", "end", "seconds")}
+            for name, span in timeline["slowest"].items()
+        },
+    }
 
 
 def check_resize(reference: dict[int, Step], run: Run, cfg: Config) -> dict[str, Any]:
@@ -307,6 +366,7 @@ def check_resize(reference: dict[int, Step], run: Run, cfg: Config) -> dict[str,
         "processes": restart["processes"],
         "steps_checked": len(after) - len(mismatched),
         "max_rel_loss_diff": max(rel, default=None),
+        "timeline": restart["timeline"],
     }
 
 
@@ -391,6 +451,7 @@ def shrink_run(
         " trained on the reference's global batches; largest relative loss difference"
         f" {'-' if diff is None else f'{diff:.1e}'}"
     )
+    print_timeline(resize["timeline"])
     for problem in resize["problems"]:
         print(f"  PROBLEM: {problem}")
     print(f"  => data order {'PRESERVED' if resize['preserved'] else 'NOT PRESERVED'}\n")
@@ -429,6 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     restart = failure["restart"]
     summary = {
+        "recovery_timeline": timeline_summary(restart["timeline"]),
+        "resize_recovery_timeline": timeline_summary(resize["timeline"]),
         "recovered_from": tiers_of(restart),
         "restore_seconds": restart["restore_seconds"],
         "steps_lost": restart["steps_lost"],

@@ -134,6 +134,37 @@ def test_resume_reproduces_one_long_run(example: str, tmp_path: Path) -> None:
     assert {**losses(first), **losses(second)} == losses(one_run)
 
 
+@pytest.mark.slow
+def test_restart_loads_the_train_step_from_the_cache_while_restoring(tmp_path: Path) -> None:
+    """A resumed run compiles nothing: the cache serves the train step, during the restore."""
+    flags = ("--ckpt-dir", str(tmp_path / "ckpt"), "--memory-root", str(tmp_path / "mem"))
+    first = run_example("classifier", "--steps", "2", *flags)
+    second = run_example("classifier", "--steps", "4", *flags)
+    (cold,) = [e for e in first if e["event"] == "timeline"]
+    (warm,) = [e for e in second if e["event"] == "timeline"]
+    # On by default, next to the checkpoints; the first run filled it.
+    cache = tmp_path / "ckpt.compilation-cache"
+    (start,) = [e for e in second if e["event"] == "start"]
+    assert start["compilation_cache"] == str(cache)
+    assert any(p.name.startswith("jit_train_step-") for p in cache.iterdir())
+    assert cold["compile"]["cache_misses"] == 1 and cold["compile"]["cache_hits"] == 0
+    # The restart: the train step's executable comes from the cache, and nothing else of
+    # the process compiles either.
+    assert warm["compile"]["cache_hits"] == 1 and warm["compile"]["cache_misses"] == 0
+    assert warm["compile"]["process_cache_misses"] == 0
+    assert warm["compile"]["executable"] == "ahead"
+    # The compile thread started before the restore ended, and ended after it started.
+    phases = warm["phases"]
+    assert "restore" in phases and "init" not in phases
+    (restore_start, restore_end), (compile_start, compile_end) = (
+        phases["restore"],
+        phases["compile"],
+    )
+    assert compile_start < restore_end and restore_start < compile_end
+    assert phases["setup"][0] <= compile_start  # lowered from the abstract state
+    assert phases["first_step"][0] >= max(restore_end, compile_end)
+
+
 # ----------------------------------------------------------------------------- processes
 
 
@@ -185,6 +216,22 @@ def test_classifier_killed_process_recovers_bitwise(tmp_path: Path, capsys) -> N
     assert losses(after) == {
         s: losses(reference)[s] for s in range(restart["restored_step"] + 1, 7)
     }
+    # The recovery timeline: every process's phases, measured from the restart. The
+    # launcher's cache (under its memory base) served the train step to BOTH processes:
+    # JAX's to process 0, the example's own per-process one to process 1 (on CPU, JAX's
+    # key differs per process and only process 0 writes).
+    timeline = restart["timeline"]
+    assert sorted(timeline["processes"]) == ["0", "1"] and timeline["standby"] is False
+    for entry in timeline["processes"].values():
+        phases = entry["phases"]
+        assert {"startup", "jax_init", "setup", "restore", "compile", "first_step"} <= set(phases)
+        assert entry["compile"]["cache_hits"] == 1 and entry["compile"]["cache_misses"] == 0
+        # Compiled while restoring: the two overlap.
+        assert phases["compile"]["start"] < phases["restore"]["end"]
+        assert phases["restore"]["start"] < phases["compile"]["end"]
+    assert timeline["processes"]["1"]["compile"]["own_cache"] == {"hits": 1}
+    assert timeline["restore_compile_overlap_s"] > 0
+    assert timeline["recovery_s"] >= timeline["first_step_after_s"] > 0
 
 
 @pytest.mark.multiprocess
@@ -203,5 +250,16 @@ def test_demo_quick(tmp_path: Path) -> None:
     assert summary["identical_losses"] is True and summary["resize_data_order_preserved"] is True
     assert summary["recovered_from"] and summary["steps_lost"] >= 0
     assert summary["restore_seconds"] is not None and summary["resized_to"] == 1
+    # Woken spares use the memory roots of the nodes they replace: step 4 is persisted
+    # too, but memory and peers serve it.
+    assert "persistent" not in summary["recovered_from"]
+    # The timeline of the node-loss restart: hot spares, the train step from the cache.
+    timeline = summary["recovery_timeline"]
+    assert timeline["standby"] is True and timeline["compile_cache_misses"] == 0
+    assert timeline["compile_cache_hits"] == 2  # both processes
+    assert {"restore", "compile", "first_step"} <= set(timeline["phases"])
+    assert timeline["recovery_s"] >= timeline["first_step_after_s"] > 0
+    assert timeline["first_step_over_max_restore_compile"] > 0
+    assert "Recovery timeline" in out
     assert "Recovery report" in out and "IDENTICAL" in out and "PRESERVED" in out
     assert list(tmp_path.iterdir()) == []  # the scratch directory is removed

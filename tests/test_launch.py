@@ -16,13 +16,25 @@ from jaxckpt.launch import _launcher as launch
 from jaxckpt.launch import _supervise
 
 # A fake training process: one step event every few ms, its step kept in its memory root
-# (the "memory tier"), restored from there at start, and the launcher's kill hook.
+# (the "memory tier"), restored from there at start, and the launcher's kill hook. As a
+# hot spare (JAXCKPT_STANDBY=1) it leaves its pid in the markers and waits for its go
+# line; after its first step it prints a timeline whose restore and compile overlap.
 CHILD = textwrap.dedent(
     """
     import json, os, pathlib, signal, sys, time
 
     mode, steps, markers = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
     env = os.environ
+    woken = None
+    if env.get("JAXCKPT_STANDBY") == "1":
+        joined = env["JAXCKPT_COORDINATOR"]
+        (markers / f"spare-{os.getpid()}").write_text(joined)
+        line = sys.stdin.readline()
+        if not line:
+            sys.exit(0)
+        env.update(json.loads(line)["env"])
+        del env["JAXCKPT_STANDBY"]
+        woken = joined
     pid, n = int(env["JAXCKPT_PROCESS_ID"]), int(env["JAXCKPT_NUM_PROCESSES"])
     root = pathlib.Path(env["JAXCKPT_MEMORY_ROOT"])
     root.mkdir(parents=True, exist_ok=True)
@@ -40,7 +52,9 @@ CHILD = textwrap.dedent(
 
     emit("env", coordinator=env["JAXCKPT_COORDINATOR"], n=n,
          devices=env["JAXCKPT_CPU_DEVICES"], domain=env["JAXCKPT_FAILURE_DOMAIN"],
-         memory_root=str(root))
+         memory_root=str(root), woken=woken,
+         cache=env.get("JAX_COMPILATION_CACHE_DIR"),
+         cache_min=env.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"))
     if mode == "port" and pid == 0 and once("port"):
         print("F0101 Failed to add port to server", flush=True)
         os.kill(os.getpid(), signal.SIGSEGV)
@@ -48,6 +62,9 @@ CHILD = textwrap.dedent(
     if (root / "step").exists():
         step = start = int((root / "step").read_text())
         emit("restored", step=step, seconds=0.01, tier="memory")
+    t = time.time()  # as if it had restored and compiled at once, then trained a step
+    emit("timeline", phases={"restore": [t, t + 0.2], "compile": [t + 0.05, t + 0.25],
+                             "first_step": [t + 0.25, t + 0.3]}, compile={"cache_hits": 1})
     while step < steps:
         time.sleep(0.02)
         step += 1
@@ -56,6 +73,13 @@ CHILD = textwrap.dedent(
         (root / "step.tmp").write_text(str(step))
         os.replace(root / "step.tmp", root / "step")  # atomic: the launcher kills at any time
         if env.get("JAXCKPT_KILL_AT_STEP") == str(step) and env.get("JAXCKPT_KILL_PROCESS") == str(pid):
+            # Like a JAX job in lockstep: every process has saved a step by now (in the
+            # first attempt process k runs on node k).
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not all(
+                (root.parent / f"node{k}" / "step").exists() for k in range(n)
+            ):
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "hang" and pid == 1 and step == 3 and once("hang"):
             time.sleep(3600)
@@ -160,6 +184,81 @@ def test_port_in_use_is_retried_without_a_restart(run) -> None:
     code, report = run("-n", "2", "--max-restarts", "0", mode="port")
     assert code == 0 and report["restarts"] == 0 and report["failures"] == []
     assert [a["outcome"] for a in report["attempts"]] == ["port", "ok"]
+
+
+def events_of(out: str, kind: str) -> list[dict]:
+    """The ``kind`` events in the launcher's output, in order."""
+    found = [launch.parse_event(line.split("] ", 1)[1]) for line in out.splitlines()
+             if line.startswith("[p")]  # fmt: skip
+    return [e for e in found if e and e["event"] == kind]
+
+
+def test_restart_report_has_the_recovery_timeline(run, capsys) -> None:
+    code, report = run("-n", "3", "--kill", "1@3")
+    assert code == 0
+    restart = report["failures"][0]["restart"]
+    timeline = restart["timeline"]
+    assert timeline["standby"] is False and timeline["detected_after_s"] is not None
+    assert timeline["first_step_after_s"] == restart["first_step_after_s"]
+    # Failure to first step = detection + the launcher's restart + the new run's start.
+    parts = ("detected_after_s", "restart_after_s", "first_step_after_s")
+    assert timeline["recovery_s"] == pytest.approx(sum(timeline[k] for k in parts), abs=2e-3)
+    assert 0 <= timeline["restart_after_s"] < 5
+    assert sorted(timeline["processes"]) == ["0", "1", "2"]
+    for entry in timeline["processes"].values():
+        phases = entry["phases"]
+        assert list(phases) == ["compile", "restore", "first_step"]  # the usual order
+        # Offsets from the start of the new run (the fake processes do not step in
+        # lockstep, as a JAX job does: each has its own times).
+        assert 0 < phases["restore"]["start"] < phases["first_step"]["end"] < report["seconds"]
+        assert phases["restore"]["seconds"] == pytest.approx(0.2, abs=2e-3)
+    # The slowest process of each phase is the one that ended it last.
+    for name, span in timeline["slowest"].items():
+        ends = [p["phases"][name]["end"] for p in timeline["processes"].values()]
+        assert span["end"] == max(ends)
+    assert timeline["restore_s"] == pytest.approx(0.2, abs=2e-3)
+    assert timeline["restore_compile_overlap_s"] == pytest.approx(0.15, abs=2e-3)
+    assert timeline["compile_cache_hits"] == 3
+    assert "timeline: detected" in capsys.readouterr().out
+
+
+def test_compilation_cache_is_passed_to_every_process(run, capsys, tmp_path) -> None:
+    run("-n", "2")
+    envs = events_of(capsys.readouterr().out, "env")
+    assert {e["cache"] for e in envs} == {str(tmp_path / "mem" / "compilation-cache")}
+    assert {e["cache_min"] for e in envs} == {"0"}
+    assert launch.compilation_cache_env("off", "/m") == {}
+    assert launch.compilation_cache_env("/c", "/m", {}) == {
+        "JAX_COMPILATION_CACHE_DIR": "/c",
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    # What the user's environment sets already is kept.
+    mine = {"JAX_COMPILATION_CACHE_DIR": "/mine", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1"}
+    assert launch.compilation_cache_env(None, "/m", mine) == {}
+
+
+def test_standby_spares_take_over_and_are_reaped(run, capsys, tmp_path) -> None:
+    code, report = run("-n", "2", "--standby", "--max-restarts", "2", "--kill", "1@3", steps=30)
+    out = capsys.readouterr().out
+    assert code == 0 and report["restarts"] == 1
+    first, second = report["attempts"]
+    assert not first["standby"] and second["standby"] and second["port"] != first["port"]
+    assert "(hot spares)" in out
+    woken = [e for e in events_of(out, "env") if e["woken"]]
+    # Both processes of the restart were spares, started for the job they then ran.
+    assert sorted(e["process"] for e in woken) == [0, 1]
+    for e in woken:
+        assert e["woken"] == e["coordinator"] == f"127.0.0.1:{second['port']}"
+        assert e["memory_root"].endswith(f"mem/node{e['process']}")
+    assert report["failures"][0]["restart"]["timeline"]["standby"] is True
+    # The restarted run started spares of its own (a restart was left); unused, they
+    # were killed with the launcher's end.
+    spares = [int(p.name.removeprefix("spare-")) for p in (tmp_path / "markers").glob("spare-*")]
+    assert len(spares) == 4
+    deadline = time.monotonic() + 10
+    while not all(map(_dead, spares)):
+        assert time.monotonic() < deadline, "a spare outlived the launcher"
+        time.sleep(0.05)
 
 
 def test_parsing_helpers() -> None:

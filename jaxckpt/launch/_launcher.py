@@ -13,12 +13,30 @@ Each child gets ``JAXCKPT_COORDINATOR=127.0.0.1:PORT``, ``JAXCKPT_NUM_PROCESSES`
 ``JAXCKPT_MEMORY_ROOT=<memory-base>/node<i>``, plus ``JAXCKPT_KILL_AT_STEP`` /
 ``JAXCKPT_KILL_PROCESS`` in the first attempt when a failure is injected. Its output lines
 are echoed with a ``[p<i>]`` prefix; lines holding a JSON object with an ``event`` key
-(``step``, ``restored``) feed the report. The launcher does not import jax.
+(``step``, ``restored``, ``timeline``) feed the report, which gives every restart's
+recovery timeline (`_timeline`). The launcher does not import jax.
+
+Two things shorten a restart:
+
+- JAX's persistent compilation cache, on by default: every child gets
+  ``JAX_COMPILATION_CACHE_DIR=<memory-base>/compilation-cache`` (``--compilation-cache``
+  to choose, ``off`` to leave the environment alone; a directory already set in the
+  environment is kept) and, unless set, ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0``.
+  JAX reads both at import; a restarted process loads its executables instead of
+  compiling them again.
+- ``--standby``: hot spares. Once an attempt trains, the launcher starts the job of the
+  next one: its processes get ``JAXCKPT_STANDBY=1`` and the job variables above (a
+  coordinator port of their own), so they import jax, join their job and prepare what
+  does not depend on where they run (the examples build their mesh and compile their
+  train step), then wait for one line on stdin. At a restart each gets
+  ``{"env": {...}}``, every variable above; only the memory root, failure domain and
+  failure injection are new to it. The command must support it (the examples do).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,13 +46,17 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from jaxckpt.launch._supervise import PortRetries, ProcessSet, free_port, port_in_use
+from jaxckpt.launch._timeline import format_timeline, restart_timeline
 
 MAX_PORT_RETRIES: Final = 5
 POLL_S: Final = 0.05
+ENV_STANDBY: Final = "JAXCKPT_STANDBY"
+ENV_CACHE_DIR: Final = "JAX_COMPILATION_CACHE_DIR"
+ENV_CACHE_MIN_SECS: Final = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
 
 @dataclasses.dataclass
@@ -56,6 +78,10 @@ class Attempt:
         first_step_s: Time from the start of the run to its first ``step`` event.
         nodes: The simulated node (memory root ``node<k>``, failure domain ``node<k>``)
             each process runs on.
+        started_at: Wall-clock start of the run (processes started, or spares woken).
+        detected_at: Wall-clock time of the failure's detection.
+        standby: Whether the run woke hot spares.
+        timelines: Process -> its ``timeline`` event.
     """
 
     index: int
@@ -70,6 +96,10 @@ class Attempt:
     restored: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     first_step_s: float | None = None
+    started_at: float = 0.0
+    detected_at: float | None = None
+    standby: bool = False
+    timelines: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 def next_nodes(nodes: list[int], lost: int | None, count: int | None) -> list[int]:
@@ -120,6 +150,64 @@ def _pump(index: int, stream: Any, lines: queue.Queue[tuple[int, str | None]]) -
     lines.put((index, None))
 
 
+class Job:
+    """A started process set and the queue its output lines arrive in, ``(i, line)``.
+
+    ``line`` is None when process ``i``'s output closed. Leaving the context kills the set.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        envs: Sequence[Mapping[str, str]],
+        standby: bool = False,
+        port: int | None = None,
+    ):
+        self.standby = standby
+        self.port = port
+        self.lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+        self.processes = ProcessSet(command, envs, stdin_pipe=standby)
+        for i, proc in enumerate(self.processes.procs):
+            threading.Thread(target=_pump, args=(i, proc.stdout, self.lines), daemon=True).start()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.processes.kill()
+
+    def usable_for(self, count: int) -> bool:
+        """Whether these spares can become a set of `count` processes: all still wait."""
+        codes = self.processes.codes()
+        return self.standby and len(codes) == count and all(c is None for c in codes)
+
+
+def start_spares(
+    command: Sequence[str], count: int, cpu_devices: int, env: Mapping[str, str]
+) -> Job:
+    """Starts a spare job of `count` processes (``JAXCKPT_STANDBY=1``) on a fresh port.
+
+    Args:
+        command: The command every process runs.
+        count: Processes of the job.
+        cpu_devices: ``JAXCKPT_CPU_DEVICES`` for every process.
+        env: More variables for every process (the compilation cache's).
+    """
+    port = free_port()
+    envs = [
+        {
+            **env,
+            "JAXCKPT_COORDINATOR": f"127.0.0.1:{port}",
+            "JAXCKPT_NUM_PROCESSES": str(count),
+            "JAXCKPT_PROCESS_ID": str(i),
+            "JAXCKPT_CPU_DEVICES": str(cpu_devices),
+            ENV_STANDBY: "1",
+        }
+        for i in range(count)
+    ]
+    return Job(command, envs, standby=True, port=port)
+
+
 def run_attempt(
     attempt: Attempt,
     command: Sequence[str],
@@ -127,6 +215,9 @@ def run_attempt(
     cpu_devices: int,
     hang_timeout: float,
     injection: tuple[int, int] | None,
+    env: Mapping[str, str] | None = None,
+    spares: Job | None = None,
+    on_training: Callable[[], None] | None = None,
 ) -> Attempt:
     """Runs the process set once, until all exit 0 or one fails or hangs.
 
@@ -137,13 +228,15 @@ def run_attempt(
         cpu_devices: ``JAXCKPT_CPU_DEVICES`` for every process.
         hang_timeout: Seconds without output after which a running process counts as hung.
         injection: ``(process, step)`` to SIGKILL, or None.
+        env: More variables for every process (the compilation cache's).
+        spares: Hot spares to wake (`start_spares`, as many as processes) instead of
+            starting processes; they get their variables on stdin. Killed at the end.
+        on_training: Called once, at the run's first ``step`` event.
 
     Returns:
         ``attempt``, filled in.
     """
     n = attempt.num_processes
-    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
-    start = time.monotonic()
     kill = (
         {"JAXCKPT_KILL_PROCESS": str(injection[0]), "JAXCKPT_KILL_AT_STEP": str(injection[1])}
         if injection is not None
@@ -157,10 +250,22 @@ def run_attempt(
             "JAXCKPT_CPU_DEVICES": str(cpu_devices),
             "JAXCKPT_FAILURE_DOMAIN": f"node{attempt.nodes[i]}",
             "JAXCKPT_MEMORY_ROOT": os.path.join(memory_base, f"node{attempt.nodes[i]}"),
+            **(env or {}),
             **kill,
         }
         for i in range(n)
     ]
+    start = time.monotonic()
+    attempt.started_at = time.time()
+    if spares is not None:
+        job, attempt.standby = spares, True
+        for i, child_env in enumerate(envs):
+            # A spare that died meanwhile shows up below, as a failed process.
+            with contextlib.suppress(OSError):
+                job.processes.send(i, json.dumps({"env": child_env}))
+    else:
+        job = Job(command, envs)
+    lines = job.lines
     last_output = [start] * n
     open_streams = n
     port_taken = False
@@ -184,13 +289,16 @@ def run_attempt(
             attempt.last_step = max(attempt.last_step, event["step"])
             if attempt.first_step_s is None:
                 attempt.first_step_s = round(time.monotonic() - start, 3)
+                if on_training is not None:
+                    on_training()
         elif event["event"] == "restored":
             attempt.restored[i] = event
+        elif event["event"] == "timeline":
+            attempt.timelines[i] = event
         return True
 
-    with ProcessSet(command, envs) as processes:
-        for i, proc in enumerate(processes.procs):
-            threading.Thread(target=_pump, args=(i, proc.stdout, lines), daemon=True).start()
+    with job:
+        processes = job.processes
         while True:
             # Bounded, so that a chatty child cannot starve the checks below.
             if read(POLL_S):
@@ -212,6 +320,7 @@ def run_attempt(
                 attempt.returncode = code = codes[attempt.process]
                 attempt.outcome = "hang" if code is None else "signal" if code < 0 else "exit"
                 attempt.detected_after_s = round(now - last_output[attempt.process], 3)
+                attempt.detected_at = time.time()
                 break
             if all(code == 0 for code in codes) and open_streams == 0:
                 break
@@ -253,6 +362,19 @@ def failure_report(failed: Attempt, after: Attempt | None, node_lost: bool) -> d
             "steps_lost": failed.last_step - restored_step,
             "first_step_after_s": after.first_step_s,
             "outcome": after.outcome,
+            "timeline": restart_timeline(
+                detected_after_s=failed.detected_after_s,
+                restart_after_s=(
+                    round(after.started_at - failed.detected_at, 3)
+                    if failed.detected_at is not None
+                    else None
+                ),
+                first_step_after_s=after.first_step_s,
+                started_at=after.started_at,
+                timelines=after.timelines,
+                restored=after.restored,
+                standby=after.standby,
+            ),
         }
     return report
 
@@ -276,7 +398,31 @@ def format_failure(report: dict[str, Any]) -> str:
         f" restored step {restart['restored_step']} [{tiers or 'nothing restored'}],"
         f" restore {restart['restore_seconds']} s, steps lost {restart['steps_lost']},"
         f" first step {restart['first_step_after_s']} s after start, {restart['outcome']}"
+        f"\n  {format_timeline(restart['timeline'])}"
     )
+
+
+def compilation_cache_env(
+    choice: str | None, memory_base: str, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """The compilation-cache variables to give every child (see the module docstring).
+
+    Args:
+        choice: ``--compilation-cache``: a directory, ``off``, or None for the default.
+        memory_base: The launcher's memory base, which outlives every restart.
+        environ: The launcher's environment; what it sets already is kept.
+    """
+    if choice == "off":
+        return {}
+    env = {}
+    if choice:
+        env[ENV_CACHE_DIR] = os.path.abspath(choice)
+    elif not environ.get(ENV_CACHE_DIR):
+        env[ENV_CACHE_DIR] = os.path.join(os.path.abspath(memory_base), "compilation-cache")
+    # Every compilation on the restart path costs recovery time, the small ones too.
+    if ENV_CACHE_MIN_SECS not in environ:
+        env[ENV_CACHE_MIN_SECS] = "0"
+    return env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -294,6 +440,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lose-node", type=parse_injection, metavar="P@S", help="--kill + lose memory")
     p.add_argument("--processes-after-failure", type=int, metavar="M", help="restart with M")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        help="JAX persistent compilation cache for the children, or 'off'"
+        " (default: $JAX_COMPILATION_CACHE_DIR, else <memory-base>/compilation-cache)",
+    )
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="keep hot spares (JAXCKPT_STANDBY=1) ready for the next restart",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- command and its arguments")
     return p
 
@@ -316,6 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     base = args.memory_base or tempfile.mkdtemp(prefix="jaxckpt-launch-", dir=shm)
     os.makedirs(base, exist_ok=True)
+    cache_env = compilation_cache_env(args.compilation_cache, base)
+    if ENV_CACHE_DIR in cache_env:
+        print(f"[launch] compilation cache: {cache_env[ENV_CACHE_DIR]}", flush=True)
 
     start = time.monotonic()
     attempts: list[Attempt] = []
@@ -324,19 +484,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     restarts = 0
     ports = PortRetries(MAX_PORT_RETRIES)
     nodes = list(range(args.num_processes))
+    spares: Job | None = None  # hot spares for the next attempt (--standby)
+
+    def prepare_spares() -> None:
+        """Starts the next attempt's spares, once this one trains (it has the CPUs now)."""
+        nonlocal spares
+        if args.standby and spares is None and restarts < args.max_restarts:
+            count = args.processes_after_failure or len(nodes)
+            spares = start_spares(command, count, args.cpu_devices, cache_env)
+
     try:
         while True:
-            attempt = Attempt(
-                index=len(attempts), num_processes=len(nodes), port=free_port(), nodes=nodes
-            )
+            woken = None
+            if spares is not None:
+                woken = spares if spares.usable_for(len(nodes)) else None
+                if woken is None:
+                    spares.processes.kill()
+                spares = None
+            port = woken.port if woken is not None and woken.port else free_port()
+            attempt = Attempt(index=len(attempts), num_processes=len(nodes), port=port, nodes=nodes)
             first = all(a.outcome == "port" for a in attempts)
             inject = injection if first else None
             print(
                 f"[launch] attempt {attempt.index}: {len(nodes)} processes on nodes {nodes},"
-                f" port {attempt.port}",
+                f" port {attempt.port}" + (" (hot spares)" if woken else ""),
                 flush=True,
             )
-            run_attempt(attempt, command, base, args.cpu_devices, args.hang_timeout, inject)
+            run_attempt(
+                attempt,
+                command,
+                base,
+                args.cpu_devices,
+                args.hang_timeout,
+                inject,
+                env=cache_env,
+                spares=woken,
+                on_training=prepare_spares,
+            )
             attempts.append(attempt)
             if ports.retry(attempt.outcome == "port"):
                 print(f"[launch] port {attempt.port} in use, retrying", flush=True)
@@ -366,6 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             pending = (attempt, lose)
             nodes = next_nodes(nodes, lost_node, args.processes_after_failure)
     finally:
+        if spares is not None:
+            spares.processes.kill()
         if own_base and not args.keep_memory:
             shutil.rmtree(base, ignore_errors=True)
 

@@ -56,9 +56,9 @@ class ProcessSet:
     """One copy of a command per environment, each in its own session; `kill()` stops all.
 
     Each process gets this process's environment, ``PYTHONUNBUFFERED=1`` and its own
-    entries of `envs`; stdin is closed and stderr goes with stdout, into ``outputs[i]``
-    (a file) or else a pipe (``procs[i].stdout``). Use as a context manager: leaving it
-    kills the set, whatever happened.
+    entries of `envs`; stdin is closed (a pipe with ``stdin_pipe``: `send`) and stderr
+    goes with stdout, into ``outputs[i]`` (a file) or else a pipe (``procs[i].stdout``).
+    Use as a context manager: leaving it kills the set, whatever happened.
     """
 
     def __init__(
@@ -66,6 +66,7 @@ class ProcessSet:
         command: Sequence[str],
         envs: Sequence[Mapping[str, str]],
         outputs: Sequence[IO[bytes]] | None = None,
+        stdin_pipe: bool = False,
     ):
         self.procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -74,7 +75,7 @@ class ProcessSet:
                     subprocess.Popen(
                         list(command),
                         env={**os.environ, "PYTHONUNBUFFERED": "1", **extra},
-                        stdin=subprocess.DEVNULL,
+                        stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                         stdout=subprocess.PIPE if outputs is None else outputs[i],
                         stderr=subprocess.STDOUT,
                         start_new_session=True,  # own process group: SIGKILL reaches its children
@@ -90,6 +91,22 @@ class ProcessSet:
     def __exit__(self, *exc: object) -> None:
         self.kill()
 
+    def send(self, index: int, line: str) -> None:
+        """Writes one line to process `index`'s stdin and closes it (``stdin_pipe`` only).
+
+        Raises:
+            BrokenPipeError: If the process has exited.
+        """
+        stdin = self.procs[index].stdin
+        if stdin is None:
+            raise ValueError(f"Process {index} was started without a stdin pipe.")
+        try:
+            stdin.write(line.encode() + b"\n")
+            stdin.flush()
+        finally:
+            with contextlib.suppress(OSError):
+                stdin.close()
+
     def codes(self) -> list[int | None]:
         """Every process's return code, None while it runs (negative: killed by that signal)."""
         return [proc.poll() for proc in self.procs]
@@ -102,6 +119,9 @@ class ProcessSet:
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
 
     def wait(
         self, deadline: float, poll_s: float = 0.2, tick: Callable[[], None] | None = None

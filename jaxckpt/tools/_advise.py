@@ -13,9 +13,14 @@ work plus the restore. Young (1974) minimises it at tau = sqrt(2 C M); Daly
     tau = sqrt(2 C M) * [1 + sqrt(C / 2M) / 3 + (C / 2M) / 9] - C    if C < 2M
     tau = M                                                           otherwise.
 
-The costs come from the step manifests the handler writes (`metrics`), the
-restore times from measured bandwidths unless given; every number says where
-it came from.
+The costs come from the step manifests the handler writes (`metrics`). R is
+the whole downtime of a failure, not only the read: detection, restarting the
+processes, `jax.distributed`, the restore, compiling the train step, the first
+step. It comes, in this order, from `--restore-seconds`, from the restarts a
+launcher report measured (`python -m jaxckpt.launch --json`, the recovery
+timeline of each restart: `restarts_from_launch_report`), or from the part
+bytes over a measured bandwidth plus a restart cost (the one the report measured
+outside the read, else `--restart-seconds`). Every number says where it came from.
 """
 
 from __future__ import annotations
@@ -194,6 +199,91 @@ def _persistent_cost(
     return None, ""
 
 
+# ---- measured restarts ---------------------------------------------------------------
+
+TIER_ORDER = ("memory", "peer", "persistent")  # a restart is as slow as its slowest tier
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredRestarts:
+    """Restarts a launcher measured, from failure to the first trained step.
+
+    Attributes:
+      total_s: Tier -> median downtime of the restarts that restored from it (the
+        slowest tier any process read from): detection + restart + first step.
+      read_s: Median time of the restore itself (the slowest process's).
+      overhead_s: Median downtime outside the restore (detection, process start,
+        `jax.distributed`, the compilation the restore did not hide, the first step):
+        what a restore from another tier costs on top of its read.
+      counts: Tier -> number of restarts measured.
+      source: Where they came from (file names).
+    """
+
+    total_s: dict[str, float]
+    read_s: float
+    overhead_s: float
+    counts: dict[str, int]
+    source: str
+
+
+def _restart_tier(restart: Mapping[str, Any]) -> str | None:
+    tiers = {str(e.get("tier")) for e in (restart.get("restored") or {}).values()}
+    known = [t for t in TIER_ORDER if t in tiers]
+    return known[-1] if known else None
+
+
+def restarts_from_launch_report(
+    reports: Iterable[tuple[str, Mapping[str, Any]]],
+) -> MeasuredRestarts:
+    """The restart downtimes measured in launcher reports (``--json``).
+
+    Args:
+      reports: ``(name, report)`` pairs; the name is only quoted.
+
+    Raises:
+      ValueError: if no report holds a restart that trained a step after its restore.
+    """
+    totals: dict[str, list[float]] = {}
+    reads: list[float] = []
+    overheads: list[float] = []
+    names = []
+    for name, report in reports:
+        names.append(name)
+        failures = report.get("failures") if isinstance(report, Mapping) else None
+        for failure in failures if isinstance(failures, list) else []:
+            restart = failure.get("restart") if isinstance(failure, Mapping) else None
+            if not isinstance(restart, Mapping) or restart.get("outcome") != "ok":
+                continue
+            timeline = restart.get("timeline") or {}
+            total = _num(timeline, "recovery_s")
+            if total is None:  # a report from before the timeline: no restart_after_s
+                first, detected = (
+                    _num(restart, "first_step_after_s"),
+                    _num(failure, "detected_after_s"),
+                )
+                total = first + (detected or 0.0) if first is not None else None
+            tier = _restart_tier(restart)
+            if total is None or tier is None:
+                continue
+            read = _num(timeline, "restore_s") or _num(restart, "restore_seconds") or 0.0
+            totals.setdefault(tier, []).append(total)
+            reads.append(read)
+            overheads.append(max(0.0, total - read))
+    if not reads:
+        raise ValueError(
+            f"No restart in {', '.join(names) or 'the launch reports'} trained a step after "
+            "restoring a checkpoint, so none gives a restart time; inject one with "
+            "`python -m jaxckpt.launch --kill P@S --json FILE ...` or pass --restart-seconds."
+        )
+    return MeasuredRestarts(
+        total_s={t: statistics.median(v) for t, v in totals.items()},
+        read_s=statistics.median(reads),
+        overhead_s=statistics.median(overheads),
+        counts={t: len(v) for t, v in totals.items()},
+        source=", ".join(names),
+    )
+
+
 def measure(
     catalog: _catalog.Catalog,
     *,
@@ -201,8 +291,13 @@ def measure(
     persist_bytes_per_s: float | None = None,
     restart_s: float = 0.0,
     restore_s: Mapping[str, float] | None = None,
+    restarts: MeasuredRestarts | None = None,
 ) -> tuple[list[TierCost], float | None, str, list[str]]:
     """Per-tier costs from the newest `last` finalized steps' manifests.
+
+    R per tier: `restore_s` if given; else the measured `restarts` of that tier; else
+    the read estimated from a bandwidth plus the restart overhead (`restarts`' measured
+    one, else `restart_s`).
 
     Returns:
       (tier costs, step seconds or None, where the step time came from, notes).
@@ -227,12 +322,25 @@ def measure(
         bandwidth["peer"] += [v for m in ms if (v := _num(m, "replicate_bytes_per_s"))]
     per_process = _median_of_max(sizes) or 0.0
     given = dict(restore_s or {})
-    extra = f" + {_table.duration(restart_s)} restart" if restart_s else ""
+    if restarts is not None:
+        restart_s = restarts.overhead_s
+        extra = (
+            f" + {_table.duration(restart_s)} measured restart outside the read"
+            f" (median, {restarts.source})"
+        )
+    else:
+        extra = f" + {_table.duration(restart_s)} restart" if restart_s else ""
     costs = []
 
     def add(tier: str, cost: float, cost_from: str, bw: float | None, bw_name: str) -> None:
         if tier in given:
             r, r_from = given[tier], "given (--restore-seconds)"
+        elif restarts is not None and tier in restarts.total_s:
+            r = restarts.total_s[tier]
+            r_from = (
+                f"measured: median of {restarts.counts[tier]} restart(s) from {tier} in"
+                f" {restarts.source}, failure to first trained step"
+            )
         elif bw:
             r = per_process / bw + restart_s
             r_from = f"estimate: {_table.size(per_process)} per process / {_size_rate(bw)} {bw_name}{extra}"
