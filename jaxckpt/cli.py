@@ -101,8 +101,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--persist-mbps", type=float, help="persistent write MB/s, when no persist time is recorded"
     )
-    p.add_argument(
+    restart = p.add_mutually_exclusive_group()
+    restart.add_argument(
         "--restart-seconds", type=float, default=0.0, help="added to every restore (job restart)"
+    )
+    restart.add_argument(
+        "--launch-report",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="measured restarts: a `python -m jaxckpt.launch --json` report (repeatable)",
     )
     p.add_argument(
         "--restore-seconds",
@@ -180,12 +188,20 @@ def _advise_cmd(args: argparse.Namespace) -> int:
                 f"{', '.join(_advise.COVERS)}, got {item!r}."
             )
         restore[tier] = float(seconds)
+    restarts = None
+    if args.launch_report:
+        reports = []
+        for path in args.launch_report:
+            with open(path) as f:
+                reports.append((path, json.load(f)))
+        restarts = _advise.restarts_from_launch_report(reports)
     costs, step_s, step_from, notes = _advise.measure(
         _catalog_of(args),
         last=args.last,
         persist_bytes_per_s=args.persist_mbps * 1e6 if args.persist_mbps else None,
         restart_s=args.restart_seconds,
         restore_s=restore,
+        restarts=restarts,
     )
     if args.step_seconds:
         step_s, step_from = args.step_seconds, "given"
