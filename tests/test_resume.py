@@ -81,6 +81,6 @@ def test_a_manager_without_a_tiered_item_is_refused(ckpt_dir):
     mngr = ocp.CheckpointManager(ckpt_dir, item_handlers={"x": ocp.StandardCheckpointHandler()})
     mngr.save(1, args=ocp.args.Composite(x=ocp.args.StandardSave({"a": np.zeros(2)})))
     mngr.wait_until_finished()
-    with pytest.raises(ValueError, match="no item handled by jaxckpt.TieredCheckpointHandler"):
+    with pytest.raises(ValueError, match=r"no item handled by jaxckpt\.TieredCheckpointHandler"):
         jaxckpt.latest_restorable_step(mngr)
     mngr.close()
