@@ -80,4 +80,3 @@ def tiered_handlers(mngr: Any) -> dict[str, TieredCheckpointHandler]:
         for (item, _), handler in entries.items()
         if item is not None and isinstance(handler, TieredCheckpointHandler)
     }
-
