@@ -42,6 +42,17 @@ def keys_in_store(label: str) -> int:
     return count
 
 
+def exchange_seconds(rounds: int) -> float:
+    """The median time of one exchange of a digest-sized value between all processes."""
+    multihost_utils.sync_global_devices("exchange-timing")
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        _multihost.allgather("0" * 32, tag="timing", timeout_s=20)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[rounds // 2]
+
+
 def corrupt_part(roots: list[str], step: int, owner: int) -> list[str]:
     """Flips bytes in every chunk of `owner`'s part of `step` in every memory root."""
     hit = []
@@ -60,7 +71,7 @@ def corrupt_part(roots: list[str], step: int, owner: int) -> list[str]:
 def scenario_agreement(args: dict) -> dict:
     """Saves and restores where one process differs from the others; see the test."""
     pi = jax.process_index()
-    mngr, _ = manager(
+    mngr, h = manager(
         args["ckpt"], replicas=1, persist_every=1000, timeout_s=args["timeout_s"], memory_keep=2
     )
     m = mesh()
@@ -115,6 +126,8 @@ def scenario_agreement(args: dict) -> dict:
         save(step, state(step, m))
     out["restore_last"] = attempt(lambda: restore(step, target(m)))
     out["keys_after_more"] = keys_in_store("more")
+    out["agree_s"] = h.last_save_metrics.get("agree_s")  # the agreement's cost in a commit
+    out["exchange_s"] = exchange_seconds(20)
     out["saves"] = 4 + args["more_saves"]
     mngr.close()
     return out
