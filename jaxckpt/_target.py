@@ -205,9 +205,10 @@ def _differing_error(records: Sequence[_format.LeafRecord], ctx: Context) -> Val
         "(process-local arrays, numpy arrays, scalars and iterator states are saved per "
         f"process), and {ctx.count} processes restore it, so a process has no saved value of its "
         "own and jaxckpt never hands it another process's. Save a value that is the same on "
-        "every process, or pass TieredRestore(..., per_process_fn=fn) (or "
-        "iterator_state_fn=fn for iterator states only) where fn(path, saved_values, "
-        "process_index, process_count) returns this process's value."
+        "every process, or pass TieredRestore(..., per_process_fn=fn) where fn(path, "
+        "saved_values, process_index, process_count) returns this process's value (for "
+        "iterator states alone, iterator_state_fn=fn(saved_states, process_index, "
+        "process_count) does the same)."
     )
 
 

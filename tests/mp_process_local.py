@@ -137,6 +137,12 @@ def scenario_same_count(args: dict) -> dict:
         out[phase] = attempt(mngr, h, 1, target())
         out[phase + "_none"] = attempt(mngr, h, 1, None)
         mngr.close()
+    # Differing values cannot make one global array: refused by name before any read.
+    mngr, h = manager(args["ckpt"])
+    spread = NamedSharding(mp_worker.mesh(), P())
+    tgt = {**target(), "loc": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=spread)}
+    out["global_target"] = attempt(mngr, h, 1, tgt)
+    mngr.close()
     return out
 
 

@@ -33,6 +33,9 @@ def test_process_local_values(tmp_path):
     # Same process count: every process gets its own saved value, from every tier.
     same = run("same_count", roots, domains, {"ckpt": ckpt}, worker=WORKER)
     for p, r in enumerate(same):
+        error = r.result.pop("global_target").get("error", "")
+        assert error.startswith("ValueError") and "['loc']" in error, error
+        assert "one global array cannot hold" in error, error
         for phase, got in r.result.items():
             assert "error" not in got, (p, phase, got)
             leaves = got["leaves"]
