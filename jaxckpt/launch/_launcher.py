@@ -44,19 +44,21 @@ import queue
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from jaxckpt.launch._supervise import PortRetries, ProcessSet, free_port, port_in_use
+from jaxckpt.launch._children import (
+    ENV_CACHE_DIR,
+    Job,
+    compilation_cache_env,
+    start_spares,
+)
+from jaxckpt.launch._supervise import PortRetries, free_port, port_in_use
 from jaxckpt.launch._timeline import format_timeline, restart_timeline
 
 MAX_PORT_RETRIES: Final = 5
 POLL_S: Final = 0.05
-ENV_STANDBY: Final = "JAXCKPT_STANDBY"
-ENV_CACHE_DIR: Final = "JAX_COMPILATION_CACHE_DIR"
-ENV_CACHE_MIN_SECS: Final = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
 
 @dataclasses.dataclass
@@ -142,70 +144,6 @@ def describe_returncode(code: int | None) -> str:
         return f"exit {code}"
     name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
     return f"killed by {name}"
-
-
-def _pump(index: int, stream: Any, lines: queue.Queue[tuple[int, str | None]]) -> None:
-    for raw in iter(stream.readline, b""):
-        lines.put((index, raw.decode(errors="replace").rstrip("\n")))
-    lines.put((index, None))
-
-
-class Job:
-    """A started process set and the queue its output lines arrive in, ``(i, line)``.
-
-    ``line`` is None when process ``i``'s output closed. Leaving the context kills the set.
-    """
-
-    def __init__(
-        self,
-        command: Sequence[str],
-        envs: Sequence[Mapping[str, str]],
-        standby: bool = False,
-        port: int | None = None,
-    ):
-        self.standby = standby
-        self.port = port
-        self.lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
-        self.processes = ProcessSet(command, envs, stdin_pipe=standby)
-        for i, proc in enumerate(self.processes.procs):
-            threading.Thread(target=_pump, args=(i, proc.stdout, self.lines), daemon=True).start()
-
-    def __enter__(self) -> Job:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.processes.kill()
-
-    def usable_for(self, count: int) -> bool:
-        """Whether these spares can become a set of `count` processes: all still wait."""
-        codes = self.processes.codes()
-        return self.standby and len(codes) == count and all(c is None for c in codes)
-
-
-def start_spares(
-    command: Sequence[str], count: int, cpu_devices: int, env: Mapping[str, str]
-) -> Job:
-    """Starts a spare job of `count` processes (``JAXCKPT_STANDBY=1``) on a fresh port.
-
-    Args:
-        command: The command every process runs.
-        count: Processes of the job.
-        cpu_devices: ``JAXCKPT_CPU_DEVICES`` for every process.
-        env: More variables for every process (the compilation cache's).
-    """
-    port = free_port()
-    envs = [
-        {
-            **env,
-            "JAXCKPT_COORDINATOR": f"127.0.0.1:{port}",
-            "JAXCKPT_NUM_PROCESSES": str(count),
-            "JAXCKPT_PROCESS_ID": str(i),
-            "JAXCKPT_CPU_DEVICES": str(cpu_devices),
-            ENV_STANDBY: "1",
-        }
-        for i in range(count)
-    ]
-    return Job(command, envs, standby=True, port=port)
 
 
 def run_attempt(
@@ -400,29 +338,6 @@ def format_failure(report: dict[str, Any]) -> str:
         f" first step {restart['first_step_after_s']} s after start, {restart['outcome']}"
         f"\n  {format_timeline(restart['timeline'])}"
     )
-
-
-def compilation_cache_env(
-    choice: str | None, memory_base: str, environ: Mapping[str, str] = os.environ
-) -> dict[str, str]:
-    """The compilation-cache variables to give every child (see the module docstring).
-
-    Args:
-        choice: ``--compilation-cache``: a directory, ``off``, or None for the default.
-        memory_base: The launcher's memory base, which outlives every restart.
-        environ: The launcher's environment; what it sets already is kept.
-    """
-    if choice == "off":
-        return {}
-    env = {}
-    if choice:
-        env[ENV_CACHE_DIR] = os.path.abspath(choice)
-    elif not environ.get(ENV_CACHE_DIR):
-        env[ENV_CACHE_DIR] = os.path.join(os.path.abspath(memory_base), "compilation-cache")
-    # Every compilation on the restart path costs recovery time, the small ones too.
-    if ENV_CACHE_MIN_SECS not in environ:
-        env[ENV_CACHE_MIN_SECS] = "0"
-    return env
 
 
 def build_parser() -> argparse.ArgumentParser:
