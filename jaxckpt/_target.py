@@ -22,8 +22,9 @@ name unless `per_process_fn` maps them. Never another process's value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Final
 
 import jax
@@ -65,13 +66,17 @@ class Context:
     step: int
     iterator_state_fn: IteratorStateFn | None = None
     per_process_fn: PerProcessFn | None = None
+    # leaf -> `source()`'s answer, computed once: comparing saved values costs per process.
+    sources: dict[int, int | None] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
-    @property
+    @functools.cached_property  # asked for every per-process leaf
     def saved_count(self) -> int:
         """How many processes saved the step."""
         return max((m.process_count for m in self.manifests.values()), default=0)
 
-    @property
+    @functools.cached_property
     def complete(self) -> bool:
         """Whether the manifest of every saving process is at hand."""
         return bool(self.manifests) and set(self.manifests) == set(range(self.saved_count))
@@ -147,17 +152,19 @@ def is_per_process(record: _format.LeafRecord) -> bool:
     return record.per_process or record.kind == _format.ITERATOR
 
 
-def _saved_key(i: int, record: _format.LeafRecord, manifest: _format.PartManifest) -> str:
+def _saved_key(i: int, record: _format.LeafRecord, manifest: _format.PartManifest) -> Hashable:
     """Identifies the value `manifest`'s owner saved for a per-process leaf, from the
-    manifest alone: chunk checksums for arrays, the JSON of scalars and states."""
-    value: Any
+    manifest alone: chunk checksums for arrays, the value and type of scalars, the
+    JSON of iterator states."""
     if record.kind == _format.ITERATOR:
-        value = manifest.iterator_states.get(i)
-    elif record.kind == _format.SCALAR:
-        value = [manifest.scalars.get(i), _own_record(i, record, manifest).scalar_type]
-    else:
-        value = sorted((list(c.index), c.crc32, c.nbytes) for c in manifest.chunks.get(i, ()))
-    return json.dumps(value, sort_keys=True)
+        return json.dumps(manifest.iterator_states.get(i), sort_keys=True)
+    if record.kind == _format.SCALAR:
+        value = manifest.scalars.get(i)
+        if isinstance(value, float) or not isinstance(value, (int, str, type(None))):
+            value = json.dumps(value, sort_keys=True)  # NaN equals itself as text
+        # The type too: 1 and True and 1.0 are not the same saved value.
+        return (_own_record(i, record, manifest).scalar_type, type(value).__name__, value)
+    return tuple(sorted((c.index, c.crc32, c.nbytes) for c in manifest.chunks.get(i, ())))
 
 
 def _saved_alike(i: int, record: _format.LeafRecord, ctx: Context) -> bool:
@@ -185,16 +192,21 @@ def source(i: int, record: _format.LeafRecord, ctx: Context) -> int | None:
       ValueError: if the process count changed, the saved values differ and no
         function maps them.
     """
-    owners = sorted(ctx.manifests)
     if ctx.saved_count == ctx.count and ctx.process in ctx.manifests:
         return ctx.process
+    if i in ctx.sources:
+        return ctx.sources[i]
+    owners = sorted(ctx.manifests)
     if record.kind == _format.ITERATOR and ctx.iterator_state_fn is not None:
-        return None  # the iterator-only hook maps whenever the count changed, as it always did
-    if _saved_alike(i, record, ctx):
-        return owners[ctx.process % len(owners)]  # all copies are alike: spread the reads
-    if _mapper(record, ctx) is not None:
-        return None
-    raise _differing_error([record], ctx)
+        owner = None  # the iterator-only hook maps whenever the count changed, as it always did
+    elif _saved_alike(i, record, ctx):
+        owner = owners[ctx.process % len(owners)]  # all copies are alike: spread the reads
+    elif _mapper(record, ctx) is not None:
+        owner = None
+    else:
+        raise _differing_error([record], ctx)
+    ctx.sources[i] = owner
+    return owner
 
 
 def _differing_error(records: Sequence[_format.LeafRecord], ctx: Context) -> ValueError:
