@@ -103,23 +103,23 @@ class Persister:
         Raises:
           TimeoutError: if jobs are still pending after `timeout_s`; the worker
             then keeps running until they are done (and a later `submit` reuses
-            it), it is never abandoned with work in hand.
+            it): it is never abandoned with work in hand.
         """
         try:
             self.drain()
-        finally:
-            with self._lock:
-                thread = self._thread
-                if thread is not None:
-                    self._queue.put(None)  # stop once the jobs queued before it are done
-            if thread is not None:
-                thread.join(timeout=self._timeout_s)
-                if thread.is_alive():
-                    log.warning(
-                        "jaxckpt: the persistence worker is still busy after %.0f s; "
-                        "it finishes its queued steps in the background.",
-                        self._timeout_s,
-                    )
+        except TimeoutError:
+            self._stop_worker(join=False)  # busy: it stops once its queue is done
+            raise
+        self._stop_worker(join=True)
+
+    def _stop_worker(self, *, join: bool) -> None:
+        with self._lock:
+            thread = self._thread
+            if thread is None:
+                return
+            self._queue.put(None)  # stop once the jobs queued before it are done
+        if join:
+            thread.join(timeout=self._timeout_s)
 
     def _run(self) -> None:
         while True:
