@@ -586,9 +586,10 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         durable (persisted) step, and every newer step to be persisted.
 
         Not needed: a manager holding this handler keeps those steps whatever
-        its options (see `_retention`); this explicit form is kept for code that
-        already uses it, and for an Orbax where that automatic guard cannot be
-        installed. Pass it as `CheckpointManagerOptions(preservation_policy=...)`.
+        its options (the handler wraps the manager's deletion decision once per
+        process); this explicit form is kept for code that already uses it, and
+        for an Orbax where that wrapper cannot be installed (a warning says so).
+        Pass it as `CheckpointManagerOptions(preservation_policy=...)`.
         """
         return self._keeper.policy(base)
 
