@@ -575,7 +575,21 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         Returns:
           The restorable steps, newest first.
         """
-        return self._global_view(item_dir, self._memory_for(item_dir)).restorable_steps()
+        error: BaseException | None = None
+        steps: list[int] = []
+        try:
+            with self._taking_part(item_dir, None, None):
+                memory = self._memory_for(item_dir)
+            steps = self._global_view(item_dir, memory).restorable_steps()
+        except Exception as e:  # agreed on below, so that every process raises
+            error = e
+        _agreement.agree(
+            error,
+            tag=self._tag("list", item_dir),
+            what="Finding the restorable steps",
+            timeout_s=self._options.timeout_s,
+        )
+        return steps
 
     def pending_persistence(self) -> set[int]:
         """Steps queued or being written to persistent storage."""
