@@ -14,9 +14,7 @@ from jaxckpt import _persister
 
 def manager(args: dict) -> tuple[ocp.CheckpointManager, jaxckpt.TieredCheckpointHandler]:
     h = jaxckpt.TieredCheckpointHandler(
-        jaxckpt.TierOptions(
-            os.environ["MP_MEMORY_ROOT"], persist_every=2, replicas=1, timeout_s=60
-        )
+        jaxckpt.TierOptions(os.environ["MP_MEMORY_ROOT"], persist_every=2, replicas=1, timeout_s=60)
     )
     mngr = ocp.CheckpointManager(
         args["ckpt"],
