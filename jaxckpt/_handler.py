@@ -742,13 +742,18 @@ class TieredRestore(ocp.args.CheckpointArgs):
         the shardings to restore onto (any mesh), fresh iterator objects whose
         state is set in place, and placeholders for scalars. A `np.ndarray`
         leaf (or a leaf without a sharding where a numpy array was saved) is
-        restored as numpy; a saved jax.Array with no target sharding gets its
-        saved sharding. None restores everything to host (numpy).
-      iterator_state_fn: only needed to restore iterators onto another process
-        count when each process saved a different state: called as
-        `fn(saved_states, process_index, process_count)` for every iterator
-        whenever the process count changed, it returns this process's state.
-        `per_process_fn` does the same for every per-process leaf.
+        restored as numpy; an uncommitted jax.Array leaf (made outside any
+        mesh, e.g. a fresh `jax.random.key(0)`) is restored uncommitted, free
+        to join a later jit on other devices; a saved jax.Array with no target
+        sharding gets its saved sharding (uncommitted if it was saved so).
+        Leaves are matched by path, else by key names whatever the node kind,
+        so `mngr.item_metadata(step).train` (nested dicts and lists) is a
+        target for any saved tree; the result has the target's structure.
+        None restores everything to host (numpy).
+      iterator_state_fn: the older, iterator-only form of `per_process_fn`:
+        called as `fn(saved_states, process_index, process_count)` for every
+        iterator whenever the process count changed, it returns this
+        process's state.
       per_process_fn: only needed to restore leaves saved per process
         (process-local jax.Arrays, numpy arrays, scalars, iterator states) onto
         another process count when the processes saved different values:
