@@ -1,4 +1,5 @@
-"""Filesystem helpers: atomic replacement, removal, and cleanup of staging leftovers.
+"""Filesystem helpers: atomic replacement, flushing to stable storage, removal,
+cleanup of staging leftovers, and what a full filesystem looks like.
 
 What is atomic here, and what is not:
 
@@ -14,8 +15,9 @@ What is atomic here, and what is not:
   file can be empty, or a rename undone, on a disk-backed filesystem, unless the
   data and the directories holding the names were fsynced. `write_atomic` and
   `replace_dir` do not fsync (the memory tier lives on tmpfs, which a power loss
-  empties anyway); the persister calls `fsync_tree` on a part before its
-  durability rename and `fsync_dirs` on the directories above it afterwards.
+  empties anyway); the persister calls `fsync_tree` on a part and `fsync_path`
+  on its index manifest before its durability rename, and `fsync_dirs` on the
+  directories above it afterwards.
   (Tensorstore's file kvstore already fsyncs each chunk file and its directory
   by default, `file_io_sync`; `fsync_tree` covers everything else too: the
   manifest and every directory created on the way.)
