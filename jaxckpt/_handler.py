@@ -579,7 +579,12 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         steps: list[int] = []
         try:
             with self._taking_part(item_dir, None, None):
-                memory = self._memory_for(item_dir)
+                # The newest step's index records the run id its copies carry.
+                finalized = _paths.sibling_steps(item_dir)
+                index = _restore.read_index(finalized[max(finalized)]) if finalized else {}
+                pi = _multihost.process_index()
+                recorded = index.get(pi) or next(iter(index.values()), None)
+                memory = self._memory_for(item_dir, recorded=recorded)
             steps = self._global_view(item_dir, memory).restorable_steps()
         except Exception as e:  # agreed on below, so that every process raises
             error = e
