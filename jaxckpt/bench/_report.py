@@ -228,6 +228,14 @@ def figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list
             ">= 0.5",
         ),
         Figure(
+            "4d",
+            "persistence: time in fsync (files, dirs)",
+            t(lambda p: _median([d.get("fsync_s") for d in p.get("persist") or []])),
+            "s",
+            t(lambda p: _median([d.get("persist_s") for d in p.get("persist") or []])),
+            "the whole persist of the part",
+        ),
+        Figure(
             "5a",
             "restore from own memory",
             restore("memory"),
