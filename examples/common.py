@@ -38,7 +38,8 @@ The ``timeline`` event follows the first trained step of the run: wall-clock
 (``time.time()``) start and end of each phase of this process's start -- ``startup``
 (process creation to ``main``: interpreter and imports), ``jax_init``
 (``jax.distributed`` and the backend), ``task``, ``setup`` (mesh, abstract state,
-data), ``standby`` (a hot spare's wait), ``manager``, ``restore`` or ``init``,
+data), ``warm_up`` and ``standby`` (a hot spare's one step on a fresh state, and its
+wait), ``manager``, ``restore`` or ``init``,
 ``compile`` (the train step, lowered from the abstract state in a thread WHILE the
 restore runs) and ``first_step``. The launcher turns them into the recovery timeline
 of its report. ``compile`` counts the compilation caches' hits and misses of the train
@@ -59,8 +60,8 @@ Environment (set by ``python -m jaxckpt.launch``; all optional):
   process SIGKILLs itself right after the save of that step is issued.
 - ``JAXCKPT_STANDBY=1`` (``jaxckpt.launch --standby``): start as a hot spare of the job
   that the variables above name (coordinator, process id and count, devices): join it,
-  build the mesh, data and abstract state, compile the train step, print the
-  ``standby`` event, then wait for one JSON line on stdin, ``{"env": {...}}``: the
+  build the mesh, data and abstract state, compile the train step and run it once on a
+  fresh state (:func:`warm_up`), print the ``standby`` event, then wait for one JSON line on stdin, ``{"env": {...}}``: the
   variables of where it runs (memory root, failure domain, ...), set before the
   checkpoint manager is built. End of input means the spare is not needed: exit 0.
 """
@@ -263,9 +264,10 @@ def setup_compilation_cache(cache_dir: str | None, ckpt_dir: str | None) -> str 
     return path
 
 
-# Persistent-cache events per (thread name, kind): "compile_requests_use_cache" (a
-# lookup) and "cache_hits". JAX's own "cache_misses" counts only the writes, which
-# process 0 alone does, so a miss is a lookup without a hit.
+# Persistent-cache events per (thread name, kind): JAX's "compile_requests_use_cache" (a
+# lookup) and "cache_hits", and the "own_hits" / "own_misses" of `compile_cached`. JAX's
+# own "cache_misses" counts only the writes, which process 0 alone does, so a miss is
+# a lookup without a hit.
 CACHE_EVENTS: collections.Counter[tuple[str, str]] = collections.Counter()
 _CACHE_EVENT_PREFIX: Final = "/jax/compilation_cache/"
 
@@ -286,15 +288,19 @@ def compile_counts(executable: str) -> dict[str, Any]:
     def total(kind: str, thread: str | None = None) -> int:
         return sum(n for (t, k), n in CACHE_EVENTS.items() if k == kind and thread in (None, t))
 
-    # A compilation in the compile thread looks up JAX's cache once (a miss of this
-    # process's own cache compiles, so it shows there too); a hit of its own does not.
-    lookups, own = "compile_requests_use_cache", PER_PROCESS_EVENTS["hits"]
+    # Each compilation looks up JAX's cache once (a miss of the process's own cache,
+    # `compile_cached`, compiles, so it shows there too); a hit of its own does not.
+    lookups = "compile_requests_use_cache"
+
+    def hits(thread: str | None = None) -> int:
+        return total("cache_hits", thread) + total("own_hits", thread)
+
     return {
-        "cache_hits": total("cache_hits", COMPILE_THREAD) + own,
+        "cache_hits": hits(COMPILE_THREAD),
         "cache_misses": total(lookups, COMPILE_THREAD) - total("cache_hits", COMPILE_THREAD),
-        "process_cache_hits": total("cache_hits") + own,
+        "process_cache_hits": hits(),
         "process_cache_misses": total(lookups) - total("cache_hits"),
-        "own_cache": dict(PER_PROCESS_EVENTS),
+        "own_cache": {"hits": total("own_hits"), "misses": total("own_misses")},
         "executable": executable,
     }
 
@@ -312,7 +318,6 @@ def abstract_batch(records: Sequence[Any] | np.ndarray, global_batch: int, mesh:
 
 # Executables that processes other than 0 of a multi-process CPU job keep themselves.
 PER_PROCESS_CACHE: Final = "per-process-executables"
-PER_PROCESS_EVENTS: collections.Counter[str] = collections.Counter()  # "hits", "misses"
 
 
 def compile_cached(lowered: Any, cache_dir: str | None) -> Any:
@@ -360,9 +365,9 @@ def compile_cached(lowered: Any, cache_dir: str | None) -> Any:
         except Exception as e:  # a stale or torn entry: compile instead
             log_event("executable_unusable", path=path, error=repr(e), process=jax.process_index())
         else:
-            PER_PROCESS_EVENTS["hits"] += 1
+            CACHE_EVENTS[(threading.current_thread().name, "own_hits")] += 1
             return compiled
-    PER_PROCESS_EVENTS["misses"] += 1
+    CACHE_EVENTS[(threading.current_thread().name, "own_misses")] += 1
     compiled = lowered.compile()
     payload, _, _ = serialize_executable.serialize(compiled)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -371,6 +376,25 @@ def compile_cached(lowered: Any, cache_dir: str | None) -> Any:
         f.write(payload)
     os.replace(tmp, path)  # atomic: a process killed mid-write leaves no torn entry
     return compiled
+
+
+def warm_up(
+    step_fn: Any, init: Callable[[], Any], shardings: Any, batch: Batch, cache_dir: str | None
+) -> None:
+    """Runs the compiled train step once, on a fresh state and a zero batch, and drops it.
+
+    For a hot spare, while it waits: a first run pays costs a later run does not (on
+    CPU, connecting the collectives between the processes), and the restart's first
+    step should not. Every process of the job must call it (the step is collective).
+    """
+    state = compile_cached(jax.jit(init, out_shardings=shardings).lower(), cache_dir)()
+    zeros = jax.tree.map(
+        lambda a: jax.make_array_from_callback(
+            a.shape, a.sharding, lambda index: np.zeros(a.shape, a.dtype)[index]
+        ),
+        batch,
+    )
+    jax.block_until_ready(step_fn(*state, zeros))
 
 
 def compile_ahead(
@@ -808,16 +832,14 @@ def train(
         return params, opt_state, rng, loss, fingerprint(batch)
 
     # IMPORTANT: started before the restore, which it overlaps; waited for after it.
-    ahead = compile_ahead(
-        train_step,
-        timeline,
-        getattr(args, "compilation_cache", None),
-        *abstract,
-        abstract_batch(task.records, task.global_batch, mesh),
-    )
+    batch_abstract = abstract_batch(task.records, task.global_batch, mesh)
+    cache_dir = getattr(args, "compilation_cache", None)
+    ahead = compile_ahead(train_step, timeline, cache_dir, *abstract, batch_abstract)
     data = make_data_iterator(task.records, args.seed, task.global_batch, mesh)
     timeline.add("setup", setup_start, time.time())
     if go is not None:
+        with timeline.phase("warm_up"):
+            warm_up(ahead.result(), init, shardings, batch_abstract, cache_dir)
         args = go()
     manager_start = time.time()
     manager = handler = None
@@ -846,7 +868,8 @@ def train(
             restored = restore_latest(manager, handler, abstract_state)
     if restored is None:
         with timeline.phase("init"):
-            params, opt_state, rng = jax.jit(init, out_shardings=shardings)()
+            init_fn = compile_cached(jax.jit(init, out_shardings=shardings).lower(), cache_dir)
+            params, opt_state, rng = init_fn()
         step = 0
     else:
         params, opt_state, rng = restored["params"], restored["opt_state"], restored["rng"]

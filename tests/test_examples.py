@@ -229,7 +229,7 @@ def test_classifier_killed_process_recovers_bitwise(tmp_path: Path, capsys) -> N
         # Compiled while restoring: the two overlap.
         assert phases["compile"]["start"] < phases["restore"]["end"]
         assert phases["restore"]["start"] < phases["compile"]["end"]
-    assert timeline["processes"]["1"]["compile"]["own_cache"] == {"hits": 1}
+    assert timeline["processes"]["1"]["compile"]["own_cache"] == {"hits": 1, "misses": 0}
     assert timeline["restore_compile_overlap_s"] > 0
     assert timeline["recovery_s"] >= timeline["first_step_after_s"] > 0
 

@@ -8,12 +8,13 @@ step (``examples/common.py`` does)::
 
 with wall-clock (``time.time()``) times. Usual phases, in order: ``startup`` (process
 creation to ``main``: interpreter and imports), ``jax_init`` (``jax.distributed`` and the
-backend), ``task``, ``setup``, ``standby`` (a hot spare waiting for its go), ``manager``,
-``restore`` (or ``init``), ``compile`` (may overlap ``restore``) and ``first_step``; any
-other name is kept as well. This module turns them into offsets from the start of the attempt (when
-the launcher started, or woke, its processes) and names the slowest process of each
-phase: a JAX job moves at the pace of its slowest process. Imports neither jax nor the
-rest of jaxckpt.
+backend), ``task``, ``setup``, ``compile`` (may overlap ``restore``), ``warm_up`` and
+``standby`` (a hot spare running its train step once, then waiting for its go),
+``manager``, ``restore`` (or ``init``) and ``first_step``; any other name is kept as
+well. This module turns them into offsets from the start of the attempt (when the
+launcher started, or woke, its processes) and names the slowest process of each phase:
+a JAX job moves at the pace of its slowest process. Imports neither jax nor the rest of
+jaxckpt.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ PHASES: Final = (
     "task",
     "setup",
     "compile",
+    "warm_up",
     "standby",
     "manager",
     "restore",
