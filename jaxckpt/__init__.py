@@ -4,6 +4,7 @@ from jaxckpt._format import JAXCKPT_VERSION as __version__
 from jaxckpt._handler import TieredCheckpointHandler as TieredCheckpointHandler
 from jaxckpt._handler import TieredRestore as TieredRestore
 from jaxckpt._handler import TieredSave as TieredSave
+from jaxckpt._manager_options import manager_options as manager_options
 from jaxckpt._options import TierOptions as TierOptions
 from jaxckpt._prometheus import PrometheusMetrics as PrometheusMetrics
 from jaxckpt._resume import latest_restorable_step as latest_restorable_step
@@ -16,4 +17,5 @@ __all__ = [
     "TieredSave",
     "__version__",
     "latest_restorable_step",
+    "manager_options",
 ]

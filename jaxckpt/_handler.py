@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -33,6 +32,7 @@ from jaxckpt import (
     _restore,
     _retention,
     _snapshot,
+    _storage,
     _target,
     _tree,
     _zarr,
@@ -134,7 +134,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             metrics = {"event": "save", "step": step, "process": pi, "bytes": snapshot.nbytes}
             metrics["stall_s"] = time.perf_counter() - started
             commit = self._commit_agreed(
-                tag, Path(os.fspath(directory)), step, snapshot, memory, pi, metrics, started
+                tag, _storage.as_path(directory), step, snapshot, memory, pi, metrics, started
             )
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
@@ -289,7 +289,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # IMPORTANT: the index manifest is written only after the memory part is committed
         # (and replicated), so an index never points at copies that do not exist yet.
         manifest = dataclasses.replace(manifest, metrics=dict(metrics))
-        _fs.write_atomic(directory / _format.index_file(pi), manifest.to_json())
+        _storage.write_file(directory / _format.index_file(pi), manifest.to_json())
         _faults.maybe_crash("index", step, pi)
         self._publish(metrics)
         if step % self._options.persist_every == 0:
@@ -337,7 +337,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         """`restore` on this process; a failing process still takes part in the exchanges."""
         start = time.perf_counter()
         args = args if args is not None else TieredRestore()
-        item_dir = Path(os.fspath(directory))
+        item_dir = _storage.as_path(directory)
         step = _step_of(directory, None)
         pi = _multihost.process_index()
         index = _restore.read_index(item_dir)
@@ -391,7 +391,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         local: _peers.Inventory = {}
         try:
             steps = _paths.sibling_steps(directory)
-            current = Path(os.fspath(directory))
+            current = _storage.as_path(directory)
             step = _paths.step_of(directory)
             if step is not None and current.is_dir():
                 steps[step] = current
@@ -420,7 +420,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             if source.tier == _plan.PEER and self._peers is not None and source.holder is not None:
                 return self._peers.part_kvstore(source.holder, step, owner)
             if source.tier == _plan.PERSISTENT:
-                return _zarr.file_kvstore(str(item_dir / _format.part_dir_name(owner)))
+                return _storage.kvstore(item_dir / _format.part_dir_name(owner))
             raise ValueError(f"No reader for {source.describe()}.")
 
         return kvstore_for
@@ -498,7 +498,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         Every node is nested as dicts and lists; the result is a restore target
         for any saved tree (leaves are matched by key names).
         """
-        index = _restore.read_index(Path(os.fspath(directory)))
+        index = _restore.read_index(_storage.as_path(directory))
         if not index:
             raise FileNotFoundError(f"{directory} holds no jaxckpt index manifest.")
         pi = _multihost.process_index()
@@ -618,7 +618,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         """The exchange tag of a save or restore of this item: the same on every process,
         and apart for every checkpoint directory and item (their commits run concurrently)."""
         run = self._options.run_id or _paths.default_run_id(directory)
-        return f"{verb}/{run}/{_paths.strip_tmp(Path(os.fspath(directory)).name)}"
+        return f"{verb}/{run}/{_paths.strip_tmp(_storage.as_path(directory).name)}"
 
     def _agree(self, verb: str, directory: epath.Path | Path, error: BaseException | None) -> None:
         """Raises on every process if `error` or another process's error is set (collective)."""

@@ -10,10 +10,15 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
+from jaxckpt import _storage
+
 # CheckpointManager writes into `<root>/<step>.orbax-checkpoint-tmp[-<n>]/<item>.orbax-checkpoint-tmp[-<n>]`
 # and renames both to `<root>/<step>/<item>` when the step is finalized (on object stores it
-# writes a commit file instead). Step names are Orbax's: `<step>` or `<prefix>_<step>`.
+# writes a commit file instead: the item directory has its final name from the start). Step names are Orbax's: `<step>` or `<prefix>_<step>`.
 STAGING_DIR = ".jaxckpt-staging"
+# What the manager writes into a step directory to finalize it where it cannot rename
+# (object stores: `ocp.path.atomicity.CommitFileTemporaryPath`).
+COMMIT_FILE = "commit_success.txt"
 
 # A run id names a directory in the memory root and a URL segment of the peer
 # service: no '/', and not '.' or '..' (the first character is a letter or digit).
@@ -46,27 +51,27 @@ def step_of_name(name: str) -> int | None:
 
 def final_item_dir(directory: os.PathLike | str) -> Path:
     """The item directory as it will be named once the manager finalizes the step."""
-    directory = Path(os.fspath(directory))
+    directory = _storage.as_path(directory)
     return directory.parent.parent / strip_tmp(directory.parent.name) / strip_tmp(directory.name)
 
 
 def step_of(directory: os.PathLike | str) -> int | None:
     """The step number of an item directory `<root>/<step>/<item>`, if it has one."""
-    return step_of_name(Path(os.fspath(directory)).parent.name)
+    return step_of_name(_storage.as_path(directory).parent.name)
 
 
 def checkpoint_root(directory: os.PathLike | str) -> Path:
     """The CheckpointManager's directory (the parent of the step directories)."""
-    return Path(os.fspath(directory)).parent.parent
+    return _storage.as_path(directory).parent.parent
 
 
 def default_run_id(directory: os.PathLike | str) -> str:
     """A run id derived from the checkpoint root: stable across restarts of a job.
 
-    The root's real path is hashed, so every spelling of it (a symlink, a
-    relative path, `..`) gives the same run id.
+    The root's real path (or URL, on an object store) is hashed, so every
+    spelling of a local root (a symlink, a relative path, `..`) gives the same run id.
     """
-    root = os.path.realpath(os.fspath(checkpoint_root(directory)))
+    root = _storage.identity(checkpoint_root(directory))
     return "run-" + hashlib.sha256(root.encode()).hexdigest()[:16]
 
 
@@ -85,25 +90,40 @@ def run_id(directory: os.PathLike | str, configured: str | None, recorded: str |
 
 def sibling_steps(directory: os.PathLike | str) -> dict[int, Path]:
     """step -> final item directory for every finalized step next to `directory`."""
-    directory = Path(os.fspath(directory))
+    directory = _storage.as_path(directory)
     return finalized_steps(checkpoint_root(directory), strip_tmp(directory.name))
 
 
 def finalized_steps(root: Path, item: str) -> dict[int, Path]:
-    """step -> item directory `<root>/<step>/<item>` for every finalized step holding `item`."""
+    """step -> item directory `<root>/<step>/<item>` for every finalized step holding `item`.
+
+    On an object store a step is finalized once its commit file exists.
+    """
     out = {}
+    remote = _storage.is_remote(root)
     if root.is_dir():
         for p in root.iterdir():
             if is_temporary(p.name) or p.name.startswith("."):
                 continue
             step = step_of_name(p.name)
-            if step is not None and (p / item).is_dir():
+            if step is None or (remote and not (p / COMMIT_FILE).exists()):
+                continue
+            if (p / item).is_dir():
                 out[step] = p / item
     return out
 
 
+def is_finalized(item_dir: Path, final_item_dir: Path) -> bool:
+    """Whether the manager has finalized the step of `item_dir`: renamed it to
+    `final_item_dir`, or (when it writes into the final name from the start, as on
+    object stores) written the step's commit file."""
+    if item_dir == final_item_dir:
+        return _storage.exists(final_item_dir.parent / COMMIT_FILE)
+    return final_item_dir.is_dir()
+
+
 def wait_finalized(item_dir: Path, final_item_dir: Path, step: int, timeout_s: float) -> None:
-    """Waits until the manager has renamed the step `item_dir` to `final_item_dir`.
+    """Waits until the manager has finalized the step `item_dir` (`is_finalized`).
 
     Raises:
       FileNotFoundError: if the step vanished instead (the save failed, or
@@ -112,7 +132,8 @@ def wait_finalized(item_dir: Path, final_item_dir: Path, step: int, timeout_s: f
     """
     deadline = time.monotonic() + timeout_s
     final_step, tmp_step = final_item_dir.parent, item_dir.parent
-    while not final_item_dir.is_dir():
+    poll_s = 0.1 if _storage.is_remote(item_dir) else 0.02  # a remote check is a request
+    while not is_finalized(item_dir, final_item_dir):
         # Checking the final name again closes the race with the manager's rename.
         if not final_step.exists() and not tmp_step.exists() and not final_step.exists():
             raise FileNotFoundError(
@@ -123,4 +144,4 @@ def wait_finalized(item_dir: Path, final_item_dir: Path, step: int, timeout_s: f
             raise TimeoutError(
                 f"Step {step} was not finalized at {final_item_dir} within {timeout_s:.0f} s."
             )
-        time.sleep(0.02)
+        time.sleep(poll_s)

@@ -2,11 +2,18 @@
 
 Runs on its own thread and queue so that a slow persistent store never holds up
 the next `mngr.save()` (the manager waits for the previous save's commit
-futures, and persistence is not one of them). A persisted part becomes visible
-only by renaming a complete staging directory to `<item_dir>/part_<owner>`;
-its existence is the durability marker, so every file and directory of the part
-(and the owner's index manifest) is fsynced before that rename, and the
-directories above it after.
+futures, and persistence is not one of them). How a part becomes durable
+depends on where the checkpoint directory lives (`_storage`):
+
+- A filesystem: a persisted part becomes visible only by renaming a complete
+  staging directory to `<item_dir>/part_<owner>`; its existence is the
+  durability marker, so every file and directory of the part (and the owner's
+  index manifest) is fsynced before that rename, and the directories above it
+  after.
+- An object store (no rename): the chunks are uploaded straight into
+  `<item_dir>/part_<owner>/` (concurrently, with tensorstore), and the part's
+  manifest object, written last, is the durability marker; readers ignore a part
+  without one. A failed upload is retried with backoff within `timeout_s`.
 
 One worker thread at a time: `close` stops it once the queue is empty; if it
 is still busy when `close` gives up waiting, it finishes its jobs and a later
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -27,7 +35,12 @@ from typing import Any
 
 from absl import logging as log
 
-from jaxckpt import _faults, _format, _fs, _memory_tier, _paths, _zarr
+from jaxckpt import _faults, _format, _fs, _memory_tier, _paths, _storage, _zarr
+
+# Attempts at uploading a part to an object store (each request is also retried by
+# tensorstore), and the first wait between them (doubled after each failure).
+UPLOAD_ATTEMPTS = int(os.environ.get("JAXCKPT_UPLOAD_ATTEMPTS", "3"))
+UPLOAD_BACKOFF_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +182,11 @@ class Persister:
                 self._idle.notify_all()
 
     def _persist(self, job: PersistJob) -> dict[str, Any]:
+        if _storage.is_remote(job.final_item_dir):
+            return self._persist_to_object_store(job)
+        return self._persist_to_filesystem(job)
+
+    def _persist_to_filesystem(self, job: PersistJob) -> dict[str, Any]:
         start = time.perf_counter()
         manifest = job.manifest
         root = job.final_item_dir.parent.parent
@@ -223,8 +241,118 @@ class Persister:
         finally:
             _fs.remove_entry(staging)
 
+    def _persist_to_object_store(self, job: PersistJob) -> dict[str, Any]:
+        start = time.perf_counter()
+        deadline = time.monotonic() + self._timeout_s
+        manifest, final = job.manifest, job.final_item_dir
+        part = final / _format.part_dir_name(manifest.owner)
+        backoff = UPLOAD_BACKOFF_S
+        for attempt in range(1, UPLOAD_ATTEMPTS + 1):
+            try:
+                self._upload(manifest, job.source_part, part, deadline)
+                break
+            except Exception as e:
+                out_of_time = time.monotonic() + backoff > deadline
+                if attempt == UPLOAD_ATTEMPTS or out_of_time:
+                    why = "out of time" if out_of_time else "no attempts left"
+                    raise OSError(
+                        f"Uploading the part of process {manifest.owner} of step {manifest.step} "
+                        f"to {part} failed {attempt} time(s) ({why}; TierOptions.timeout_s = "
+                        f"{self._timeout_s:.0f} s); the last error: {e}. The step is not "
+                        "durable there; check the store's endpoint and credentials."
+                    ) from e
+                log.warning(
+                    "jaxckpt: uploading step %d (attempt %d of %d) failed, retrying in %.1f s: %s",
+                    manifest.step,
+                    attempt,
+                    UPLOAD_ATTEMPTS,
+                    backoff,
+                    e,
+                )
+                time.sleep(backoff)
+                backoff *= 2
+        copy_s = time.perf_counter() - start
+        manifest = dataclasses.replace(manifest, metrics={**manifest.metrics, "persist_s": copy_s})
+        _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
+        _paths.wait_finalized(
+            job.item_dir, final, manifest.step, max(deadline - time.monotonic(), 1.0)
+        )
+        if not _storage.exists(final / _format.index_file(manifest.owner)):
+            raise FileNotFoundError(
+                f"Step {manifest.step} was deleted (garbage-collected) before it was persisted."
+            )
+        # IMPORTANT: the manifest object is the durability marker: written last, after
+        # every chunk is stored and the manager has finalized the step.
+        _storage.write_object(part / _format.MANIFEST_FILE, manifest.to_json())
+        _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
+        return {
+            "event": "persist",
+            "step": manifest.step,
+            "process": manifest.owner,
+            "bytes": manifest.nbytes,
+            "persist_s": copy_s,  # uploading and verifying, as in the part's manifest
+            "persist_bytes_per_s": manifest.nbytes / max(copy_s, 1e-9),
+        }
+
+    def _upload(
+        self, manifest: _format.PartManifest, source: Path, part: Path, deadline: float
+    ) -> None:
+        """Uploads every chunk of a part (not its manifest), all concurrently, by `deadline`.
+
+        The upload runs on a thread of its own: a store that stops answering holds
+        tensorstore's requests open with no timeout of their own, and waiting for
+        them to be cancelled could take as long. At the deadline this gives up on
+        it; its writes may still land later, but without a manifest the part is
+        never read, and a later attempt removes the manifest before rewriting.
+
+        Raises:
+          TimeoutError: if the upload is not done by `deadline`.
+        """
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"No time was left to upload step {manifest.step}.")
+        outcome: list[BaseException | None] = []
+
+        def upload() -> None:
+            try:
+                # IMPORTANT: a manifest left by an earlier attempt (or save) of this part is
+                # removed before anything else of it: it must never vouch for chunks being
+                # rewritten.
+                _storage.delete_objects(part, [_format.MANIFEST_FILE])
+                # The arrays are created anew (`empty`): the chunks the manifest lists are
+                # rewritten, and no other chunk is ever read.
+                _storage.delete_objects(
+                    part, [f"{_format.ARRAYS_DIR}/{leaf}/zarr.json" for leaf in manifest.chunks]
+                )
+                src, dst = _zarr.file_kvstore(str(source)), _storage.kvstore(part)
+                asyncio.run(self._copy_kvstores(manifest, src, dst, empty=True))
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=upload, name="jaxckpt-upload", daemon=True)
+        thread.start()
+        thread.join(timeout=remaining)
+        if thread.is_alive():
+            raise TimeoutError(
+                f"The upload did not finish within {remaining:.1f} s (TierOptions.timeout_s)."
+            )
+        if outcome[0] is not None:
+            raise outcome[0]
+
     async def _copy(self, manifest: _format.PartManifest, source: Path, staging: Path) -> None:
-        src, dst = _zarr.file_kvstore(str(source)), _zarr.file_kvstore(str(staging))
+        await self._copy_kvstores(
+            manifest, _zarr.file_kvstore(str(source)), _zarr.file_kvstore(str(staging))
+        )
+
+    async def _copy_kvstores(
+        self,
+        manifest: _format.PartManifest,
+        src: dict[str, Any],
+        dst: dict[str, Any],
+        *,
+        empty: bool = False,
+    ) -> None:
         await _zarr.settle(
             [
                 _zarr.copy_chunks(
@@ -233,6 +361,7 @@ class Persister:
                     manifest.leaves[leaf],
                     chunks,
                     self._compression,
+                    empty=empty,
                 )
                 for leaf, chunks in manifest.chunks.items()
             ]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
-from jaxckpt import _multihost
+from jaxckpt import _multihost, _storage
 from jaxckpt._handler import TieredCheckpointHandler
 
 
@@ -52,7 +50,7 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
         )
     mngr.reload()
     steps = sorted(mngr.all_steps())
-    root = Path(os.fspath(mngr.directory))
+    root = _storage.as_path(mngr.directory)
     restorable = set(steps)
     for item, handler in sorted(handlers.items()):
         # Any item directory will do: the handler looks at the step directories next to it.

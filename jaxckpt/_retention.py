@@ -36,7 +36,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from absl import logging as log
 
-from jaxckpt import _format, _paths
+from jaxckpt import _format, _paths, _storage
 
 # The handler attribute holding its `Keeper`.
 KEEPER_ATTR = "_keeper"
@@ -52,6 +52,8 @@ class DurableSteps:
 
     def is_durable(self, item_dir: Path) -> bool:
         """Whether every process's part of the step in `item_dir` is persisted."""
+        if _storage.is_remote(item_dir):
+            return self._is_durable_remote(item_dir)
         try:
             first = os.stat(item_dir / _format.part_dir_name(0))  # cheap: most steps have none
         except OSError:
@@ -67,6 +69,18 @@ class DurableSteps:
             self._durable.add(key)
             return True
         return False
+
+    def _is_durable_remote(self, item_dir: Path) -> bool:
+        """On an object store a part is durable once its manifest object exists (no rename;
+        objects have no inode to remember them by, so nothing is cached)."""
+        try:
+            count = int(json.loads((item_dir / _format.index_file(0)).read_text())["process_count"])
+            return all(
+                (item_dir / _format.part_dir_name(p) / _format.MANIFEST_FILE).exists()
+                for p in range(count)
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
     def steps_to_keep(
         self,
@@ -126,6 +140,8 @@ class Keeper:
 
 def _item_dirs(root: Path, item: str) -> dict[int, Path]:
     """step -> `<root>/<step name>/<item>` for every finalized step name (one listdir)."""
+    if _storage.is_remote(root):
+        return _paths.finalized_steps(root, item)
     try:
         names = os.listdir(root)
     except OSError:
@@ -155,7 +171,7 @@ def keepers(mngr: Any) -> dict[str, Keeper]:
 
 def kept_by_handlers(mngr: Any, steps: Sequence[int]) -> set[int]:
     """The steps of `mngr` that its jaxckpt handlers keep."""
-    root = Path(os.fspath(mngr.directory))
+    root = _storage.as_path(mngr.directory)
     keep: set[int] = set()
     for item, keeper in keepers(mngr).items():
         keep |= keeper.steps_to_keep(root, item, steps)

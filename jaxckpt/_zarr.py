@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _chunking, _format
+from jaxckpt import _chunking, _format, _storage
 
 _COMPRESSION_CODECS: dict[str | None, list[dict[str, Any]]] = {
     None: [],
@@ -28,7 +28,27 @@ _COMPRESSION_CODECS: dict[str | None, list[dict[str, Any]]] = {
 }
 
 # Plenty of cache-free concurrency for many small chunks on tmpfs.
-_CONTEXT = ts.Context({"file_io_concurrency": {"limit": 64}, "data_copy_concurrency": {"limit": 8}})
+# Object stores: bounded request retries and concurrency (`_storage.CONTEXT_SPEC`).
+_CONTEXT = ts.Context(
+    {
+        "file_io_concurrency": {"limit": 64},
+        "data_copy_concurrency": {"limit": 8},
+        **_storage.CONTEXT_SPEC,
+    }
+)
+
+
+def _context_for(kvstore: dict[str, Any]) -> ts.Context:
+    """The context to open an array on `kvstore` with.
+
+    An object store's array gets a cache pool of its own (the concurrency limits
+    stay shared): a metadata entry cached by an earlier open would be revalidated
+    by its storage generation, which some S3-compatible stores and emulators do
+    not return ("Malformed StorageGeneration"); each open reads `zarr.json` afresh.
+    """
+    if kvstore.get("driver") in ("file", "memory"):
+        return _CONTEXT
+    return ts.Context({"cache_pool": {}}, parent=_CONTEXT)
 
 
 def checksum(data: np.ndarray) -> int:
@@ -62,9 +82,19 @@ def _fill_value(dtype: str | None) -> Any:
 
 
 def create(
-    kvstore: dict[str, Any], record: _format.LeafRecord, compression: str | None = None
+    kvstore: dict[str, Any],
+    record: _format.LeafRecord,
+    compression: str | None = None,
+    *,
+    empty: bool = False,
 ) -> ts.Future:
-    """Creates (replacing any old one) the zarr3 array of an array leaf."""
+    """Creates (replacing any old one) the zarr3 array of an array leaf.
+
+    With `empty`, the caller has removed any old array's `zarr.json`, and no old
+    chunk is deleted (on an object store that is a listing and a request per
+    object, and some emulators list more than the prefix asked for): chunks
+    written now replace the old ones, and a manifest never lists the others.
+    """
     assert record.stored_shape is not None and record.chunk_shape is not None
     metadata = {
         "shape": list(record.stored_shape),
@@ -79,7 +109,7 @@ def create(
         "fill_value": _fill_value(record.stored_dtype),
     }
     spec = {"driver": "zarr3", "kvstore": kvstore, "metadata": metadata}
-    return ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)
+    return ts.open(spec, create=True, delete_existing=not empty, context=_context_for(kvstore))
 
 
 def open_array(kvstore: dict[str, Any], record: _format.LeafRecord | None = None) -> ts.Future:
@@ -93,7 +123,7 @@ def open_array(kvstore: dict[str, Any], record: _format.LeafRecord | None = None
             "domain": {"shape": list(record.stored_shape)},
             "chunk_layout": {"read_chunk": {"shape": list(record.chunk_shape)}},
         }
-    return ts.open(spec, open=True, context=_CONTEXT)
+    return ts.open(spec, open=True, context=_context_for(kvstore))
 
 
 async def settle(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
@@ -138,15 +168,18 @@ async def copy_chunks(
     record: _format.LeafRecord,
     chunks: Sequence[_format.ChunkRecord],
     compression: str | None = None,
+    *,
+    empty: bool = False,
 ) -> None:
-    """Copies the listed chunks of one leaf to a new array at `dst`, verifying each.
+    """Copies the listed chunks of one leaf to a new array at `dst`, verifying each
+    (`empty` as in `create`).
 
     Raises:
       ValueError: if a source chunk does not match its checksum.
     """
     assert record.stored_shape is not None and record.chunk_shape is not None
     source = await open_array(src, record)
-    target = await create(dst, record, compression)
+    target = await create(dst, record, compression, empty=empty)
     regions = [
         _chunking.chunk_region(c.index, record.stored_shape, record.chunk_shape) for c in chunks
     ]

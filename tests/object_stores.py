@@ -1,0 +1,161 @@
+"""Local object-store emulators for tests: GCS (gcp-storage-emulator) and S3 (moto_server).
+
+Each `Emulator` runs in its own process on a free loopback port, is waited for
+(bounded), sets the environment its clients read (gcsfs/etils, s3fs/boto,
+tensorstore), creates one bucket, and is stopped by its pid (bounded) at the
+end. The emulators are in the `dev` extra of pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import portpicker
+
+BUCKET = "jaxckpt-test"
+START_TIMEOUT_S = 30.0
+
+
+class Emulator:
+    """One running emulator; `url(path)` names a location in its bucket."""
+
+    def __init__(self, kind: str, log_dir: Path, data_dir: Path | None = None):
+        self.kind = kind
+        self.data_dir = data_dir  # GCS only: keep objects on disk there (they survive a kill)
+        self.port = portpicker.pick_unused_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.scheme = {"gcs": "gs", "s3": "s3"}[kind]
+        self._log = open(log_dir / f"{kind}-emulator.log", "ab")  # noqa: SIM115 -- closed in stop()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def url(self, path: str) -> str:
+        return f"{self.scheme}://{BUCKET}/{path}"
+
+    def env(self) -> dict[str, str]:
+        """What clients read to reach this emulator (and nothing else)."""
+        if self.kind == "gcs":
+            return {
+                "STORAGE_EMULATOR_HOST": self.endpoint,  # gcsfs (etils epath)
+                "TENSORSTORE_GCS_HTTP_URL": self.endpoint,  # tensorstore's gcs kvstore
+                "GOOGLE_CLOUD_PROJECT": "test",
+                "NO_GCE_CHECK": "True",  # google-auth: no metadata server here, don't wait for one
+            }
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,  # s3fs/boto; jaxckpt passes it to tensorstore
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def start(self) -> None:
+        bin_dir = Path(sys.executable).parent
+        env = dict(os.environ)
+        if self.kind == "gcs":
+            exe = shutil.which("gcp-storage-emulator", path=str(bin_dir)) or "gcp-storage-emulator"
+            cmd = [exe, "start", "--host=127.0.0.1", f"--port={self.port}"]
+            if self.data_dir is None:
+                cmd.append("--in-memory")
+            else:
+                env["STORAGE_BASE"] = str(self.data_dir)
+        else:
+            exe = shutil.which("moto_server", path=str(bin_dir)) or "moto_server"
+            cmd = [exe, "-H", "127.0.0.1", "-p", str(self.port)]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"The {self.kind} emulator exited at start; see {self._log.name}."
+                )
+            try:
+                urllib.request.urlopen(self.endpoint + "/", timeout=1).close()
+                break
+            except urllib.error.HTTPError:
+                break  # it answers (an error status is an answer)
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(
+                        f"The {self.kind} emulator did not answer at {self.endpoint} within "
+                        f"{START_TIMEOUT_S:.0f} s; see {self._log.name}."
+                    ) from None
+                time.sleep(0.1)
+        self.make_bucket()
+
+    def make_bucket(self) -> None:
+        """Creates the bucket (a restarted emulator that kept it on disk has it already)."""
+        try:
+            self._make_bucket()
+        except urllib.error.HTTPError as e:
+            if e.code != 409:
+                raise
+
+    def _make_bucket(self) -> None:
+        if self.kind == "gcs":
+            body = f'{{"name": "{BUCKET}"}}'.encode()
+            request = urllib.request.Request(
+                f"{self.endpoint}/storage/v1/b?project=test",
+                data=body,
+                method="POST",
+                headers={"Content-Type": "application/json"},
+            )
+        else:
+            request = urllib.request.Request(f"{self.endpoint}/{BUCKET}", method="PUT")
+        urllib.request.urlopen(request, timeout=10).close()
+
+    def kill(self) -> None:
+        """Kills the emulator at once (a store that vanishes mid-upload)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Starts a killed emulator again on the same port (and data directory)."""
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        if not self._log.closed:
+            self._log.close()
+
+
+@contextlib.contextmanager
+def running(kind: str, log_dir: Path, data_dir: Path | None = None) -> Iterator[Emulator]:
+    """An emulator started for the block and stopped after it."""
+    emulator = Emulator(kind, log_dir, data_dir)
+    emulator.start()
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+
+
+def reset_clients() -> None:
+    """Drops cached filesystems (fsspec's and etils epath's), so that the next ones read
+    the new environment (another emulator's endpoint)."""
+    import fsspec
+    from etils.epath import backend
+
+    for name in ("gcs", "gs", "s3"):
+        with contextlib.suppress(Exception):
+            fsspec.get_filesystem_class(name).clear_instance_cache()
+    backend.fsspec_backend._get_filesystem.cache_clear()

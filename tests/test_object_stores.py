@@ -1,0 +1,194 @@
+"""The persistent tier on object stores (gs://, s3://), against real local emulators.
+
+Each test starts its emulator (tests/object_stores.py) on a free loopback port
+and stops it by pid at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+import pytest
+from helpers import abstract, assert_tree_equal, mesh_1d, restore, save, sharded_state
+from object_stores import Emulator, reset_clients, running
+
+import jaxckpt
+from jaxckpt import _persister, _storage, _zarr
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def store_env(monkeypatch):
+    """Sets an emulator's environment for one test (and gives fresh fsspec clients)."""
+
+    def use(emulator: Emulator) -> None:
+        for key, value in emulator.env().items():
+            monkeypatch.setenv(key, value)
+        reset_clients()
+
+    yield use
+    reset_clients()
+
+
+def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
+    return jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, **kw))
+
+
+def manager(url: str, h: jaxckpt.TieredCheckpointHandler, **options) -> ocp.CheckpointManager:
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add("train", jaxckpt.TieredSave, h)
+    registry.add("train", jaxckpt.TieredRestore, h)
+    opts = jaxckpt.manager_options(url, enable_async_checkpointing=False, **options)
+    return ocp.CheckpointManager(url, handler_registry=registry, options=opts)
+
+
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_save_persist_wipe_memory_restore(kind, tmp_path, memory_root, store_env):
+    state = sharded_state(mesh_1d())
+    with running(kind, tmp_path) as emulator:
+        store_env(emulator)
+        url = emulator.url("run")
+        h = handler(memory_root, persist_every=2)
+        with manager(url, h) as mngr:
+            for step in range(3):
+                save(mngr, step, state)
+            h.wait_for_persistence()
+            assert h.last_persist_metrics["step"] == 2
+        shutil.rmtree(memory_root)  # the host is gone: only the bucket is left
+
+        h = handler(memory_root, persist_every=2)
+        with manager(url, h) as mngr:
+            assert jaxckpt.latest_restorable_step(mngr, delete_newer=False) == 2
+            assert_tree_equal(restore(mngr, 2, abstract(state)), state)
+            assert h.last_restore_metrics["tier"] == "persistent"
+            with pytest.raises(FileNotFoundError, match="Step 1 cannot be restored"):
+                restore(mngr, 1, abstract(state))  # in no tier any more
+
+
+def test_manager_options_for_urls():
+    s3 = jaxckpt.manager_options("s3://b/run", max_to_keep=2)
+    assert s3.temporary_path_class is ocp.path.atomicity.CommitFileTemporaryPath
+    assert s3.max_to_keep == 2
+    assert jaxckpt.manager_options("gs://b/run").temporary_path_class is None  # Orbax's own
+    assert jaxckpt.manager_options("/tmp/run").temporary_path_class is None
+    with pytest.raises(ValueError, match="cannot be renamed"):
+        jaxckpt.manager_options(
+            "s3://b/run", temporary_path_class=ocp.path.atomicity.AtomicRenameTemporaryPath
+        )
+
+
+def test_store_killed_mid_persist(tmp_path, memory_root, store_env, monkeypatch):
+    """The store dies while a step uploads: the error surfaces from wait_for_persistence,
+    bounded in time, and the step persisted before stays durable and restorable."""
+    monkeypatch.setattr(_persister, "UPLOAD_BACKOFF_S", 0.1)
+    state = sharded_state(mesh_1d())
+    data = tmp_path / "objects"
+    data.mkdir()
+    with running("gcs", tmp_path, data_dir=data) as emulator:
+        store_env(emulator)
+        url = emulator.url("run")
+        h = handler(memory_root, persist_every=2, timeout_s=20)
+        copy, upload = _zarr.copy_chunks, _persister.Persister._upload
+        attempts: list[int] = []
+
+        async def dying_copy(src, dst, *args, **kwargs):
+            await copy(src, dst, *args, **kwargs)
+            if "run/2/train/" in dst["path"] and emulator.proc.poll() is None:
+                # Once the manager finalized step 2 (its commit file is on the store, so
+                # save() returns), the store dies after this array: mid-upload.
+                deadline = time.monotonic() + 10
+                while not _storage.exists(_storage.as_path(url + "/2/commit_success.txt")):
+                    assert time.monotonic() < deadline, "step 2 was not finalized"
+                    await asyncio.sleep(0.02)
+                emulator.kill()
+
+        def counted_upload(self, manifest, *args):
+            attempts.append(manifest.step)
+            return upload(self, manifest, *args)
+
+        monkeypatch.setattr(_zarr, "copy_chunks", dying_copy)
+        monkeypatch.setattr(_persister.Persister, "_upload", counted_upload)
+        with manager(url, h) as mngr:
+            save(mngr, 0, state)
+            h.wait_for_persistence()  # step 0 is durable
+            save(mngr, 1, state)
+            save(mngr, 2, state)
+            start = time.monotonic()
+            with pytest.raises(OSError, match=r"step 2.*failed \d time\(s\)") as error:
+                h.wait_for_persistence()
+            took = time.monotonic() - start
+            assert took < 20, f"the failure took {took:.1f} s to surface"
+            assert attempts == [0] + [2] * _persister.UPLOAD_ATTEMPTS, str(error.value)
+            emulator.restart()
+            reset_clients()
+        shutil.rmtree(memory_root)
+        h = handler(memory_root, persist_every=2)
+        with manager(url, h) as mngr:
+            assert jaxckpt.latest_restorable_step(mngr, delete_newer=False) == 0
+            assert_tree_equal(restore(mngr, 0, abstract(state)), state)
+
+
+def test_stalled_endpoint_is_bounded(tmp_path, memory_root, store_env, monkeypatch):
+    """A store that stops answering mid-upload (the test proxy stalls): the upload gives
+    up within TierOptions.timeout_s, a clear error surfaces, nothing hangs."""
+    from test_bad_peers import Proxy
+
+    from jaxckpt.peer._wire import PeerAddress
+
+    state = sharded_state(mesh_1d())
+    with running("s3", tmp_path) as emulator:
+        proxy = Proxy(PeerAddress("127.0.0.1", emulator.port))
+        try:
+            store_env(emulator)
+            kvstore = _storage.kvstore
+
+            def through_proxy(path):
+                spec = kvstore(path)
+                if "/part_" in str(path):  # the part's uploads only, not the manager's files
+                    spec["endpoint"] = f"http://127.0.0.1:{proxy.address.port}"
+                return spec
+
+            monkeypatch.setattr(_storage, "kvstore", through_proxy)
+            upload = _persister.Persister._upload
+
+            def stalled_upload(self, *args):
+                proxy.stall.set()
+                return upload(self, *args)
+
+            monkeypatch.setattr(_persister.Persister, "_upload", stalled_upload)
+            url = emulator.url("run")
+            h = handler(memory_root, persist_every=1, timeout_s=3)
+            with manager(url, h) as mngr:
+                save(mngr, 0, state)
+                start = time.monotonic()
+                with pytest.raises(OSError, match=r"step 0 .*failed 1 time\(s\) \(out of time"):
+                    h.wait_for_persistence(timeout_s=30)
+                took = time.monotonic() - start
+                assert took < 10, f"the failure took {took:.1f} s to surface (timeout_s=3)"
+        finally:
+            proxy.close()
+
+
+def test_remote_paths_never_become_local(tmp_path):
+    """`gs://b/x` must not turn into the local path `gs:/b/x` anywhere."""
+    from jaxckpt import _paths, _storage
+
+    item = "gs://bucket/run/5/train"
+    assert str(_paths.final_item_dir(item)) == item
+    assert str(_paths.checkpoint_root(item)) == "gs://bucket/run"
+    assert _paths.step_of(item) == 5
+    assert _paths.default_run_id(item) != _paths.default_run_id(
+        os.path.join("gs:", "bucket", "run", "5", "train")
+    )
+    assert _storage.kvstore("gs://bucket/run/5/train/part_00000") == {
+        "driver": "gcs",
+        "bucket": "bucket",
+        "path": "run/5/train/part_00000/",
+    }
+    assert not Path("gs:").exists()
