@@ -20,7 +20,8 @@ such a handler are untouched. Each handler has a `Keeper` that applies the rule;
 (`handler.preservation_policy(base)`), for an Orbax whose manager lacks the method. The rule reads only the shared checkpoint
 directory, so every process reaches the same decision once persistence has
 settled; only the primary process deletes, and it never deletes a step unless
-it saw a newer one durable.
+it saw a newer one durable. On an object store the wrapper also deletes the
+part manifests of the steps to delete first (`retire_manifests`).
 """
 
 from __future__ import annotations
@@ -178,6 +179,33 @@ def kept_by_handlers(mngr: Any, steps: Sequence[int]) -> set[int]:
     return keep
 
 
+def retire_manifests(mngr: Any, steps: Sequence[int]) -> None:
+    """On an object store, deletes the part manifests of `steps` before the manager
+    deletes the steps' other objects.
+
+    IMPORTANT: a part's manifest is its durability marker there, and deleting a
+    prefix is one request per object in no given order: without its manifest first,
+    a reader could meet a part that still looks durable while its chunks vanish.
+    """
+    root = _storage.as_path(mngr.directory)
+    if not _storage.is_remote(root) or not steps:
+        return
+    for item in keepers(mngr):
+        item_dirs = _item_dirs(root, item)
+        for step in steps:
+            if step not in item_dirs:
+                continue
+            try:
+                text = (item_dirs[step] / _format.index_file(0)).read_text()
+                count = int(json.loads(text)["process_count"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # no index: nothing of this step was ever persisted
+            manifests = [
+                f"{_format.part_dir_name(p)}/{_format.MANIFEST_FILE}" for p in range(count)
+            ]
+            _storage.delete_objects(item_dirs[step], manifests)
+
+
 def guard_garbage_collection() -> bool:
     """Wraps `CheckpointManager._get_old_steps_to_remove`, once per process.
 
@@ -217,7 +245,15 @@ def guard_garbage_collection() -> bool:
                 "preservation policy would delete",
                 sorted(keep & set(doomed)),
             )
-        return [s for s in doomed if s not in keep]
+        doomed = [s for s in doomed if s not in keep]
+        try:
+            retire_manifests(self, doomed)
+        except Exception:
+            log.exception(
+                "jaxckpt: retiring the manifests of steps %s failed; deleting none", doomed
+            )
+            return []
+        return doomed
 
     _get_old_steps_to_remove._jaxckpt_guard = True  # type: ignore[attr-defined]
     cls._get_old_steps_to_remove = _get_old_steps_to_remove  # type: ignore[method-assign]

@@ -71,6 +71,38 @@ def test_save_persist_wipe_memory_restore(kind, tmp_path, memory_root, store_env
                 restore(mngr, 1, abstract(state))  # in no tier any more
 
 
+def test_garbage_collection_deletes_manifests_first(tmp_path, memory_root, store_env, monkeypatch):
+    state = sharded_state(mesh_1d())
+    with running("s3", tmp_path) as emulator:
+        store_env(emulator)
+        url = emulator.url("run")
+        delete = _storage.delete_objects
+        seen: list[tuple[str, list[str], bool]] = []
+
+        def recorded(directory, keys):
+            # What is left of the step when its manifests go: everything (the index too).
+            index = _storage.exists(directory / "index_00000.json")
+            seen.append((str(directory), list(keys), index))
+            delete(directory, keys)
+
+        monkeypatch.setattr(_storage, "delete_objects", recorded)
+        h = handler(memory_root, persist_every=1)
+        with manager(url, h, max_to_keep=1) as mngr:
+            save(mngr, 0, state)
+            h.wait_for_persistence()
+            save(mngr, 1, state)
+            h.wait_for_persistence()
+            save(mngr, 2, state)  # garbage collection: step 0 (and 1) go, durable 1 stays
+            h.wait_for_persistence()
+            retired = [
+                (d, keys, index) for d, keys, index in seen if keys == ["part_00000/manifest.json"]
+            ]
+            assert (url + "/0/train", ["part_00000/manifest.json"], True) in retired, seen
+            assert not _storage.exists(
+                _storage.as_path(url + "/0/train/part_00000/arrays/0/zarr.json")
+            )
+
+
 def test_manager_options_for_urls():
     s3 = jaxckpt.manager_options("s3://b/run", max_to_keep=2)
     assert s3.temporary_path_class is ocp.path.atomicity.CommitFileTemporaryPath
