@@ -133,9 +133,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             _faults.maybe_crash("snapshot", step, pi)
             metrics = {"event": "save", "step": step, "process": pi, "bytes": snapshot.nbytes}
             metrics["stall_s"] = time.perf_counter() - started
-            commit = self._commit_agreed(
-                tag, _storage.as_path(directory), step, snapshot, memory, pi, metrics, started
-            )
+            save = _Save(_storage.as_path(directory), step, snapshot, memory, pi, metrics, started)
+            commit = self._commit_agreed(tag, save)
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
                 commit, name="jaxckpt_commit", timeout_secs=int(self._options.timeout_s)
@@ -164,17 +163,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             )
         raise error
 
-    async def _commit_agreed(
-        self,
-        tag: str,
-        directory: Path,
-        step: int,
-        snapshot: _snapshot.Snapshot,
-        memory: _memory_tier.MemoryTier,
-        pi: int,
-        metrics: dict[str, Any],
-        started: float,
-    ) -> None:
+    async def _commit_agreed(self, tag: str, save: _Save) -> None:
         """`_commit`, agreed on: every process fails it if one fails before its index
         manifest or saved another tree (see `_agreement`)."""
         agreed = False
@@ -185,32 +174,26 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             start = time.perf_counter()
             await asyncio.to_thread(
                 _agreement.agree_on_save,
-                snapshot.leaves,
+                save.snapshot.leaves,
                 error,
                 tag=tag,
-                step=step,
+                step=save.step,
                 timeout_s=self._options.timeout_s,
             )
-            metrics["agree_s"] = time.perf_counter() - start
+            save.metrics["agree_s"] = time.perf_counter() - start
 
         try:
-            await self._commit(directory, step, snapshot, memory, pi, metrics, started, agree)
+            await self._commit(save, agree)
         except Exception as error:
             if not agreed:
                 await agree(error)
             raise
 
     async def _commit(
-        self,
-        directory: Path,
-        step: int,
-        snapshot: _snapshot.Snapshot,
-        memory: _memory_tier.MemoryTier,
-        pi: int,
-        metrics: dict[str, Any],
-        started: float,
-        agree: Callable[[BaseException | None], Awaitable[None]],
+        self, save: _Save, agree: Callable[[BaseException | None], Awaitable[None]]
     ) -> None:
+        directory, step, snapshot, memory = save.directory, save.step, save.snapshot, save.memory
+        pi, metrics, started = save.process, save.metrics, save.started
         start = time.perf_counter()
         by_leaf: dict[int, list[_snapshot.HostShard]] = {}
         for shard in snapshot.shards:
@@ -709,6 +692,19 @@ def _step_of(directory: epath.Path | Path, explicit: int | None) -> int:
             "(step directories are named by step) or pass TieredSave(state, step=...)."
         )
     return step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Save:
+    """One save of this process, from its snapshot to its index manifest."""
+
+    directory: Path
+    step: int
+    snapshot: _snapshot.Snapshot
+    memory: _memory_tier.MemoryTier
+    process: int
+    metrics: dict[str, Any]
+    started: float
 
 
 @checkpoint_args.register_with_handler(TieredCheckpointHandler, for_save=True)

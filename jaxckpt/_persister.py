@@ -229,15 +229,8 @@ class Persister:
             # The new name, and the finalized step's own names, survive a power loss.
             _fs.fsync_dirs(final, final.parent, root)
             _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
-            return {
-                "event": "persist",
-                "step": manifest.step,
-                "process": manifest.owner,
-                "bytes": manifest.nbytes,
-                "persist_s": copy_s,  # copying and verifying, as in the part's manifest
-                "persist_bytes_per_s": manifest.nbytes / max(copy_s, 1e-9),
-                "fsync_s": fsync_s,  # flushing the part to stable storage
-            }
+            # fsync_s: flushing the part to stable storage.
+            return _persist_metrics(manifest, copy_s, fsync_s=fsync_s)
         finally:
             _fs.remove_entry(staging)
 
@@ -285,14 +278,7 @@ class Persister:
         # every chunk is stored and the manager has finalized the step.
         _storage.write_object(part / _format.MANIFEST_FILE, manifest.to_json())
         _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
-        return {
-            "event": "persist",
-            "step": manifest.step,
-            "process": manifest.owner,
-            "bytes": manifest.nbytes,
-            "persist_s": copy_s,  # uploading and verifying, as in the part's manifest
-            "persist_bytes_per_s": manifest.nbytes / max(copy_s, 1e-9),
-        }
+        return _persist_metrics(manifest, copy_s)
 
     def _upload(
         self, manifest: _format.PartManifest, source: Path, part: Path, deadline: float
@@ -366,3 +352,19 @@ class Persister:
                 for leaf, chunks in manifest.chunks.items()
             ]
         )
+
+
+def _persist_metrics(
+    manifest: _format.PartManifest, copy_s: float, **extra: float
+) -> dict[str, Any]:
+    """The `persist` event of one part; `copy_s` is the time spent copying (or
+    uploading) and verifying its chunks, as recorded in the part's manifest."""
+    return {
+        "event": "persist",
+        "step": manifest.step,
+        "process": manifest.owner,
+        "bytes": manifest.nbytes,
+        "persist_s": copy_s,
+        "persist_bytes_per_s": manifest.nbytes / max(copy_s, 1e-9),
+        **extra,
+    }
