@@ -105,6 +105,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         """
         pi = _multihost.process_index()
         started = time.perf_counter()
+        # At once, not through the commit: no step, no save (every process sees the same
+        # directory, so all refuse alike, before any collective).
+        _step_of(directory, args.step)
         tag = self._tag("save", directory)
         step, memory = args.step, None
         refused: Exception | None = None
@@ -688,8 +691,13 @@ def _step_of(directory: epath.Path | Path, explicit: int | None) -> int:
     step = explicit if explicit is not None else _paths.step_of(directory)
     if step is None:
         raise ValueError(
-            f"Cannot tell the step of {directory}: save through ocp.CheckpointManager "
-            "(step directories are named by step) or pass TieredSave(state, step=...)."
+            f"[process {_multihost.process_index()}] Cannot tell the step of {directory}: "
+            "jaxckpt saves through ocp.CheckpointManager, whose step directories are named "
+            "by step (flax.training.checkpoints.save_checkpoint(_multiprocess)(..., "
+            "orbax_checkpointer=...) is not supported). Use mngr = ocp.CheckpointManager("
+            'ckpt_dir, item_handlers={"train": handler}); mngr.save(step, args='
+            "ocp.args.Composite(train=jaxckpt.TieredSave(state))), or pass "
+            "TieredSave(state, step=...) to a bare Checkpointer."
         )
     return step
 
