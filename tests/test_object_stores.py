@@ -94,6 +94,7 @@ def test_garbage_collection_deletes_manifests_first(tmp_path, memory_root, store
             h.wait_for_persistence()
             save(mngr, 2, state)  # garbage collection: step 0 (and 1) go, durable 1 stays
             h.wait_for_persistence()
+            mngr.wait_until_finished()  # the manager collects garbage in its finalize thread
             retired = [
                 (d, keys, index) for d, keys, index in seen if keys == ["part_00000/manifest.json"]
             ]
