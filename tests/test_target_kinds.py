@@ -78,16 +78,22 @@ def _flat(tree: Any) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_item_metadata_is_a_restore_target(memory_root, ckpt_dir, kind):
-    mesh = mesh_1d()
-    state = {"node": KINDS[kind](*_leaves(mesh)), "step": 3}
+def _restored_from_metadata(memory_root, ckpt_dir, state, *targets):
+    """Saves `state` as step 1; returns its item metadata, the restore into that
+    metadata, then the restore into each of `targets`."""
     h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root))
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)
         mngr.wait_until_finished()
         meta = mngr.item_metadata(1).train
-        restored = restore(mngr, 1, meta)
+        return (meta, restore(mngr, 1, meta), *(restore(mngr, 1, t) for t in targets))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_item_metadata_is_a_restore_target(memory_root, ckpt_dir, kind):
+    mesh = mesh_1d()
+    state = {"node": KINDS[kind](*_leaves(mesh)), "step": 3}
+    meta, restored = _restored_from_metadata(memory_root, ckpt_dir, state)
     assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(meta)
     for got, want in zip(_flat(restored), _flat(state), strict=True):
         np.testing.assert_array_equal(got, want)
@@ -117,13 +123,8 @@ def test_saved_dicts_restore_into_any_node_kind(memory_root, ckpt_dir, kind):
 
 def test_nnx_state_metadata_is_a_restore_target(memory_root, ckpt_dir):
     state = {"params": _nnx_state(), "step": 1}
-    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root))
-    with manager(ckpt_dir, h) as mngr:
-        save(mngr, 1, state)
-        mngr.wait_until_finished()
-        meta = mngr.item_metadata(1).train
-        restored = restore(mngr, 1, meta)
-        again = restore(mngr, 1, {"params": _nnx_state(), "step": 0})
+    target = {"params": _nnx_state(), "step": 0}
+    _, restored, again = _restored_from_metadata(memory_root, ckpt_dir, state, target)
     for got, want in zip(_flat(restored), _flat(state), strict=True):
         np.testing.assert_array_equal(got, want)
     assert isinstance(again["params"], nnx.State)
