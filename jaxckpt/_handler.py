@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -69,8 +70,14 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"TieredCheckpointHandler needs TierOptions, got {type(options).__name__}."
             )
         self._options = options
+        # Set while closing: the manager has finished, so background waits for a
+        # step's finalization end at once (a step not finalized by now never will be).
+        self._closing = threading.Event()
         self._persister = _persister.Persister(
-            options.persist_compression, options.timeout_s, on_persisted=self._publish
+            options.persist_compression,
+            options.timeout_s,
+            on_persisted=self._publish,
+            closing=self._closing,
         )
         self._memory: _memory_tier.MemoryTier | None = None
         self._peers: _peers.Peers | None = None
@@ -419,7 +426,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         """
         try:
             _paths.wait_finalized(
-                directory, _paths.final_item_dir(directory), step, self._options.timeout_s
+                directory,
+                _paths.final_item_dir(directory),
+                step,
+                self._options.timeout_s,
+                self._closing,
             )
         except OSError as e:  # not finalized: keep everything
             log.warning("jaxckpt: memory retention skipped after step %d: %s", step, e)
@@ -507,6 +518,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           TimeoutError: if persistence is not done within the timeout (it goes on
             in the background; a later save reuses the same worker).
         """
+        # Orbax closes its handlers after its own finalization is done (and a user
+        # closing the handler directly has no save in flight).
+        self._closing.set()
         try:
             self._retainer.shutdown(wait=True)
             self._retainer = concurrent.futures.ThreadPoolExecutor(
@@ -514,6 +528,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             )
             self._persister.close()
         finally:
+            self._closing.clear()
             if self._peers is not None:
                 self._peers.close()
                 self._peers = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -122,12 +123,27 @@ def is_finalized(item_dir: Path, final_item_dir: Path) -> bool:
     return final_item_dir.is_dir()
 
 
-def wait_finalized(item_dir: Path, final_item_dir: Path, step: int, timeout_s: float) -> None:
+class StepNeverFinalized(OSError):
+    """The manager finished without finalizing a step: its save failed."""
+
+
+def wait_finalized(
+    item_dir: Path,
+    final_item_dir: Path,
+    step: int,
+    timeout_s: float,
+    given_up: threading.Event | None = None,
+) -> None:
     """Waits until the manager has finalized the step `item_dir` (`is_finalized`).
+
+    `given_up` is set when no finalization can come any more (the manager has
+    finished and is closing the handler): the wait then ends at once.
 
     Raises:
       FileNotFoundError: if the step vanished instead (the save failed, or
         garbage collection removed it).
+      StepNeverFinalized: if `given_up` is set before the step is finalized (its
+        save failed after the handler's part was written).
       TimeoutError: if it is not finalized within `timeout_s`.
     """
     deadline = time.monotonic() + timeout_s
@@ -139,6 +155,16 @@ def wait_finalized(item_dir: Path, final_item_dir: Path, step: int, timeout_s: f
             raise FileNotFoundError(
                 f"Step {step} vanished from {final_step.parent} before it was finalized "
                 "(the save failed or the step was garbage-collected)."
+            )
+        if (
+            given_up is not None
+            and given_up.is_set()
+            and not is_finalized(item_dir, final_item_dir)
+        ):
+            raise StepNeverFinalized(
+                f"Step {step} was never finalized at {final_item_dir}: the manager finished "
+                f"without renaming {item_dir.parent.name} (its save failed; the error was "
+                "raised by the save or by wait_until_finished)."
             )
         if time.monotonic() > deadline:
             raise TimeoutError(

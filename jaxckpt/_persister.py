@@ -62,8 +62,12 @@ class Persister:
         compression: str | None,
         timeout_s: float,
         on_persisted: Callable[[dict[str, Any]], None] | None = None,
+        closing: threading.Event | None = None,
     ):
         self._compression = compression
+        # Set by the handler's close, once the manager has finished: a step not
+        # finalized by then never will be, and its job ends instead of waiting.
+        self._closing = closing
         self._on_persisted = on_persisted
         self._timeout_s = timeout_s
         self._queue: queue.Queue[PersistJob | None] = queue.Queue()
@@ -161,6 +165,10 @@ class Persister:
         """Persists one job; records its failure. Returns its metrics if it succeeded."""
         try:
             return self._persist(job)
+        except _paths.StepNeverFinalized as e:
+            # Not a persistence failure: the step's save failed, and said so.
+            log.warning("jaxckpt: step %d is not persisted: %s", job.manifest.step, e)
+            return None
         except BaseException as e:
             log.error("jaxckpt: persisting step %d failed: %s", job.manifest.step, e)
             error = OSError(
@@ -213,7 +221,9 @@ class Persister:
             _fs.fsync_tree(staging)
             fsync_s = time.perf_counter() - sync_start
             _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
-            _paths.wait_finalized(job.item_dir, job.final_item_dir, manifest.step, self._timeout_s)
+            _paths.wait_finalized(
+                job.item_dir, job.final_item_dir, manifest.step, self._timeout_s, self._closing
+            )
             final = job.final_item_dir
             # IMPORTANT: the rename is the durability marker; it comes after every byte of
             # the part and its index manifest is on stable storage, and never recreates a
@@ -268,7 +278,11 @@ class Persister:
         manifest = dataclasses.replace(manifest, metrics={**manifest.metrics, "persist_s": copy_s})
         _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
         _paths.wait_finalized(
-            job.item_dir, final, manifest.step, max(deadline - time.monotonic(), 1.0)
+            job.item_dir,
+            final,
+            manifest.step,
+            max(deadline - time.monotonic(), 1.0),
+            self._closing,
         )
         if not _storage.exists(final / _format.index_file(manifest.owner)):
             raise FileNotFoundError(

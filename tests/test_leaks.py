@@ -7,11 +7,13 @@ import concurrent.futures
 import contextlib
 import errno
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from helpers import manager, mesh_1d, save
 from jax.sharding import NamedSharding
@@ -19,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _zarr
+from jaxckpt._persister import Persister
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -106,12 +109,42 @@ def test_full_tmpfs_memory_tier_leaves_nothing(tmp_path, ckpt_dir):
             assert leftovers(root / h._memory.run_id / ".staging") == []
 
 
-def test_full_persistent_storage_leaves_nothing(memory_root, tmp_path):
+def test_full_persistent_storage_leaves_nothing(memory_root, tmp_path, monkeypatch):
+    # The persist waits for the save to return: the disk fills up with its part,
+    # not (by a race) before the manager has written the step's own files.
+    saved = threading.Event()
+    persist = Persister._persist
+    monkeypatch.setattr(
+        Persister, "_persist", lambda self, job: saved.wait(30) and persist(self, job)
+    )
     with small_tmpfs(tmp_path / "disk", "2m") as ckpt:
         h = handler(memory_root, persist_every=1)
         with manager(ckpt, h, use_async=False) as mngr:
             save(mngr, 1, state_of(4, leaves=8))
+            saved.set()
             with pytest.raises(OSError, match="step 1"):
                 h.wait_for_persistence()
             time.sleep(0.3)
             assert leftovers(ckpt / ".jaxckpt-staging") == []
+
+
+def test_a_save_that_fails_after_the_part_does_not_hold_up_close(
+    memory_root, ckpt_dir, monkeypatch, caplog
+):
+    """Orbax fails the save after the handler wrote its part: the step is never
+    finalized, and close gives up waiting for it at once instead of after timeout_s."""
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    monkeypatch.setattr(ocp.Checkpointer, "_save_step_metadata", full)
+    h = handler(memory_root, persist_every=1, timeout_s=3600)
+    with (
+        manager(ckpt_dir, h, use_async=False) as mngr,
+        pytest.raises(OSError, match="No space left"),
+    ):
+        save(mngr, 1, state_of(0.1))
+    assert "step 1 is not persisted: Step 1 was never finalized" in caplog.text
+    assert "memory retention skipped after step 1: Step 1 was never finalized" in caplog.text
+    assert h.last_persist_metrics == {}
+    assert not any(p.name.startswith("1") and "tmp" not in p.name for p in ckpt_dir.iterdir())
