@@ -4,9 +4,12 @@ IMPORTANT: this format is a compatibility promise. Every tier (memory, peer,
 persistent) stores the same thing for a part:
 
     part_<owner>/manifest.json      a `PartManifest` (this module)
-    part_<owner>/arrays/<leaf>/     one zarr3 array per array leaf, chunk grid =
+    part_<owner>/arrays/<key>/      one zarr3 array per array leaf, chunk grid =
                                     the saved shard shape, holding only the chunks
-                                    that <owner> wrote (replica_id 0 shards)
+                                    that <owner> wrote (replica_id 0 shards); <key>
+                                    is the leaf's tree path (`array_key`), and the
+                                    array's attributes say what it holds
+                                    (`array_attributes`)
 
 and the CheckpointManager's item directory always holds `index_<owner>.json`
 (the same manifest) for every saved step, persisted or not. Change a field only
@@ -18,7 +21,11 @@ jax.Arrays, numpy arrays, scalars) in every process's own part: such a leaf's
 record says `per_process`, its chunks are in each owner's `chunks`, a scalar's
 value is in each owner's `scalars` and a process-local array's sharding in
 each owner's `shardings`; the leaf records stay identical in every part.
-Version 1 manifests are still read (every field added since has a default).
+3 names each array by the leaf's tree path (`LeafRecord.array_key`, e.g.
+`params.Dense_0.kernel`) instead of its index in the tree, so that a user can
+find a parameter with plain tensorstore.
+Versions 1 and 2 are still read (every field added since has a default; their
+arrays are named by leaf index).
 """
 
 from __future__ import annotations
@@ -26,13 +33,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import string
 import zlib
 from collections.abc import Mapping
 from typing import Any, Final
 
 FORMAT_NAME: Final = "jaxckpt"
-FORMAT_VERSION: Final = 2
-READABLE_VERSIONS: Final = (1, 2)
+FORMAT_VERSION: Final = 3
+READABLE_VERSIONS: Final = (1, 2, 3)
 MANIFEST_FILE: Final = "manifest.json"
 ARRAYS_DIR: Final = "arrays"
 
@@ -103,6 +111,8 @@ class LeafRecord:
       uncommitted: the saved jax.Array was not committed to its devices (made
         outside any mesh or device_put); restored uncommitted when no target
         sharding is given.
+      array_key: the name of the leaf's zarr3 array under `arrays/` (ARRAY and
+        NUMPY leaves): see `with_array_keys`.
     """
 
     path: str
@@ -119,6 +129,7 @@ class LeafRecord:
     scalar_type: str | None = None
     per_process: bool = False
     uncommitted: bool = False
+    array_key: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -138,6 +149,58 @@ class LeafRecord:
             if kw.get(k) is not None:
                 kw[k] = tuple(int(i) for i in kw[k])
         return cls(**kw)
+
+
+_KEY_CHARS: Final = frozenset(string.ascii_letters + string.digits + "_-")
+_MAX_KEY_CHARS: Final = 200  # a file name has at most 255 bytes
+
+
+def _escape(entry: str) -> str:
+    """`entry` with every character but letters, digits, `_` and `-` %-escaped (UTF-8)."""
+    return "".join(
+        c if c in _KEY_CHARS else "".join(f"%{b:02X}" for b in c.encode()) for c in entry
+    )
+
+
+def with_array_keys(records: tuple[LeafRecord, ...]) -> tuple[LeafRecord, ...]:
+    """`records` with every ARRAY and NUMPY leaf named: `array_key` is its tree path,
+    each entry escaped, joined by dots (`params.Dense_0.kernel`, `opt_state.0.mu.w`).
+
+    Keys are unique within a tree: one that repeats another (a dict with both 0 and
+    "0" as keys) or is too long for a file name gets `~<leaf index>` appended (`~`
+    is escaped everywhere else).
+    """
+    out, seen = [], set()
+    for i, record in enumerate(records):
+        if record.kind not in (ARRAY, NUMPY):
+            out.append(record)
+            continue
+        key = ".".join(_escape(str(k)) for _, k in record.keys) or "_"
+        if len(key) > _MAX_KEY_CHARS or key in seen:
+            key = f"{key[:_MAX_KEY_CHARS]}~{i}"
+        seen.add(key)
+        out.append(dataclasses.replace(record, array_key=key))
+    return tuple(out)
+
+
+def array_attributes(
+    record: LeafRecord, step: int, owner: int, sharding: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The zarr3 attributes of a leaf's array in `owner`'s part of `step`: enough to
+    use it without jaxckpt (`sharding`: the owner's own, of a per-process leaf)."""
+    sharding = sharding or record.sharding
+    described = {
+        "path": record.path,
+        "shape": list(record.shape) if record.shape is not None else None,
+        "dtype": record.dtype,
+        "key_impl": record.key_impl,
+        "sharding": sharding,
+        "per_process": record.per_process or None,
+        "step": step,
+        "owner": owner,
+        "chunks": "only those this owner wrote (its replica 0 shards); see its manifest.json",
+    }
+    return {FORMAT_NAME: {k: v for k, v in described.items() if v is not None}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +272,12 @@ class PartManifest:
                 f"jaxckpt (reads versions {', '.join(map(str, READABLE_VERSIONS))}); "
                 "upgrade jaxckpt."
             )
+        leaves = tuple(LeafRecord.from_dict(x) for x in d["leaves"])
+        if d["version"] < 3:  # arrays named by leaf index
+            leaves = tuple(
+                dataclasses.replace(r, array_key=str(i)) if r.kind in (ARRAY, NUMPY) else r
+                for i, r in enumerate(leaves)
+            )
         return cls(
             step=int(d["step"]),
             run_id=str(d["run_id"]),
@@ -216,7 +285,7 @@ class PartManifest:
             owner=int(d["owner"]),
             process_count=int(d["process_count"]),
             failure_domain=str(d["failure_domain"]),
-            leaves=tuple(LeafRecord.from_dict(x) for x in d["leaves"]),
+            leaves=leaves,
             chunks={
                 int(i): tuple(ChunkRecord.from_dict(c) for c in cs) for i, cs in d["chunks"].items()
             },

@@ -218,9 +218,12 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             writes = [
                 asyncio.ensure_future(
                     _zarr.write_chunks(
-                        _zarr.array_kvstore(part, leaf),
+                        _zarr.array_kvstore(part, snapshot.leaves[leaf]),
                         snapshot.leaves[leaf],
                         [(s.index, s.data) for s in shards],
+                        attributes=_format.array_attributes(
+                            snapshot.leaves[leaf], step, pi, snapshot.shardings.get(leaf)
+                        ),
                     )
                 )
                 for leaf, shards in by_leaf.items()

@@ -322,7 +322,11 @@ class Persister:
                 # The arrays are created anew (`empty`): the chunks the manifest lists are
                 # rewritten, and no other chunk is ever read.
                 _storage.delete_objects(
-                    part, [f"{_format.ARRAYS_DIR}/{leaf}/zarr.json" for leaf in manifest.chunks]
+                    part,
+                    [
+                        f"{_format.ARRAYS_DIR}/{manifest.leaves[leaf].array_key}/zarr.json"
+                        for leaf in manifest.chunks
+                    ],
                 )
                 src, dst = _zarr.file_kvstore(str(source)), _storage.kvstore(part)
                 asyncio.run(self._copy_kvstores(manifest, src, dst, empty=True))
@@ -356,12 +360,19 @@ class Persister:
         await _zarr.settle(
             [
                 _zarr.copy_chunks(
-                    _zarr.array_kvstore(src, leaf),
-                    _zarr.array_kvstore(dst, leaf),
+                    _zarr.array_kvstore(src, manifest.leaves[leaf]),
+                    _zarr.array_kvstore(dst, manifest.leaves[leaf]),
                     manifest.leaves[leaf],
                     chunks,
                     self._compression,
                     empty=empty,
+                    crc32c=True,
+                    attributes=_format.array_attributes(
+                        manifest.leaves[leaf],
+                        manifest.step,
+                        manifest.owner,
+                        manifest.shardings.get(leaf),
+                    ),
                 )
                 for leaf, chunks in manifest.chunks.items()
             ]

@@ -105,7 +105,7 @@ class Restorer:
         if key not in self._arrays:
             part = self._kvstore_for(source, owner)
             self._arrays[key] = await _zarr.open_array(
-                _zarr.array_kvstore(part, leaf), self._plan.leaves[leaf]
+                _zarr.array_kvstore(part, self._plan.leaves[leaf]), self._plan.leaves[leaf]
             )
         return self._arrays[key]
 

@@ -118,8 +118,11 @@ def take(state: Any, process_index: int) -> Snapshot:
         snap.shards.append(HostShard(i, index, _to_host(buf)))
     for i, data in local:
         snap.shards.append(HostShard(i, (0,) * data.ndim, _whole_on_host(data)))
-    snap.leaves = tuple(
-        dataclasses.replace(r, keys=keys) for r, (_, keys, _) in zip(records, triples, strict=True)
+    snap.leaves = _format.with_array_keys(
+        tuple(
+            dataclasses.replace(r, keys=keys)
+            for r, (_, keys, _) in zip(records, triples, strict=True)
+        )
     )
     snap.stall_s = time.perf_counter() - start
     return snap

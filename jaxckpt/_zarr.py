@@ -2,7 +2,8 @@
 
 An array leaf of a part is one zarr3 array whose chunk grid is the saved shard
 shape, so every saved shard is exactly one chunk. Memory tiers store chunks
-uncompressed; persisted parts may add a compression codec.
+uncompressed; persisted parts may add a compression codec, and end with zarr3's
+standard `crc32c` codec, so that any zarr3 reader verifies every chunk it reads.
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ def kvstore_at(kvstore: dict[str, Any], *parts: str) -> dict[str, Any]:
     return {**kvstore, "path": base + "/".join(parts) + "/"}
 
 
-def array_kvstore(part_kvstore: dict[str, Any], leaf: int) -> dict[str, Any]:
-    return kvstore_at(part_kvstore, _format.ARRAYS_DIR, str(leaf))
+def array_kvstore(part_kvstore: dict[str, Any], record: _format.LeafRecord) -> dict[str, Any]:
+    """Where the zarr3 array of an ARRAY or NUMPY leaf is in a part."""
+    assert record.array_key is not None, record.path
+    return kvstore_at(part_kvstore, _format.ARRAYS_DIR, record.array_key)
 
 
 def file_kvstore(path: str) -> dict[str, Any]:
@@ -87,8 +90,12 @@ def create(
     compression: str | None = None,
     *,
     empty: bool = False,
+    attributes: dict[str, Any] | None = None,
+    crc32c: bool = False,
 ) -> ts.Future:
-    """Creates (replacing any old one) the zarr3 array of an array leaf.
+    """Creates (replacing any old one) the zarr3 array of an array leaf, with
+    `attributes` (see `_format.array_attributes`) in its metadata and, with
+    `crc32c`, a checksum after every chunk.
 
     With `empty`, the caller has removed any old array's `zarr.json`, and no old
     chunk is deleted (on an object store that is a listing and a request per
@@ -105,9 +112,12 @@ def create(
         "chunk_key_encoding": {"name": "default"},
         "data_type": record.stored_dtype,
         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]
-        + _COMPRESSION_CODECS[compression],
+        + _COMPRESSION_CODECS[compression]
+        + ([{"name": "crc32c"}] if crc32c else []),
         "fill_value": _fill_value(record.stored_dtype),
     }
+    if attributes:
+        metadata["attributes"] = attributes
     spec = {"driver": "zarr3", "kvstore": kvstore, "metadata": metadata}
     return ts.open(spec, create=True, delete_existing=not empty, context=_context_for(kvstore))
 
@@ -148,10 +158,11 @@ async def write_chunks(
     record: _format.LeafRecord,
     chunks: Sequence[tuple[tuple[int, ...], np.ndarray]],
     compression: str | None = None,
+    attributes: dict[str, Any] | None = None,
 ) -> None:
     """Writes whole chunks of one leaf into a new zarr3 array."""
     assert record.stored_shape is not None and record.chunk_shape is not None
-    array = await create(kvstore, record, compression)
+    array = await create(kvstore, record, compression, attributes=attributes)
     await settle(
         [
             array[_chunking.chunk_region(index, record.stored_shape, record.chunk_shape)].write(
@@ -170,16 +181,20 @@ async def copy_chunks(
     compression: str | None = None,
     *,
     empty: bool = False,
+    attributes: dict[str, Any] | None = None,
+    crc32c: bool = False,
 ) -> None:
     """Copies the listed chunks of one leaf to a new array at `dst`, verifying each
-    (`empty` as in `create`).
+    (`empty`, `attributes` and `crc32c` as in `create`).
 
     Raises:
       ValueError: if a source chunk does not match its checksum.
     """
     assert record.stored_shape is not None and record.chunk_shape is not None
     source = await open_array(src, record)
-    target = await create(dst, record, compression, empty=empty)
+    target = await create(
+        dst, record, compression, empty=empty, attributes=attributes, crc32c=crc32c
+    )
     regions = [
         _chunking.chunk_region(c.index, record.stored_shape, record.chunk_shape) for c in chunks
     ]

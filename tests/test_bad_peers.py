@@ -210,8 +210,9 @@ def copy_part(
 
 def first_chunk(part: Path, leaf: str = "['w']") -> Path:
     manifest = _format.PartManifest.from_json((part / _format.MANIFEST_FILE).read_text())
-    index = [r.path for r in manifest.leaves].index(leaf)
-    return part / "arrays" / str(index) / "c" / "0" / "0"
+    key = next(r.array_key for r in manifest.leaves if r.path == leaf)
+    assert key is not None
+    return part / "arrays" / key / "c" / "0" / "0"
 
 
 # ---- outcome of one restore ---------------------------------------------------

@@ -69,9 +69,8 @@ def index(ckpt: Path, step: int) -> dict:
 
 def first_chunk(part_dir: Path, manifest: dict, path: str) -> Path:
     """The zarr3 file of chunk (0, ..., 0) of a leaf in a part directory."""
-    leaf = [leaf["path"] for leaf in manifest["leaves"]].index(path)
-    ndim = len(manifest["leaves"][leaf]["stored_shape"])
-    return part_dir.joinpath("arrays", str(leaf), "c", *["0"] * ndim)
+    leaf = next(leaf for leaf in manifest["leaves"] if leaf["path"] == path)
+    return part_dir.joinpath("arrays", leaf["array_key"], "c", *["0"] * len(leaf["stored_shape"]))
 
 
 def flip_byte(path: Path) -> None:

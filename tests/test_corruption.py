@@ -43,8 +43,9 @@ def corrupt(part: Path, how: str) -> None:
     """Damages one part directory (memory, peer or persisted copy) in one way."""
     manifest_file = part / _format.MANIFEST_FILE
     manifest = _format.PartManifest.from_json(manifest_file.read_text())
-    leaf = [r.path for r in manifest.leaves].index(LEAF)
-    array = part / _format.ARRAYS_DIR / str(leaf)
+    key = next(r.array_key for r in manifest.leaves if r.path == LEAF)
+    assert key is not None
+    array = part / _format.ARRAYS_DIR / key
     chunk = array / "c" / "0" / "0"
     if how == "flip_byte":
         data = bytearray(chunk.read_bytes())

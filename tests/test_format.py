@@ -108,3 +108,48 @@ def test_plan_reports_missing_parts():
     plan = _plan.plan_step(5, {0: manifest(0, count=3)}, me=0, held={0: {0}}, persisted={0})
     assert plan.missing == [1, 2]
     assert not _plan.plan_step(5, {}, me=0, held={}, persisted=set()).restorable
+
+
+def leaf(*keys: tuple[str, object], kind: str = _format.ARRAY) -> _format.LeafRecord:
+    return _format.LeafRecord(jax_path(keys), kind, keys=tuple(keys))
+
+
+def jax_path(keys) -> str:
+    return "".join(f"[{k!r}]" for _, k in keys)
+
+
+def test_array_keys_are_escaped_tree_paths():
+    records = _format.with_array_keys(
+        (
+            leaf(("d", "params"), ("d", "Dense_0"), ("d", "kernel")),
+            leaf(("d", "opt_state"), ("s", 0), ("a", "mu")),
+            leaf(("d", "a.b/c%"), ("d", "ü")),
+            leaf(("d", "it"), kind=_format.ITERATOR),
+            leaf(kind=_format.NUMPY),
+        )
+    )
+    assert [r.array_key for r in records] == [
+        "params.Dense_0.kernel",
+        "opt_state.0.mu",
+        "a%2Eb%2Fc%25.%C3%BC",
+        None,
+        "_",
+    ]
+
+
+def test_array_keys_stay_unique_and_short():
+    long = "x" * 300
+    records = _format.with_array_keys(
+        (leaf(("d", 0)), leaf(("d", "0")), leaf(("d", long)), leaf(("d", "0~1")))
+    )
+    keys = [r.array_key for r in records]
+    assert keys == ["0", "0~1", "x" * 200 + "~2", "0%7E1"]
+    assert len(set(keys)) == len(keys)
+
+
+def test_older_manifests_name_arrays_by_leaf_index():
+    d = json.loads(manifest(0).to_json())
+    d.pop("crc32")
+    d["version"] = 2
+    old = _format.PartManifest.from_dict(d)
+    assert [r.array_key for r in old.leaves] == ["0", None]

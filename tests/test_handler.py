@@ -207,8 +207,8 @@ def test_persisted_copy_is_compressed_and_complete(memory_root, ckpt_dir):
         save(mngr, 1, state)
         mngr.wait_until_finished()
         h.wait_for_persistence()
-        meta = json.loads((ckpt_dir / "1/train/part_00000/arrays/0/zarr.json").read_text())
-        assert [c["name"] for c in meta["codecs"]] == ["bytes", "zstd"]
+        meta = json.loads((ckpt_dir / "1/train/part_00000/arrays/z/zarr.json").read_text())
+        assert [c["name"] for c in meta["codecs"]] == ["bytes", "zstd", "crc32c"]
         shutil.rmtree(memory_root)
         assert_tree_equal(restore(mngr, 1, abstract(state)), state)
 
@@ -298,8 +298,8 @@ def test_garbage_collected_step_leaves_no_half_written_data(
 def chunk_file(h, step, path, index):
     """The memory-tier file of one chunk of the leaf at `path` (process 0's part)."""
     manifest = h._memory.read_manifest(step, 0)
-    leaf = [r.path for r in manifest.leaves].index(path)
-    return h._memory.part_dir(step, 0).joinpath("arrays", str(leaf), "c", *map(str, index))
+    key = next(r.array_key for r in manifest.leaves if r.path == path)
+    return h._memory.part_dir(step, 0).joinpath("arrays", key, "c", *map(str, index))
 
 
 def test_flipped_byte_in_memory_falls_back_to_persistent(memory_root, ckpt_dir):

@@ -55,7 +55,7 @@ def failing_after_others(monkeypatch, name: str) -> None:
         return asyncio.run(original(*args, **kwargs))
 
     async def flaky(*args, **kwargs):
-        if str(args[0]["path"]).rstrip("/").endswith("arrays/0"):
+        if str(args[0]["path"]).rstrip("/").endswith("arrays/x0"):
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
         return await asyncio.wrap_future(pool.submit(late, *args, **kwargs))
 
