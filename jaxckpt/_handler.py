@@ -702,7 +702,28 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             )
             memory.clear_staging(older_than_s=self._options.timeout_s)
             self._memory = memory
+            self._resume_persistence(memory, directory)
         return self._memory
+
+    def _resume_persistence(
+        self, memory: _memory_tier.MemoryTier, directory: epath.Path | Path
+    ) -> None:
+        """Queues what a crash left unpersisted (steps due, finalized, still in this
+        process's memory): a restarted job persists them as the lost one would have."""
+        try:
+            jobs = _persister.unpersisted_jobs(
+                memory,
+                _paths.checkpoint_root(directory),
+                _paths.strip_tmp(_storage.as_path(directory).name),
+                _multihost.process_index(),
+                self._options.persist_every,
+            )
+        except Exception:  # the look is a convenience: never fail a save or restore over it
+            log.exception("jaxckpt: could not look for unpersisted steps in %s", memory.run_dir)
+            return
+        for job in jobs:
+            log.info("jaxckpt: persisting step %d, left unpersisted by a crash", job.manifest.step)
+            self._persister.submit(job)
 
 
 def _step_of(directory: epath.Path | Path, explicit: int | None) -> int:

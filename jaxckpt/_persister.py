@@ -35,7 +35,7 @@ from typing import Any
 
 from absl import logging as log
 
-from jaxckpt import _faults, _format, _fs, _memory_tier, _paths, _storage, _zarr
+from jaxckpt import _faults, _format, _fs, _memory_tier, _paths, _restore, _storage, _zarr
 
 # Attempts at uploading a part to an object store (each request is also retried by
 # tensorstore), and the first wait between them (doubled after each failure).
@@ -52,6 +52,41 @@ class PersistJob:
     item_dir: Path  # where the manager is writing the step now
     final_item_dir: Path  # where it will be once the manager finalizes the step
     pin: _memory_tier.Pin | None = None  # memory-tier pin on the source step, released when done
+    # Resumed after a restart (`unpersisted_jobs`): the step was finalized long ago, and
+    # its deletion since (nobody restores it any more) is no failure.
+    resumed: bool = False
+
+
+def unpersisted_jobs(
+    memory: _memory_tier.MemoryTier, root: Path, item: str, owner: int, persist_every: int
+) -> list[PersistJob]:
+    """Jobs that persist what a crash left unpersisted: `owner`'s part of every step
+    due for persistence (`step % persist_every == 0`) that the manager finalized,
+    that `memory` still holds from that very save, and that is not durable."""
+    jobs = []
+    finalized = _paths.finalized_steps(root, item)
+    for step in memory.steps():
+        if step % persist_every or step not in finalized:
+            continue
+        item_dir = finalized[step]
+        recorded = {o: m for o, m in _restore.read_index(item_dir).items() if o == owner}
+        if not _restore.memory_parts(memory, step, recorded) - _restore.persisted_parts(
+            item_dir, recorded
+        ):
+            continue
+        manifest = memory.read_manifest(step, owner)
+        assert manifest is not None  # memory_parts read it
+        jobs.append(
+            PersistJob(
+                manifest,
+                memory.part_dir(step, owner),
+                item_dir,
+                item_dir,
+                pin=memory.pin(step),
+                resumed=True,
+            )
+        )
+    return jobs
 
 
 class Persister:
@@ -170,6 +205,10 @@ class Persister:
             log.warning("jaxckpt: step %d is not persisted: %s", job.manifest.step, e)
             return None
         except BaseException as e:
+            if job.resumed and isinstance(e, FileNotFoundError):
+                # Deleted since the restart: nobody restores that step any more.
+                log.warning("jaxckpt: resumed persist of step %d dropped: %s", job.manifest.step, e)
+                return None
             log.error("jaxckpt: persisting step %d failed: %s", job.manifest.step, e)
             error = OSError(
                 f"Persisting step {job.manifest.step} of process {job.manifest.owner} "
@@ -221,9 +260,10 @@ class Persister:
             _fs.fsync_tree(staging)
             fsync_s = time.perf_counter() - sync_start
             _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
-            _paths.wait_finalized(
-                job.item_dir, job.final_item_dir, manifest.step, self._timeout_s, self._closing
-            )
+            if not job.resumed:  # a resumed job's step was finalized before the restart
+                _paths.wait_finalized(
+                    job.item_dir, job.final_item_dir, manifest.step, self._timeout_s, self._closing
+                )
             final = job.final_item_dir
             # IMPORTANT: the rename is the durability marker; it comes after every byte of
             # the part and its index manifest is on stable storage, and never recreates a
@@ -277,13 +317,14 @@ class Persister:
         copy_s = time.perf_counter() - start
         manifest = dataclasses.replace(manifest, metrics={**manifest.metrics, "persist_s": copy_s})
         _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
-        _paths.wait_finalized(
-            job.item_dir,
-            final,
-            manifest.step,
-            max(deadline - time.monotonic(), 1.0),
-            self._closing,
-        )
+        if not job.resumed:
+            _paths.wait_finalized(
+                job.item_dir,
+                final,
+                manifest.step,
+                max(deadline - time.monotonic(), 1.0),
+                self._closing,
+            )
         if not _storage.exists(final / _format.index_file(manifest.owner)):
             raise FileNotFoundError(
                 f"Step {manifest.step} was deleted (garbage-collected) before it was persisted."

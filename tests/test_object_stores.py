@@ -71,6 +71,39 @@ def test_save_persist_wipe_memory_restore(kind, tmp_path, memory_root, store_env
                 restore(mngr, 1, abstract(state))  # in no tier any more
 
 
+def test_a_step_a_crash_left_unpersisted_is_persisted_on_restart(
+    tmp_path, memory_root, store_env, monkeypatch
+):
+    state = sharded_state(mesh_1d())
+    submit = _persister.Persister.submit
+    monkeypatch.setattr(  # the job "dies" before step 2's persist runs
+        _persister.Persister,
+        "submit",
+        lambda self, job: None if job.manifest.step == 2 else submit(self, job),
+    )
+    with running("s3", tmp_path) as emulator:
+        store_env(emulator)
+        url = emulator.url("run")
+        h = handler(memory_root, persist_every=2)
+        with manager(url, h) as mngr:
+            for step in range(3):
+                save(mngr, step, state)
+            h.wait_for_persistence()
+        assert not _storage.exists(_storage.as_path(url + "/2/train/part_00000/manifest.json"))
+        monkeypatch.setattr(_persister.Persister, "submit", submit)
+
+        h = handler(memory_root, persist_every=2)
+        with manager(url, h) as mngr:
+            assert jaxckpt.latest_restorable_step(mngr, delete_newer=False) == 2
+            h.wait_for_persistence()
+            assert h.last_persist_metrics["step"] == 2
+        shutil.rmtree(memory_root)
+        h = handler(memory_root, persist_every=2)
+        with manager(url, h) as mngr:
+            assert_tree_equal(restore(mngr, 2, abstract(state)), state)
+            assert h.last_restore_metrics["tier"] == "persistent"
+
+
 def test_garbage_collection_deletes_manifests_first(tmp_path, memory_root, store_env, monkeypatch):
     state = sharded_state(mesh_1d())
     with running("s3", tmp_path) as emulator:

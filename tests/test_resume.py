@@ -84,3 +84,53 @@ def test_a_manager_without_a_tiered_item_is_refused(ckpt_dir):
     with pytest.raises(ValueError, match=r"no item handled by jaxckpt\.TieredCheckpointHandler"):
         jaxckpt.latest_restorable_step(mngr)
     mngr.close()
+
+
+def test_a_step_a_crash_left_unpersisted_is_persisted_on_restart(
+    memory_root, ckpt_dir, monkeypatch
+):
+    """Step 4 was due for persistence (persist_every=2) but the job died before its
+    persist ran: the restarted job persists it from memory, and it survives the
+    memory tier's loss."""
+    from jaxckpt import _persister
+
+    submit = _persister.Persister.submit
+    monkeypatch.setattr(
+        _persister.Persister,
+        "submit",
+        lambda self, job: None if job.manifest.step == 4 else submit(self, job),
+    )
+    mngr, _ = _saved(memory_root, ckpt_dir, [2, 3, 4])
+    mngr.close()
+    assert not (ckpt_dir / "4/train/part_00000").exists()
+    assert (ckpt_dir / "2/train/part_00000").exists()
+    monkeypatch.setattr(_persister.Persister, "submit", submit)
+
+    handler = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=2, memory_keep=2)
+    )
+    with manager(ckpt_dir, handler) as mngr:
+        assert jaxckpt.latest_restorable_step(mngr) == 4
+        handler.wait_for_persistence()
+        assert handler.last_persist_metrics["step"] == 4
+    shutil.rmtree(memory_root)
+    handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    with manager(ckpt_dir, handler) as mngr:
+        assert jaxckpt.latest_restorable_step(mngr) == 4
+        assert_tree_equal(restore(mngr, 4, abstract(_state(4))), _state(4))
+        assert handler.last_restore_metrics["tier"] == "persistent"
+
+
+def test_a_step_not_due_or_already_durable_is_not_persisted_again(memory_root, ckpt_dir):
+    mngr, _ = _saved(memory_root, ckpt_dir, [2, 3])
+    mngr.close()
+    persisted = (ckpt_dir / "2/train/part_00000").stat().st_mtime_ns
+    handler = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=2, memory_keep=2)
+    )
+    with manager(ckpt_dir, handler) as mngr:
+        assert jaxckpt.latest_restorable_step(mngr) == 3
+        handler.wait_for_persistence()
+        assert handler.last_persist_metrics == {}
+    assert not (ckpt_dir / "3/train/part_00000").exists()
+    assert (ckpt_dir / "2/train/part_00000").stat().st_mtime_ns == persisted
