@@ -6,6 +6,13 @@
     jaxckpt advise DIR --mtbf-hours H               intervals from Young/Daly
     jaxckpt bench ...                               the benchmark suite
 
+DIR is a local directory or an object-store URL (gs://bucket/path,
+s3://bucket/path), read with the credentials and endpoint the standard variables
+give (application default credentials, STORAGE_EMULATOR_HOST and
+TENSORSTORE_GCS_HTTP_URL; AWS_* and AWS_ENDPOINT_URL). Memory roots are local
+paths, so on an object store without --memory-root only the persisted copies
+are listed and checked, and the output says so.
+
 Every command takes `--json`. Exit status: 0 fine, 1 `verify` found a bad copy,
 2 bad input (or an error reading the checkpoint), 3 `verify` found no bad copy
 but some part has no copy in reach.
@@ -55,7 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     def command(name: str, run: Any, help: str, step: bool = False) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         p.set_defaults(run=run)
-        p.add_argument("directory", metavar="DIR", help="the CheckpointManager's directory")
+        p.add_argument(
+            "directory",
+            metavar="DIR",
+            help="the CheckpointManager's directory: a path, gs://bucket/path or s3://bucket/path",
+        )
         if step:
             p.add_argument("step", metavar="STEP", type=int)
         p.add_argument("--item", help="the jaxckpt item (default: the only one in DIR)")

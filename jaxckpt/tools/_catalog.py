@@ -6,6 +6,13 @@ the persisted parts next to them, and the memory tiers under the memory roots
 it is given, and decides restorability with the same rules a restore uses
 (`_restore.matches`, `_plan.plan_step`): a step is restorable from what is in
 reach when every part it needs has a copy of this very save somewhere.
+
+The checkpoint directory may be local or on an object store (`gs://`, `s3://`;
+`_storage`): there a step is finalized once its commit file exists (`_paths`),
+and a persisted part is durable once its `manifest.json` exists, written after
+every chunk (`_persister`); a part without one is an upload not finished (or
+abandoned, or being retired by garbage collection), never a copy. Memory roots
+are always local paths: a host's memory tier next to a remote directory.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
-from jaxckpt import _format, _memory_tier, _paths, _placement, _plan, _restore
+from jaxckpt import _format, _memory_tier, _paths, _placement, _plan, _restore, _storage
 
 UNREADABLE: Final = "unreadable manifest"
 OTHER_SAVE: Final = "another save of the step"
@@ -63,6 +70,10 @@ class StepInfo:
         save of the step, or an unreadable manifest).
       persisted: owners whose part is durable in the checkpoint directory.
       missing: owners with no copy in reach.
+      incomplete: owners with a part directory in `item_dir` that is not a durable
+        copy of this save (no manifest of it): on a filesystem a damaged part (a
+        persisted part appears whole, by a rename), on an object store an upload
+        not finished, abandoned, or being retired (or a manifest of another save).
     """
 
     step: int
@@ -73,6 +84,12 @@ class StepInfo:
     stale: tuple[tuple[Path, int, str], ...]
     persisted: frozenset[int]
     missing: tuple[int, ...]
+    incomplete: tuple[int, ...] = ()
+
+    @property
+    def remote(self) -> bool:
+        """Whether the step's directory is on an object store."""
+        return self.item_dir is not None and _storage.is_remote(self.item_dir)
 
     @property
     def finalized(self) -> bool:
@@ -110,9 +127,13 @@ class StepInfo:
 class Catalog:
     """The steps of one item of a checkpoint directory, and the memory roots given.
 
+    `directory` is a local path or an object-store URL (`gs://bucket/path`,
+    `s3://bucket/path`); memory roots are local paths.
+
     Raises (on construction):
       FileNotFoundError: if `directory` does not exist.
       ValueError: if `item` is None and the directory holds several jaxckpt items.
+      OSError: if the object store cannot be read.
     """
 
     def __init__(
@@ -122,14 +143,14 @@ class Catalog:
         memory_roots: Sequence[os.PathLike | str] = (),
         run_id: str | None = None,
     ):
-        self.directory = Path(os.fspath(directory))
+        # Never Path(os.fspath(url)): that turns gs://b/x into the local path gs:/b/x.
+        self.directory = _storage.as_path(directory)
+        self.remote = _storage.is_remote(self.directory)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"Checkpoint directory {self.directory} does not exist.")
         self.item = item or _single_item(self.directory)
         self.step_dirs = _paths.finalized_steps(self.directory, self.item)
-        self.unfinalized = sorted(
-            p.name for p in self.directory.iterdir() if _paths.is_temporary(p.name)
-        )
+        self.unfinalized = self._unfinalized()
         self._index = {s: _restore.read_index(d) for s, d in self.step_dirs.items()}
         self.run_id = run_id or self._run_id()
         memory_roots = list(dict.fromkeys(os.fspath(r) for r in memory_roots))  # each once
@@ -170,6 +191,7 @@ class Catalog:
         if item_dir is None:  # memory only: describe the step from its memory copies
             index = {o: c for h in self._held for o, c in h.get(step, {}).items() if c is not None}
         persisted = _restore.persisted_parts(item_dir, dict(index)) if item_dir else set()
+        incomplete = _incomplete_parts(item_dir, index, persisted) if item_dir else ()
         held_by_root = {
             i: {o for o, roots in memory.items() if r.path in roots}
             for i, r in enumerate(self.roots)
@@ -184,9 +206,27 @@ class Catalog:
             stale=tuple(stale),
             persisted=frozenset(persisted),
             missing=tuple(plan.missing) if item_dir else plan.owners,
+            incomplete=incomplete,
         )
 
     # ---- discovery ----------------------------------------------------------
+
+    def _unfinalized(self) -> list[str]:
+        """Step directories the manager has not finalized: a save in progress or
+        abandoned. On a filesystem they still have their temporary names; on an
+        object store the manager writes into the final name and finalizes with a
+        commit file, so a step directory without one is not finalized either."""
+        final = {d.parent.name for d in self.step_dirs.values()}
+        out = []
+        for p in self.directory.iterdir():
+            if _paths.is_temporary(p.name) or (
+                self.remote
+                and p.name not in final
+                and _paths.step_of_name(p.name) is not None
+                and not _storage.exists(p / _paths.COMMIT_FILE)
+            ):
+                out.append(p.name)
+        return sorted(out)
 
     def _run_id(self) -> str:
         for step in sorted(self._index, reverse=True):
@@ -273,6 +313,20 @@ def _placement_of(layout: tuple[str, ...], replicas: int) -> tuple[tuple[int, ..
         return _placement.place_replicas(layout, replicas)
     except ValueError:
         return None
+
+
+def _incomplete_parts(
+    item_dir: Path, index: Mapping[int, _format.PartManifest], persisted: set[int]
+) -> tuple[int, ...]:
+    """Owners in `index` with a part directory in `item_dir` that is not durable
+    (`StepInfo.incomplete`): one listing of the item directory."""
+    try:
+        present = {p.name for p in item_dir.iterdir()}
+    except OSError:  # the step is being deleted
+        return ()
+    return tuple(
+        o for o in sorted(index) if o not in persisted and _format.part_dir_name(o) in present
+    )
 
 
 def _single_item(directory: Path) -> str:

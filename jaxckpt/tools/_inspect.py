@@ -1,7 +1,8 @@
 """`jaxckpt ls` and `jaxckpt inspect`: what is where, and what a step holds.
 
 Each command builds a JSON-able report (what `--json` prints) and renders the
-terminal text from that same report, so the two never disagree.
+terminal text from that same report, so the two never disagree. The checkpoint
+directory may be local or on an object store (`gs://`, `s3://`): see `_catalog`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _format
+from jaxckpt import _format, _storage
 from jaxckpt.tools import _catalog, _table
 
 # Save metrics shown as columns by `inspect`, in this order (others only in --json).
@@ -52,6 +53,7 @@ def step_summary(info: _catalog.StepInfo, now: float) -> dict[str, Any]:
         "restorable_from": sources if info.restorable else [],
         "missing": list(info.missing),
         "stale": [{"root": str(r), "part": o, "why": why} for r, o, why in info.stale],
+        "incomplete": list(info.incomplete),
     }
 
 
@@ -76,6 +78,7 @@ def listing(catalog: _catalog.Catalog) -> dict[str, Any]:
         )
     return {
         "directory": str(catalog.directory),
+        "remote": catalog.remote,
         "item": catalog.item,
         "run_id": catalog.run_id,
         "time": now,
@@ -113,6 +116,20 @@ def _restorable_cell(s: dict[str, Any]) -> str:
         f"part {missing[0]} has" if len(missing) == 1 else f"parts {_table.owners(missing)} have"
     )
     return f"NO: {which} no copy in reach"
+
+
+def _incomplete_note(report: dict[str, Any], owners: list[int]) -> str:
+    which = f"part {owners[0]}" if len(owners) == 1 else f"parts {_table.owners(owners)}"
+    if report.get("remote"):
+        # The manifest is written last (`_persister`): without it the upload is unfinished.
+        return (
+            f"{which} in the object store not durable (upload not finished, abandoned, or "
+            "being deleted: no manifest of this save); not used"
+        )
+    return (
+        f"{which} in the directory without a manifest of this save (damaged, or from "
+        "another save); not used"
+    )
 
 
 def render_listing(report: dict[str, Any]) -> str:
@@ -161,12 +178,24 @@ def render_listing(report: dict[str, Any]) -> str:
             "",
             _table.table(["MEMORY ROOT", "DOMAIN", "STEPS", "OWN PARTS", "REPLICAS OF"], root_rows),
         ]
+    elif report.get("remote"):
+        out += [
+            "",
+            "No --memory-root given: only the persisted copies in the object store were looked "
+            "for (memory tiers are on the hosts' local filesystems: give --memory-root on a host "
+            "to include its own).",
+        ]
     else:
         out += ["", "No --memory-root given: only persistent copies were looked for."]
     notes = [
         f"step {s['step']}: copy of part {x['part']} in {x['root']} is not used ({x['why']})"
         for s in steps
         for x in s["stale"]
+    ]
+    notes += [
+        f"step {s['step']}: {_incomplete_note(report, s['incomplete'])}"
+        for s in steps
+        if s.get("incomplete")
     ]
     notes += [f"save in progress or abandoned: {name}" for name in report["unfinalized"]]
     notes += [
@@ -292,6 +321,7 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
         "jaxckpt_version": raw.get("jaxckpt_version"),
         "run_id": first.run_id,
         "process_count": info.process_count,
+        "memory_roots": [str(r.path) for r in catalog.roots],
         "location": step_summary(info, time.time()),
         "leaves": leaves,
         "iterator_states": iterators,
@@ -317,10 +347,15 @@ def render_step(report: dict[str, Any]) -> str:
         f"step {report['step']} of {report['directory']}  item {report['item']!r}",
         f"{version}; {report['process_count']} process(es); run {report['run_id']}; "
         f"{_table.size(loc['bytes'])}; saved {_table.duration(loc['age_s'])} ago",
-        f"in memory: {_in_memory_cell(loc)}; persistent: {_persistent_cell(loc)}; "
-        f"restorable: {_restorable_cell(loc)}",
-        "",
+        f"in memory: {_in_memory_cell(loc) if report['memory_roots'] else 'not looked for'}; "
+        f"persistent: {_persistent_cell(loc)}; restorable: {_restorable_cell(loc)}",
     ]
+    if not report["memory_roots"]:
+        out.append("(no --memory-root given: only the copies in the checkpoint directory count)")
+    if loc["incomplete"]:
+        remote = _storage.is_remote(report["directory"])
+        out.append(_incomplete_note({"remote": remote}, loc["incomplete"]))
+    out.append("")
     rows: list[list[Any]] = []
     previous: list[str] = []
     paths = [

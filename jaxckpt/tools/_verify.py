@@ -1,9 +1,13 @@
 """`jaxckpt verify`: read every chunk of every copy of a step in reach, check its CRC-32.
 
 A copy is one part (the chunks one process saved) in one place: a memory root
-given on the command line, or the checkpoint directory. Every chunk is read
-with tensorstore, exactly as a restore reads it, and compared with the
-checksum in the step's index manifest.
+given on the command line, or the checkpoint directory (local, or on an object
+store: `gs://`, `s3://`). Every chunk is read with tensorstore, exactly as a
+restore reads it, and compared with the checksum in the step's index manifest.
+
+On an object store a part without its `manifest.json` is an upload that has not
+finished (`_persister`): it is no copy, is not read, and the report says so
+(`not_checked`), as it says which memory tiers were not looked at.
 """
 
 from __future__ import annotations
@@ -16,13 +20,20 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _chunking, _format, _plan, _zarr
+from jaxckpt import _chunking, _format, _plan, _storage, _zarr
 from jaxckpt.tools import _catalog, _table
 
 # (chunks done, chunks in all, bytes done, bytes in all)
 Progress = Callable[[int, int, int, int], None]
 
 _CONCURRENCY = 32  # chunk reads in flight per copy
+# A chunk read (or array open) on an object store that gets no answer within this
+# is reported unreadable, and the rest of that copy is not read (tensorstore's
+# requests have no timeout of their own); as long as a restore waits by default.
+REMOTE_READ_TIMEOUT_S = 120.0
+# Tensorstore's error when a chunk fails the zarr3 `crc32c` codec that persisted
+# arrays end with (format v3): the chunk's bytes do not match their checksum.
+_DIGEST_MISMATCH = "Digest mismatch"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +64,9 @@ class _Copy:
     problem: str | None = None  # known bad before reading a chunk
 
 
-def _copies(catalog: _catalog.Catalog, info: _catalog.StepInfo) -> list[_Copy]:
-    out = []
+def _copies(catalog: _catalog.Catalog, info: _catalog.StepInfo) -> tuple[list[_Copy], list[str]]:
+    """The copies of the step in reach, and what was found but is no copy to check."""
+    out, skipped = [], []
     for root in catalog.roots:
         for owner in root.tier.parts(info.step):
             part_dir = root.tier.part_dir(info.step, owner)
@@ -67,12 +79,22 @@ def _copies(catalog: _catalog.Catalog, info: _catalog.StepInfo) -> list[_Copy]:
             part_dir = info.item_dir / _format.part_dir_name(owner)
             if owner in info.persisted:
                 out.append(_Copy(_plan.PERSISTENT, catalog.directory, owner, part_dir))
-            elif part_dir.exists():
-                # A persisted part is renamed into place complete, so a directory whose
-                # manifest does not match the index is damaged (or from another save).
+            elif owner not in info.incomplete:
+                continue
+            elif info.remote and not _storage.exists(part_dir / _format.MANIFEST_FILE):
+                # The manifest is written last: the upload has not finished (or was
+                # abandoned, or garbage collection is retiring the step).
+                skipped.append(
+                    f"part {owner} in {info.item_dir} (its upload has not finished: no "
+                    f"{_format.MANIFEST_FILE} yet, so it is not a durable copy)"
+                )
+            else:
+                # A persisted part is renamed into place complete (and on an object store
+                # its manifest is written last), so a part whose manifest does not match
+                # the index is damaged (or from another save).
                 problem = "manifest missing, unreadable or from another save"
                 out.append(_Copy(_plan.PERSISTENT, catalog.directory, owner, part_dir, problem))
-    return out
+    return out, skipped
 
 
 async def _open(kvstore: dict[str, Any]) -> Any:
@@ -82,7 +104,8 @@ async def _open(kvstore: dict[str, Any]) -> Any:
 async def _verify_copy(
     copy: _Copy, manifest: _format.PartManifest, on_chunk: Callable[[int], None]
 ) -> CopyReport:
-    kvstore = _zarr.file_kvstore(str(copy.part_dir))
+    kvstore = _storage.kvstore(copy.part_dir)  # file, gcs or s3
+    timeout = REMOTE_READ_TIMEOUT_S if _storage.is_remote(copy.part_dir) else None
     records = [(leaf, c) for leaf, cs in sorted(manifest.chunks.items()) for c in cs]
     total = sum(c.nbytes for _, c in records)
     if copy.problem:
@@ -91,6 +114,7 @@ async def _verify_copy(
     arrays: dict[int, Any] = {}
     problems: list[str] = []
     limit = asyncio.Semaphore(_CONCURRENCY)
+    silent: list[str] = []  # set once the store gave no answer: the rest is not read
 
     async def check(leaf: int, chunk: _format.ChunkRecord) -> None:
         rec = manifest.leaves[leaf]
@@ -98,13 +122,22 @@ async def _verify_copy(
         where = f"{rec.path} chunk {chunk.index}"
         async with limit:
             try:
+                if silent:
+                    raise TimeoutError(silent[0])
                 if leaf not in arrays:  # one open per leaf, shared by its chunks
-                    arrays[leaf] = asyncio.ensure_future(_open(_zarr.array_kvstore(kvstore, leaf)))
-                array = await arrays[leaf]
+                    arrays[leaf] = asyncio.ensure_future(_open(_zarr.array_kvstore(kvstore, rec)))
+                array = await asyncio.wait_for(asyncio.shield(arrays[leaf]), timeout)
                 region = _chunking.chunk_region(chunk.index, rec.stored_shape, rec.chunk_shape)
-                data = np.asarray(await array[region].read())
+                data = np.asarray(await asyncio.wait_for(array[region].read(), timeout))
+            except TimeoutError as e:
+                if not silent:
+                    silent.append(str(e) or f"no answer within {_table.duration(timeout)}")
+                problems.append(f"{where}: not read ({silent[0]})")
             except Exception as e:
-                problems.append(f"{where}: unreadable ({str(e).splitlines()[0][:200]})")
+                if _DIGEST_MISMATCH in str(e):  # the crc32c codec caught it before we could
+                    problems.append(f"{where}: checksum mismatch")
+                else:
+                    problems.append(f"{where}: unreadable ({str(e).splitlines()[0][:200]})")
             else:
                 if _zarr.checksum(data) != chunk.crc32:
                     problems.append(f"{where}: checksum mismatch")
@@ -133,7 +166,13 @@ def verify(
         raise FileNotFoundError(
             f"Step {step} in {info.item_dir} has no readable jaxckpt index manifest."
         )
-    copies = [c for c in _copies(catalog, info) if c.part in info.index]
+    copies, not_checked = _copies(catalog, info)
+    copies = [c for c in copies if c.part in info.index]
+    if not catalog.roots:
+        why = "no --memory-root given"
+        if catalog.remote:
+            why += f": they are on the hosts' local filesystems, not in {catalog.directory}"
+        not_checked.insert(0, f"the memory tiers ({why})")
     sizes = [info.index[c.part].nbytes for c in copies]
     total_chunks = sum(sum(len(cs) for cs in info.index[c.part].chunks.values()) for c in copies)
     done = {"chunks": 0, "bytes": 0}
@@ -157,6 +196,7 @@ def verify(
         "copies": [r.to_dict() for r in reports],
         "bad_copies": sum(not r.ok for r in reports),
         "parts_without_good_copy": no_good_copy,
+        "not_checked": not_checked,
         "ok": all(r.ok for r in reports) and not no_good_copy,
     }
 
@@ -184,6 +224,7 @@ def render(report: dict[str, Any], limit: int = 5) -> str:
             out.append(f"  ... and {len(c['problems']) - limit} more")
     good = len(report["copies"]) - report["bad_copies"]
     out += ["", f"{good} good cop{'y' if good == 1 else 'ies'}, {report['bad_copies']} bad."]
+    out += [f"Not checked: {what}." for what in report.get("not_checked", ())]
     if report["parts_without_good_copy"]:
         out.append(
             "No good copy in reach of part(s) "
