@@ -1,9 +1,16 @@
 """The on-disk format: one JSON manifest per (step, owner process) "part".
 
 IMPORTANT: this format is a compatibility promise. Every tier (memory, peer,
-persistent) stores the same thing for a part:
+persistent) stores a part with the same manifest:
 
     part_<owner>/manifest.json      a `PartManifest` (this module)
+
+memory and peer tiers (the hot path: one file, filled and read at memory speed):
+
+    part_<owner>/slab               every chunk <owner> wrote, at aligned offsets
+
+persistent tier (plain zarr3, any tensorstore kvstore):
+
     part_<owner>/arrays/<key>/      one zarr3 array per array leaf, chunk grid =
                                     the saved shard shape, holding only the chunks
                                     that <owner> wrote (replica_id 0 shards); <key>
@@ -23,7 +30,9 @@ value is in each owner's `scalars` and a process-local array's sharding in
 each owner's `shardings`; the leaf records stay identical in every part.
 3 names each array by the leaf's tree path (`LeafRecord.array_key`, e.g.
 `params.Dense_0.kernel`) instead of its index in the tree, so that a user can
-find a parameter with plain tensorstore.
+find a parameter with plain tensorstore; checksums chunks with CRC-32C instead
+of zlib's CRC-32; and keeps a memory or peer part in one slab file (`_slab`),
+each chunk at the `offset` its record gives.
 Versions 1 and 2 are still read (every field added since has a default; their
 arrays are named by leaf index).
 """
@@ -73,18 +82,47 @@ def part_dir_name(owner: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkRecord:
-    """One saved chunk: its place in the leaf's chunk grid and its checksum."""
+    """One saved chunk: its place in the leaf's chunk grid, size, checksum and place
+    in its part's slab (memory and peer tiers).
+
+    Attributes:
+      index: the chunk's index in the leaf's chunk grid.
+      nbytes: its size (C order, the stored dtype).
+      crc32c: CRC-32C of its bytes (format version 3).
+      offset: where it starts in the part's slab file (format version 3).
+      crc32: zlib CRC-32 of its bytes (format versions 1-2 only).
+    """
 
     index: tuple[int, ...]
-    crc32: int
     nbytes: int
+    crc32c: int | None = None
+    offset: int | None = None
+    crc32: int | None = None
+
+    @property
+    def checksum(self) -> tuple[str, int | None]:
+        """(kind, value) of the recorded checksum."""
+        return ("crc32c", self.crc32c) if self.crc32c is not None else ("crc32", self.crc32)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": list(self.index), "crc32": self.crc32, "nbytes": self.nbytes}
+        d = {"index": list(self.index), "nbytes": self.nbytes}
+        for k in ("crc32c", "offset", "crc32"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ChunkRecord:
-        return cls(tuple(int(i) for i in d["index"]), int(d["crc32"]), int(d["nbytes"]))
+        def opt(k: str) -> int | None:
+            return int(d[k]) if d.get(k) is not None else None
+
+        return cls(
+            tuple(int(i) for i in d["index"]),
+            int(d["nbytes"]),
+            crc32c=opt("crc32c"),
+            offset=opt("offset"),
+            crc32=opt("crc32"),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

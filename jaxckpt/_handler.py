@@ -30,13 +30,14 @@ from jaxckpt import (
     _persister,
     _placement,
     _plan,
+    _readers,
     _restore,
     _retention,
+    _slab,
     _snapshot,
     _storage,
     _target,
     _tree,
-    _zarr,
 )
 from jaxckpt._options import TierOptions
 from jaxckpt.peer import _peers
@@ -205,34 +206,18 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         directory, step, snapshot, memory = save.directory, save.step, save.snapshot, save.memory
         pi, metrics, started = save.process, save.metrics, save.started
         start = time.perf_counter()
-        by_leaf: dict[int, list[_snapshot.HostShard]] = {}
-        for shard in snapshot.shards:
-            by_leaf.setdefault(shard.leaf, []).append(shard)
         staging = memory.new_staging_dir(step, pi)
-        writes: list[asyncio.Future[None]] = []
         try:
-            part = _zarr.file_kvstore(str(staging))
-            crcs = asyncio.gather(
-                *(asyncio.to_thread(_zarr.checksum, s.data) for s in snapshot.shards)
+            slab = staging / _slab.SLAB_FILE
+            memory.take_free_slab(slab)
+            offsets, size = _slab.layout([s.data.nbytes for s in snapshot.shards])
+            crcs = await asyncio.to_thread(
+                _slab.write, slab, [s.data for s in snapshot.shards], offsets, size
             )
-            writes = [
-                asyncio.ensure_future(
-                    _zarr.write_chunks(
-                        _zarr.array_kvstore(part, snapshot.leaves[leaf]),
-                        snapshot.leaves[leaf],
-                        [(s.index, s.data) for s in shards],
-                        attributes=_format.array_attributes(
-                            snapshot.leaves[leaf], step, pi, snapshot.shardings.get(leaf)
-                        ),
-                    )
-                )
-                for leaf, shards in by_leaf.items()
-            ]
-            await _zarr.settle(writes)
             chunks: dict[int, list[_format.ChunkRecord]] = {}
-            for s, crc in zip(snapshot.shards, await crcs, strict=True):
+            for s, crc, offset in zip(snapshot.shards, crcs, offsets, strict=True):
                 chunks.setdefault(s.leaf, []).append(
-                    _format.ChunkRecord(s.index, crc, s.data.nbytes)
+                    _format.ChunkRecord(s.index, s.data.nbytes, crc32c=crc, offset=offset)
                 )
             metrics["memory_write_s"] = memory_s = time.perf_counter() - start
             metrics["memory_write_bytes_per_s"] = snapshot.nbytes / max(memory_s, 1e-9)
@@ -256,11 +241,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             committed = memory.commit(staging, step, pi)
             _faults.maybe_crash("memory_commit", step, pi)
         except BaseException as e:
-            # IMPORTANT: remove the staging directory only once no write into it is in
-            # flight (a failed one, say ENOSPC, does not stop the others), or they would
-            # recreate files in it after the removal.
-            if writes:
-                await asyncio.wait(writes, timeout=self._options.timeout_s)
+            # The slab's writes are done when `_slab.write` returns or raises.
             _fs.remove_entry(staging)
             if _fs.is_out_of_space(e):
                 raise _fs.out_of_space(
@@ -353,7 +334,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             raise FileNotFoundError(view.not_restorable_message(item_dir, plan))
         restorer = _restore.Restorer(
             plan,
-            self._kvstore_for(item_dir, memory, step),
+            self._reader_for(item_dir, memory, step),
             pi,
             self._redact,
             timeout_s=self._options.timeout_s,
@@ -407,19 +388,23 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         )
         return _restore.GlobalView(steps, inventories, _multihost.process_index())
 
-    def _kvstore_for(
+    def _reader_for(
         self, item_dir: Path, memory: _memory_tier.MemoryTier, step: int
-    ) -> _restore.KvstoreFor:
-        def kvstore_for(source: _plan.Source, owner: int) -> dict[str, Any]:
+    ) -> _restore.ReaderFor:
+        def reader_for(source: _plan.Source, owner: int) -> _readers.ChunkReader:
             if source.tier == _plan.MEMORY:
-                return _zarr.file_kvstore(str(memory.part_dir(step, owner)))
+                return _readers.SlabReader(memory.part_dir(step, owner))
             if source.tier == _plan.PEER and self._peers is not None and source.holder is not None:
-                return self._peers.part_kvstore(source.holder, step, owner)
+                return _readers.RangeReader(
+                    self._peers.slab_range_reader(source.holder, step, owner)
+                )
             if source.tier == _plan.PERSISTENT:
-                return _storage.kvstore(item_dir / _format.part_dir_name(owner))
+                return _readers.ZarrReader(
+                    _storage.kvstore(item_dir / _format.part_dir_name(owner))
+                )
             raise ValueError(f"No reader for {source.describe()}.")
 
-        return kvstore_for
+        return reader_for
 
     def _retain(self, memory: _memory_tier.MemoryTier, directory: Path, step: int) -> None:
         """Once `step` is finalized, bounds the memory tier to `memory_keep` steps.

@@ -3,12 +3,17 @@
 Layout under `<memory_root>/<run_id>/`:
 
     RUN.json                      who this run is (checkpoint directory, created)
-    step_<step>/part_<owner>/     committed parts (own and replicas held for peers)
+    step_<step>/part_<owner>/     committed parts (own and replicas held for peers):
+                                  manifest.json and one slab file (`_slab`)
     step_<step>/.pin-<pid>-<id>   pins: the step is in use by a live process (a held lock)
     .staging/<unique>/            parts being written; never read
+    .free/slab-<id>               slabs of retired steps, for the next saves to reuse
 
 A part becomes visible only by `os.rename` of a complete staging directory, so
-a crash at any moment leaves the previous content or the new one.
+a crash at any moment leaves the previous content or the new one. Retiring a
+step moves its slabs to `.free/` (at most as many as the newest step holds, so
+the tier holds about one step more than it keeps) instead of freeing their
+pages: the next save fills one at memory speed (`take_free_slab`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 
 from absl import logging as log
 
-from jaxckpt import _format, _fs, _liveness
+from jaxckpt import _format, _fs, _liveness, _slab
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PART_RE = re.compile(r"^part_(\d+)$")
@@ -106,6 +111,25 @@ class MemoryTier:
         path.mkdir(parents=True)
         return path
 
+    def take_free_slab(self, dest: Path) -> bool:
+        """Moves a retired step's slab to `dest`, if there is one (the largest first).
+
+        Any process sharing the memory root may take the same one: `os.rename`
+        gives it to exactly one of them.
+        """
+        free = self.run_dir / ".free"
+        try:
+            candidates = sorted(free.iterdir(), key=lambda p: p.stat().st_size, reverse=True)
+        except OSError:
+            return False
+        for slab in candidates:
+            try:
+                os.rename(slab, dest)
+                return True
+            except OSError:
+                continue
+        return False
+
     def commit(self, staging: Path, step: int, owner: int) -> Path:
         """Makes a fully written staging directory the part (step, owner)."""
         final = self.part_dir(step, owner)
@@ -120,12 +144,20 @@ class MemoryTier:
         return sorted(int(m.group(1)) for m in found if m)
 
     def parts(self, step: int) -> list[int]:
-        """Owners whose part of `step` this tier holds."""
+        """Owners whose part of `step` this tier holds (parts of format versions
+        before the slab, left by an older jaxckpt, are not counted)."""
         step_dir = self.step_dir(step)
         if not step_dir.is_dir():
             return []
         found = (_PART_RE.match(p.name) for p in step_dir.iterdir())
-        return sorted(int(m.group(1)) for m in found if m)
+        return sorted(
+            int(m.group(1))
+            for m in found
+            if m and (step_dir / m.group(0) / _slab.SLAB_FILE).exists()
+        )
+
+    def slab(self, step: int, owner: int) -> Path:
+        return self.part_dir(step, owner) / _slab.SLAB_FILE
 
     def inventory(self) -> dict[int, list[int]]:
         """step -> owners held."""
@@ -171,14 +203,31 @@ class MemoryTier:
             for s in steps[: max(0, len(steps) - keep)]
             if s not in pinned and not self.is_pinned(s)
         ]
+        newest = [s for s in self.steps() if s not in doomed]
+        spare = len(self.parts(newest[-1])) if newest else 1
         for step in doomed:
             trash = self.run_dir / ".staging" / f"trash.{step}.{uuid.uuid4().hex}"
             try:
                 os.rename(self.step_dir(step), trash)
             except OSError:
                 continue
+            self._recycle(trash, spare)
             _fs.remove_entry(trash)
         return doomed
+
+    def _recycle(self, step_dir: Path, spare: int) -> None:
+        """Moves the slabs of a retired step to `.free/` while it holds fewer than `spare`."""
+        free = self.run_dir / ".free"
+        free.mkdir(exist_ok=True)
+        have = sum(1 for _ in free.iterdir())
+        for part in sorted(step_dir.glob("part_*")):
+            if have >= spare:
+                return
+            try:
+                os.rename(part / _slab.SLAB_FILE, free / f"slab-{uuid.uuid4().hex}")
+                have += 1
+            except OSError:
+                continue
 
     def clear_staging(self, older_than_s: float = 0.0) -> None:
         """Removes leftovers of interrupted writes older than `older_than_s`."""

@@ -33,9 +33,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from absl import logging as log
 
-from jaxckpt import _faults, _format, _fs, _memory_tier, _paths, _restore, _storage, _zarr
+from jaxckpt import (
+    _checksum,
+    _faults,
+    _format,
+    _fs,
+    _memory_tier,
+    _paths,
+    _readers,
+    _restore,
+    _slab,
+    _storage,
+    _zarr,
+)
 
 # Attempts at uploading a part to an object store (each request is also retried by
 # tensorstore), and the first wait between them (doubled after each failure).
@@ -250,7 +263,9 @@ class Persister:
             self._cleaned.add(root)
         staging.mkdir(parents=True)
         try:
-            asyncio.run(self._copy(manifest, job.source_part, staging))
+            asyncio.run(
+                self._write_arrays(manifest, job.source_part, _zarr.file_kvstore(str(staging)))
+            )
             copy_s = time.perf_counter() - start
             manifest = dataclasses.replace(
                 manifest, metrics={**manifest.metrics, "persist_s": copy_s}
@@ -369,8 +384,9 @@ class Persister:
                         for leaf in manifest.chunks
                     ],
                 )
-                src, dst = _zarr.file_kvstore(str(source)), _storage.kvstore(part)
-                asyncio.run(self._copy_kvstores(manifest, src, dst, empty=True))
+                asyncio.run(
+                    self._write_arrays(manifest, source, _storage.kvstore(part), empty=True)
+                )
                 outcome.append(None)
             except BaseException as e:
                 outcome.append(e)
@@ -385,26 +401,38 @@ class Persister:
         if outcome[0] is not None:
             raise outcome[0]
 
-    async def _copy(self, manifest: _format.PartManifest, source: Path, staging: Path) -> None:
-        await self._copy_kvstores(
-            manifest, _zarr.file_kvstore(str(source)), _zarr.file_kvstore(str(staging))
-        )
-
-    async def _copy_kvstores(
+    async def _write_arrays(
         self,
         manifest: _format.PartManifest,
-        src: dict[str, Any],
+        source: Path,
         dst: dict[str, Any],
         *,
         empty: bool = False,
     ) -> None:
+        """Writes every chunk of a memory part's slab into the part's zarr3 arrays at `dst`,
+        from views of the slab (no copy on the way), each verified first.
+
+        Raises:
+          ValueError: if a chunk does not match its checksum (nothing of it is written).
+        """
+        slab = _slab.Reader(source / _slab.SLAB_FILE)
+        views: dict[int, list[tuple[tuple[int, ...], np.ndarray]]] = {}
+        for leaf, chunks in manifest.chunks.items():
+            record = manifest.leaves[leaf]
+            for chunk in chunks:
+                view = _readers.chunk_view(slab, record, chunk)
+                if not _checksum.matches(chunk.crc32c, chunk.crc32, view):
+                    raise ValueError(
+                        f"Chunk {chunk.index} of leaf {record.path} in {source} does not match "
+                        "its checksum; the part was not persisted."
+                    )
+                views.setdefault(leaf, []).append((chunk.index, view))
         await _zarr.settle(
             [
-                _zarr.copy_chunks(
-                    _zarr.array_kvstore(src, manifest.leaves[leaf]),
+                _zarr.write_chunks(
                     _zarr.array_kvstore(dst, manifest.leaves[leaf]),
                     manifest.leaves[leaf],
-                    chunks,
+                    data,
                     self._compression,
                     empty=empty,
                     crc32c=True,
@@ -415,7 +443,7 @@ class Persister:
                         manifest.shardings.get(leaf),
                     ),
                 )
-                for leaf, chunks in manifest.chunks.items()
+                for leaf, data in views.items()
             ]
         )
 

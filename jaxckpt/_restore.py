@@ -2,25 +2,40 @@
 
 For each target shard (any sharding, any process count) the chunks that
 intersect it are read from the fastest source in the plan, checked against
-their CRC-32, and on any error the next source is tried. Only chunks that
+their CRC-32C, and on any error the next source is tried. Only chunks that
 intersect this process's target shards are read. A per-process leaf (every
 part holds its own value) is read from the one owner the caller names.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
+import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 from absl import logging as log
 
-from jaxckpt import _aio, _chunking, _format, _memory_tier, _plan, _sharding, _zarr
+from jaxckpt import _checksum, _chunking, _format, _memory_tier, _plan, _readers, _sharding
 
-KvstoreFor = Callable[[_plan.Source, int], dict[str, Any]]  # (source, owner) -> part kvstore
+ReaderFor = Callable[[_plan.Source, int], _readers.ChunkReader]  # (source, owner) -> reader
+
+# Chunks of one leaf are read in parallel from this many bytes on (below, the
+# hand-off to a thread costs more than it saves).
+_PARALLEL_BYTES = 4 << 20
+_POOL = concurrent.futures.ThreadPoolExecutor(
+    min(8, os.cpu_count() or 1), thread_name_prefix="jaxckpt-restore"
+)
+
+
+def _single_chunk(region: _chunking.Region, record: _format.LeafRecord) -> tuple[int, ...] | None:
+    """The index of the one chunk `region` lies in, if it lies in one."""
+    assert record.stored_shape is not None and record.chunk_shape is not None
+    found = list(_chunking.chunks_overlapping(region, record.stored_shape, record.chunk_shape))
+    return found[0] if len(found) == 1 else None
 
 
 class ChunkUnavailableError(OSError):
@@ -77,22 +92,27 @@ def persisted_parts(item_dir: Path, index: dict[int, _format.PartManifest]) -> s
 
 
 class Restorer:
-    """Reads the leaves of one planned step into the shapes and shardings of a target."""
+    """Reads the leaves of one planned step into the shapes and shardings of a target.
+
+    Synchronous, with one bounded thread pool for every leaf's chunks: a leaf of
+    small chunks is read inline (microseconds), a large one in parallel.
+    """
 
     def __init__(
         self,
         plan: _plan.StepPlan,
-        kvstore_for: KvstoreFor,
+        reader_for: ReaderFor,
         process_index: int,
         redact: Callable[[str], str] = str,
         timeout_s: float = 120.0,
     ):
         self._plan = plan
         self._redact = redact
-        self._kvstore_for = kvstore_for
+        self._reader_for = reader_for
         self._process_index = process_index
         self._owners = plan.chunk_owners()
-        self._arrays: dict[tuple[_plan.Source, int, int], Any] = {}
+        self._readers: dict[tuple[_plan.Source, int], _readers.ChunkReader] = {}
+        self._lock = threading.Lock()
         self.bytes_by_tier: dict[str, int] = {}
         self.failures: list[str] = []
         self._timeout_s = timeout_s
@@ -100,20 +120,17 @@ class Restorer:
 
     # ---- chunks -------------------------------------------------------------
 
-    async def _open(self, source: _plan.Source, owner: int, leaf: int) -> Any:
-        key = (source, owner, leaf)
-        if key not in self._arrays:
-            part = self._kvstore_for(source, owner)
-            self._arrays[key] = await _zarr.open_array(
-                _zarr.array_kvstore(part, self._plan.leaves[leaf]), self._plan.leaves[leaf]
-            )
-        return self._arrays[key]
+    def _reader(self, source: _plan.Source, owner: int) -> _readers.ChunkReader:
+        key = (source, owner)
+        reader = self._readers.get(key)
+        if reader is None:
+            reader = self._readers[key] = self._reader_for(source, owner)
+        return reader
 
-    async def _read_chunk(
+    def _read_chunk(
         self, leaf: int, index: tuple[int, ...], owner: int | None = None
     ) -> np.ndarray:
         record = self._plan.leaves[leaf]
-        assert record.stored_shape is not None and record.chunk_shape is not None
         if owner is None:
             owner = self._owners.get((leaf, index))
         saved = self._plan.manifests[owner].chunks.get(leaf, ()) if owner is not None else ()
@@ -123,15 +140,13 @@ class Restorer:
                 f"Chunk {index} of {record.path} is in no part of step {self._plan.step}"
                 + (f" (looked in the part of process {owner})." if owner is not None else ".")
             )
-        region = _chunking.chunk_region(index, record.stored_shape, record.chunk_shape)
         tried = []
         for source in self._plan.sources.get(owner, ()):
             if source in self._dead:
                 tried.append(f"{source.describe()}: gave no answer earlier in this restore")
                 continue
             try:
-                array = await asyncio.wait_for(self._open(source, owner, leaf), self._timeout_s)
-                data = np.asarray(await asyncio.wait_for(array[region].read(), self._timeout_s))
+                data = self._reader(source, owner).read(leaf, record, expected, self._timeout_s)
             except TimeoutError:
                 self._dead.add(source)
                 tried.append(f"{source.describe()}: no answer within {self._timeout_s:g} s")
@@ -139,12 +154,15 @@ class Restorer:
             except Exception as e:
                 tried.append(f"{source.describe()}: {self._redact(str(e))}")
                 continue
-            if _zarr.checksum(data) != expected.crc32:
+            if not _checksum.matches(expected.crc32c, expected.crc32, data):
                 tried.append(f"{source.describe()}: checksum mismatch")
                 continue
-            self.bytes_by_tier[source.tier] = self.bytes_by_tier.get(source.tier, 0) + data.nbytes
-            if tried:
+            with self._lock:
+                self.bytes_by_tier[source.tier] = (
+                    self.bytes_by_tier.get(source.tier, 0) + data.nbytes
+                )
                 self.failures.extend(tried)
+            if tried:
                 log.warning(
                     "jaxckpt: chunk %s of %s: fell back to %s after %s",
                     index,
@@ -159,7 +177,7 @@ class Restorer:
             + ("; ".join(tried) if tried else "no source holds it")
         )
 
-    async def _read_regions(
+    def _read_regions(
         self, leaf: int, regions: Sequence[_chunking.Region], owner: int | None = None
     ) -> list[np.ndarray]:
         record = self._plan.leaves[leaf]
@@ -175,15 +193,21 @@ class Restorer:
                 for i in _chunking.chunks_overlapping(r, record.stored_shape, record.chunk_shape)
             }
         )
-        chunks = dict(
-            zip(
-                needed,
-                await asyncio.gather(*(self._read_chunk(leaf, i, owner) for i in needed)),
-                strict=True,
-            )
-        )
+        itemsize = np.dtype(record.stored_dtype).itemsize
+        nbytes = len(needed) * itemsize * int(np.prod(record.chunk_shape))
+        if len(needed) > 1 and nbytes >= _PARALLEL_BYTES:
+            read = list(_POOL.map(lambda i: self._read_chunk(leaf, i, owner), needed))
+        else:
+            read = [self._read_chunk(leaf, i, owner) for i in needed]
+        chunks = dict(zip(needed, read, strict=True))
         out = []
         for region in regions:
+            only = _single_chunk(region, record)
+            if only is not None and _chunking.region_key(
+                _chunking.chunk_region(only, record.stored_shape, record.chunk_shape)
+            ) == _chunking.region_key(region):
+                out.append(chunks[only])  # the target shard is one whole chunk: no copy
+                continue
             buf = np.empty([s.stop - s.start for s in region], dtype=record.stored_dtype)
             for i, data in chunks.items():
                 where = _chunking.chunk_region(i, record.stored_shape, record.chunk_shape)
@@ -216,7 +240,7 @@ class Restorer:
         ]
         # Replicated targets ask for the same region on many devices: read it once.
         unique = {_chunking.region_key(r): r for r in regions}
-        read = _aio.run_sync(self._read_regions(leaf, list(unique.values()), owner))
+        read = self._read_regions(leaf, list(unique.values()), owner)
         bufs = dict(zip(unique, read, strict=True))
         arrays = [
             jax.device_put(bufs[_chunking.region_key(r)], d)
@@ -230,7 +254,7 @@ class Restorer:
         record = self._plan.leaves[leaf]
         assert record.stored_shape is not None
         whole = tuple(slice(0, n) for n in record.stored_shape)
-        return _aio.run_sync(self._read_regions(leaf, [whole], owner))[0]
+        return self._read_regions(leaf, [whole], owner)[0]
 
 
 class GlobalView:

@@ -164,7 +164,7 @@ def _saved_key(i: int, record: _format.LeafRecord, manifest: _format.PartManifes
             value = json.dumps(value, sort_keys=True)  # NaN equals itself as text
         # The type too: 1 and True and 1.0 are not the same saved value.
         return (_own_record(i, record, manifest).scalar_type, type(value).__name__, value)
-    return tuple(sorted((c.index, c.crc32, c.nbytes) for c in manifest.chunks.get(i, ())))
+    return tuple(sorted((c.index, c.checksum, c.nbytes) for c in manifest.chunks.get(i, ())))
 
 
 def _saved_alike(i: int, record: _format.LeafRecord, ctx: Context) -> bool:

@@ -1,16 +1,15 @@
 """Chunks on any kvstore: zarr3 arrays written and read with tensorstore.
 
-An array leaf of a part is one zarr3 array whose chunk grid is the saved shard
-shape, so every saved shard is exactly one chunk. Memory tiers store chunks
-uncompressed; persisted parts may add a compression codec, and end with zarr3's
-standard `crc32c` codec, so that any zarr3 reader verifies every chunk it reads.
+The persistent tier keeps each array leaf of a part as one zarr3 array whose
+chunk grid is the saved shard shape, so every saved shard is exactly one chunk.
+A compression codec may be added, and every array ends with zarr3's standard
+`crc32c` codec, so that any zarr3 reader verifies every chunk it reads. (The
+memory and peer tiers keep slabs instead: `_slab`.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import zlib
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
@@ -50,11 +49,6 @@ def _context_for(kvstore: dict[str, Any]) -> ts.Context:
     if kvstore.get("driver") in ("file", "memory"):
         return _CONTEXT
     return ts.Context({"cache_pool": {}}, parent=_CONTEXT)
-
-
-def checksum(data: np.ndarray) -> int:
-    """CRC-32 of an array's bytes in C order (what a chunk record holds)."""
-    return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def kvstore_at(kvstore: dict[str, Any], *parts: str) -> dict[str, Any]:
@@ -158,11 +152,16 @@ async def write_chunks(
     record: _format.LeafRecord,
     chunks: Sequence[tuple[tuple[int, ...], np.ndarray]],
     compression: str | None = None,
+    *,
+    empty: bool = False,
     attributes: dict[str, Any] | None = None,
+    crc32c: bool = False,
 ) -> None:
-    """Writes whole chunks of one leaf into a new zarr3 array."""
+    """Writes whole chunks of one leaf into a new zarr3 array (options as in `create`)."""
     assert record.stored_shape is not None and record.chunk_shape is not None
-    array = await create(kvstore, record, compression, attributes=attributes)
+    array = await create(
+        kvstore, record, compression, empty=empty, attributes=attributes, crc32c=crc32c
+    )
     await settle(
         [
             array[_chunking.chunk_region(index, record.stored_shape, record.chunk_shape)].write(
@@ -171,47 +170,3 @@ async def write_chunks(
             for index, data in chunks
         ]
     )
-
-
-async def copy_chunks(
-    src: dict[str, Any],
-    dst: dict[str, Any],
-    record: _format.LeafRecord,
-    chunks: Sequence[_format.ChunkRecord],
-    compression: str | None = None,
-    *,
-    empty: bool = False,
-    attributes: dict[str, Any] | None = None,
-    crc32c: bool = False,
-) -> None:
-    """Copies the listed chunks of one leaf to a new array at `dst`, verifying each
-    (`empty`, `attributes` and `crc32c` as in `create`).
-
-    Raises:
-      ValueError: if a source chunk does not match its checksum.
-    """
-    assert record.stored_shape is not None and record.chunk_shape is not None
-    source = await open_array(src, record)
-    target = await create(
-        dst, record, compression, empty=empty, attributes=attributes, crc32c=crc32c
-    )
-    regions = [
-        _chunking.chunk_region(c.index, record.stored_shape, record.chunk_shape) for c in chunks
-    ]
-    reads = [source[r].read() for r in regions]
-    writes = []
-    try:
-        for chunk, region, read in zip(chunks, regions, reads, strict=True):
-            data = await read
-            if checksum(data) != chunk.crc32:
-                raise ValueError(
-                    f"Chunk {chunk.index} of leaf {record.path} at {src.get('path')} does not "
-                    "match its checksum; it was not copied."
-                )
-            writes.append(target[region].write(data))
-    except BaseException:
-        # IMPORTANT: no write is left in flight when this raises (see `settle`).
-        with contextlib.suppress(Exception):
-            await settle(writes)
-        raise
-    await settle(writes)

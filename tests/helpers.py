@@ -142,3 +142,27 @@ def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float =
             f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
         )
     return proc.stdout
+
+
+def slab_chunk(part_dir: Path, leaf_path: str, index: tuple[int, ...]) -> tuple[Path, int, int]:
+    """(slab file, offset, nbytes) of one chunk of the leaf at `leaf_path` in a memory or
+    peer part directory, as its manifest records it."""
+    from jaxckpt import _format, _slab
+
+    manifest = _format.PartManifest.from_json((part_dir / _format.MANIFEST_FILE).read_text())
+    leaf = [r.path for r in manifest.leaves].index(leaf_path)
+    chunk = next(c for c in manifest.chunks[leaf] if c.index == tuple(index))
+    assert chunk.offset is not None
+    return part_dir / _slab.SLAB_FILE, chunk.offset, chunk.nbytes
+
+
+def flip_slab_byte(
+    part_dir: Path, leaf_path: str, index: tuple[int, ...], at: int = 0, bit: int = 0x40
+) -> None:
+    """Flips one bit of byte `at` (negative: from the end) of a chunk in a part's slab."""
+    slab, offset, nbytes = slab_chunk(part_dir, leaf_path, index)
+    with open(slab, "r+b") as f:
+        f.seek(offset + (at % nbytes))
+        byte = f.read(1)[0]
+        f.seek(offset + (at % nbytes))
+        f.write(bytes([byte ^ bit]))

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from mp_worker import ROWS, check, expected, manager, mesh, state, target
 
 import jaxckpt
-from jaxckpt import _multihost
+from jaxckpt import _format, _multihost
 
 
 def attempt(fn) -> dict:
@@ -58,13 +58,17 @@ def corrupt_part(roots: list[str], step: int, owner: int) -> list[str]:
     hit = []
     for root in roots:
         for part in Path(root).glob(f"run-*/step_{step:012d}/part_{owner:05d}"):
-            for f in sorted((part / "arrays").rglob("*")):
-                if f.is_file() and f.name != "zarr.json":
-                    data = bytearray(f.read_bytes())
-                    for i in range(0, len(data), max(1, len(data) // 4)):
-                        data[i] ^= 0xFF
-                    f.write_bytes(bytes(data))
-                    hit.append(str(f))
+            manifest = _format.PartManifest.from_json((part / "manifest.json").read_text())
+            slab = part / "slab"
+            with open(slab, "r+b") as f:
+                for chunks in manifest.chunks.values():
+                    for c in chunks:
+                        if c.nbytes:
+                            f.seek(c.offset)
+                            byte = f.read(1)[0]
+                            f.seek(c.offset)
+                            f.write(bytes([byte ^ 0xFF]))
+            hit.append(str(slab))
     return hit
 
 

@@ -29,7 +29,15 @@ import jax
 import numpy as np
 import portpicker
 import pytest
-from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save
+from helpers import (
+    abstract,
+    assert_tree_equal,
+    flip_slab_byte,
+    manager,
+    mesh_1d,
+    restore,
+    save,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -208,13 +216,6 @@ def copy_part(
     return dst
 
 
-def first_chunk(part: Path, leaf: str = "['w']") -> Path:
-    manifest = _format.PartManifest.from_json((part / _format.MANIFEST_FILE).read_text())
-    key = next(r.array_key for r in manifest.leaves if r.path == leaf)
-    assert key is not None
-    return part / "arrays" / key / "c" / "0" / "0"
-
-
 # ---- outcome of one restore ---------------------------------------------------
 
 
@@ -287,10 +288,7 @@ def bad_peer(kind: str, memory_root: str, tmp_path: Path) -> Iterator[PeerAddres
             else:
                 part = copy_part(memory_root, 1, peer_root)
                 if kind == "wrong_bytes":
-                    chunk = first_chunk(part)
-                    data = bytearray(chunk.read_bytes())
-                    data[5] ^= 0x10
-                    chunk.write_bytes(bytes(data))
+                    flip_slab_byte(part, "['w']", (0, 0), at=5, bit=0x10)
             server = PeerServer(peer_root, run_id=RUN, token=TOKEN)
             server.start()
             closers.append(server.close)

@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers import REPO, fresh_iterator, manager, mesh_1d, save, sharded_state
+from helpers import REPO, flip_slab_byte, fresh_iterator, manager, mesh_1d, save, sharded_state
 
 import jaxckpt
 from jaxckpt import _format, cli
@@ -194,7 +194,7 @@ def test_verify_passes_then_fails_on_a_flipped_byte_in_each_copy(capsys, copy):
 
     manifest = index(ckpt, 2)
     run_dir = memory / manifest["run_id"] / "step_000000000002" / "part_00000"
-    flip_byte(first_chunk(run_dir, manifest, "['w']"))
+    flip_slab_byte(run_dir, "['w']", (0, 0), at=5, bit=0x10)
     code, text, _ = jaxckpt_cli(capsys, "verify", ckpt, 2, "--memory-root", memory, "--no-progress")
     assert code == 1
     assert "['w'] chunk (0, 0): checksum mismatch" in text and "1 good copy, 1 bad." in text

@@ -1,9 +1,10 @@
 """Every corruption in every tier: detected every time, then a fallback or a clear error.
 
-Corruptions of a part (the same directory layout in every tier): a flipped
-byte, a truncated or deleted chunk, a zarr.json that lies about the dtype or is
-garbage, and a part manifest that is garbage, missing, or valid JSON with one
-flipped bit. Tiers: this process's memory, a peer's memory (a real
+Corruptions of a part: in a slab (memory and peer tiers) a flipped byte, a
+zeroed chunk, a truncated or deleted slab; in a persisted part's zarr3 arrays a
+flipped byte, a truncated or deleted chunk, a zarr.json that lies about the
+dtype or is garbage; and in any part a manifest that is garbage, missing, or
+valid JSON with one flipped bit. Tiers: this process's memory, a peer's memory (a real
 `PeerServer`; see `FakePeers`), the persisted copy, and the step's index
 manifest (the one copy every other copy is checked against).
 
@@ -14,25 +15,40 @@ raise an error that names the step; it must never return wrong values.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
 
 import pytest
-from helpers import abstract, manager, mesh_1d, restore, save, sharded_state
+from helpers import (
+    abstract,
+    flip_slab_byte,
+    manager,
+    mesh_1d,
+    restore,
+    save,
+    sharded_state,
+    slab_chunk,
+)
 from test_bad_peers import RUN, TOKEN, FakePeers, Outcome, attach, bounded, own_server, tally
 
 import jaxckpt
-from jaxckpt import _format, _memory_tier, _persister
+from jaxckpt import _format, _memory_tier, _persister, _slab
 from jaxckpt._options import TierOptions
 from jaxckpt.peer._server import PeerServer
 
 STEP = 1
 LEAF = "['w']"  # sharded over 8 devices: 8 chunks in process 0's part
 
-CHUNK_CORRUPTIONS = ["flip_byte", "truncate", "delete_chunk", "zarr_dtype", "zarr_garbage"]
+# Chunk corruptions: the damaged chunk is read, rejected and replaced (a fallback).
+SLAB_CHUNK_CORRUPTIONS = ["flip_byte", "zero_chunk", "truncate"]
+ZARR_CHUNK_CORRUPTIONS = ["flip_byte", "truncate", "delete_chunk", "zarr_dtype", "zarr_garbage"]
+CHUNK_CORRUPTIONS = set(SLAB_CHUNK_CORRUPTIONS + ZARR_CHUNK_CORRUPTIONS)
 MANIFEST_CORRUPTIONS = ["manifest_garbage", "manifest_missing", "manifest_flip"]
-CORRUPTIONS = CHUNK_CORRUPTIONS + MANIFEST_CORRUPTIONS
+# A part without its slab or manifest is not offered at all.
+SLAB_CORRUPTIONS = [*SLAB_CHUNK_CORRUPTIONS, "delete_slab", *MANIFEST_CORRUPTIONS]
+ZARR_CORRUPTIONS = ZARR_CHUNK_CORRUPTIONS + MANIFEST_CORRUPTIONS
 
 
 def state():
@@ -42,7 +58,32 @@ def state():
 def corrupt(part: Path, how: str) -> None:
     """Damages one part directory (memory, peer or persisted copy) in one way."""
     manifest_file = part / _format.MANIFEST_FILE
-    manifest = _format.PartManifest.from_json(manifest_file.read_text())
+    if how.startswith("manifest_"):
+        corrupt_manifest(manifest_file, how)
+    elif (part / _slab.SLAB_FILE).exists():
+        corrupt_slab(part, how)
+    else:
+        corrupt_zarr(part, how)
+
+
+def corrupt_slab(part: Path, how: str) -> None:
+    slab, offset, nbytes = slab_chunk(part, LEAF, (0, 0))
+    if how == "flip_byte":
+        flip_slab_byte(part, LEAF, (0, 0), at=nbytes // 2, bit=0x04)
+    elif how == "zero_chunk":
+        with open(slab, "r+b") as f:
+            f.seek(offset)
+            f.write(bytes(nbytes))
+    elif how == "truncate":  # cuts into the first chunk: every chunk after it is gone too
+        os.truncate(slab, offset + 7)
+    elif how == "delete_slab":
+        slab.unlink()
+    else:
+        raise ValueError(how)
+
+
+def corrupt_zarr(part: Path, how: str) -> None:
+    manifest = _format.PartManifest.from_json((part / _format.MANIFEST_FILE).read_text())
     key = next(r.array_key for r in manifest.leaves if r.path == LEAF)
     assert key is not None
     array = part / _format.ARRAYS_DIR / key
@@ -62,7 +103,12 @@ def corrupt(part: Path, how: str) -> None:
         (array / "zarr.json").write_text(json.dumps(meta))
     elif how == "zarr_garbage":
         (array / "zarr.json").write_bytes(b"\x00garbage{")
-    elif how == "manifest_garbage":
+    else:
+        raise ValueError(how)
+
+
+def corrupt_manifest(manifest_file: Path, how: str) -> None:
+    if how == "manifest_garbage":
         manifest_file.write_text(manifest_file.read_text()[:-40])
     elif how == "manifest_missing":
         manifest_file.unlink()
@@ -120,7 +166,7 @@ def check(outcome: Outcome, how: str, fallback: bool) -> None:
 
 
 @pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "only-copy"])
-@pytest.mark.parametrize("how", CORRUPTIONS)
+@pytest.mark.parametrize("how", SLAB_CORRUPTIONS)
 def test_corrupt_memory_copy(how, fallback, memory_root, ckpt_dir):
     save_step(memory_root, ckpt_dir, persist=fallback)
     corrupt(memory_part(memory_root), how)
@@ -130,7 +176,7 @@ def test_corrupt_memory_copy(how, fallback, memory_root, ckpt_dir):
 
 
 @pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "only-copy"])
-@pytest.mark.parametrize("how", CORRUPTIONS)
+@pytest.mark.parametrize("how", SLAB_CORRUPTIONS)
 def test_corrupt_peer_copy(how, fallback, memory_root, ckpt_dir, tmp_path, monkeypatch):
     save_step(memory_root, ckpt_dir, persist=fallback)
     holder_root = tmp_path / "holder"
@@ -151,7 +197,7 @@ def test_corrupt_peer_copy(how, fallback, memory_root, ckpt_dir, tmp_path, monke
     check(outcome, how, fallback)
 
 
-@pytest.mark.parametrize("how", CORRUPTIONS)
+@pytest.mark.parametrize("how", ZARR_CORRUPTIONS)
 def test_corrupt_persisted_copy(how, memory_root, ckpt_dir):
     save_step(memory_root, ckpt_dir, persist=True)
     shutil.rmtree(memory_root)  # memory lost: the persisted copy is the only one
@@ -177,7 +223,7 @@ def corrupt_index(item_dir: Path, how: str) -> None:
         i = text.index(entry, text.index('"scalars":')) + len(entry) - 1
         index.write_text(text[:i] + chr(ord(text[i]) ^ 0x01) + text[i + 1 :])
     elif how == "index_crc_flip":  # the first chunk record's checksum, one bit off
-        i = text.index('"crc32":') + len('"crc32":')
+        i = text.index('"crc32c":') + len('"crc32c":')
         index.write_text(text[:i] + chr(ord(text[i]) ^ 0x01) + text[i + 1 :])
     else:
         raise ValueError(how)
@@ -196,7 +242,7 @@ def test_corrupt_index_manifest_is_never_believed(how, memory_root, ckpt_dir):
         assert f"step {STEP}" in str(outcome.error).lower(), outcome.error
 
 
-@pytest.mark.parametrize("how", ["flip_byte", "zarr_dtype"])
+@pytest.mark.parametrize("how", ["flip_byte", "zero_chunk", "truncate"])
 def test_memory_corrupted_before_persistence_is_not_persisted(
     how, memory_root, ckpt_dir, monkeypatch
 ):

@@ -60,7 +60,9 @@ NEWEST = {
     },
     "persistent": {
         "finalized": {2, 3},  # persistence may or may not win the race with the kill
-        "persist_write": {2},
+        # Step 3, if finalized before the kill, is persisted by the restarted job (from
+        # memory, at its first restore) before the node is lost.
+        "persist_write": {2, 3},
         "persist_commit": {3},
     },
 }

@@ -13,6 +13,7 @@ import pytest
 from helpers import (
     abstract,
     assert_tree_equal,
+    flip_slab_byte,
     fresh_iterator,
     manager,
     mesh_1d,
@@ -128,9 +129,9 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
     read = []
     original = _restore.Restorer._read_chunk
 
-    async def spy(self, leaf, index, owner=None):
+    def spy(self, leaf, index, owner=None):
         read.append(index)
-        return await original(self, leaf, index, owner)
+        return original(self, leaf, index, owner)
 
     monkeypatch.setattr(_restore.Restorer, "_read_chunk", spy)
     h = handler(memory_root)
@@ -149,12 +150,8 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
         # A region of rows 3..6 touches saved chunks 1, 2 and 3 only.
         read.clear()
         plan = h._global_view(ckpt_dir / "1" / "train", h._memory).plan(1)
-        restorer = _restore.Restorer(
-            plan, h._kvstore_for(ckpt_dir / "1" / "train", h._memory, 1), 0
-        )
-        import asyncio
-
-        (rows,) = asyncio.run(restorer._read_regions(0, [(slice(3, 7), slice(0, 4))]))
+        restorer = _restore.Restorer(plan, h._reader_for(ckpt_dir / "1" / "train", h._memory, 1), 0)
+        (rows,) = restorer._read_regions(0, [(slice(3, 7), slice(0, 4))])
         assert sorted(read) == [(1, 0), (2, 0), (3, 0)]
         np.testing.assert_array_equal(rows, np.asarray(state["w"])[3:7])
 
@@ -295,13 +292,6 @@ def test_garbage_collected_step_leaves_no_half_written_data(
         assert not list((ckpt_dir / ".jaxckpt-staging").iterdir())
 
 
-def chunk_file(h, step, path, index):
-    """The memory-tier file of one chunk of the leaf at `path` (process 0's part)."""
-    manifest = h._memory.read_manifest(step, 0)
-    key = next(r.array_key for r in manifest.leaves if r.path == path)
-    return h._memory.part_dir(step, 0).joinpath("arrays", key, "c", *map(str, index))
-
-
 def test_flipped_byte_in_memory_falls_back_to_persistent(memory_root, ckpt_dir):
     state = sharded_state(mesh_1d())
     h = handler(memory_root, persist_every=1)
@@ -309,10 +299,7 @@ def test_flipped_byte_in_memory_falls_back_to_persistent(memory_root, ckpt_dir):
         save(mngr, 1, state)
         mngr.wait_until_finished()
         h.wait_for_persistence()
-        chunk = chunk_file(h, 1, "['w']", (0, 0))
-        data = bytearray(chunk.read_bytes())
-        data[3] ^= 0x40
-        chunk.write_bytes(bytes(data))
+        flip_slab_byte(h._memory.part_dir(1, 0), "['w']", (0, 0), at=3)
         restored = restore(mngr, 1, abstract(state))
         assert_tree_equal(restored, state)
         assert h.last_restore_metrics["fallbacks"] == 1
@@ -325,10 +312,7 @@ def test_flipped_byte_without_other_copy_raises(memory_root, ckpt_dir):
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)
         mngr.wait_until_finished()
-        chunk = chunk_file(h, 1, "['w']", (3, 0))
-        data = bytearray(chunk.read_bytes())
-        data[-1] ^= 0x01
-        chunk.write_bytes(bytes(data))
+        flip_slab_byte(h._memory.part_dir(1, 0), "['w']", (3, 0), at=-1, bit=0x01)
         with pytest.raises(
             FileNotFoundError, match=r"chunk \(3, 0\) of \['w'\].*checksum mismatch"
         ):

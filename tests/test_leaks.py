@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _zarr
+from jaxckpt import _slab, _zarr
 from jaxckpt._persister import Persister
 
 
@@ -63,7 +63,16 @@ def failing_after_others(monkeypatch, name: str) -> None:
 
 
 def test_failed_memory_write_leaves_no_staging_chunks(memory_root, ckpt_dir, monkeypatch):
-    failing_after_others(monkeypatch, "write_chunks")
+    """The first chunk's write fails at once; the others land late, after the failure."""
+    original = _slab._pwrite_all
+
+    def flaky(fd, data, offset):
+        if offset == 0:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        time.sleep(0.3)
+        original(fd, data, offset)
+
+    monkeypatch.setattr(_slab, "_pwrite_all", flaky)
     h = handler(memory_root, persist_every=1000)
     with manager(ckpt_dir, h, use_async=False) as mngr:
         with pytest.raises(OSError, match="Step 1 does not fit in the memory tier"):
@@ -73,7 +82,7 @@ def test_failed_memory_write_leaves_no_staging_chunks(memory_root, ckpt_dir, mon
 
 
 def test_failed_persistence_leaves_no_staging_dirs(memory_root, ckpt_dir, monkeypatch):
-    failing_after_others(monkeypatch, "copy_chunks")
+    failing_after_others(monkeypatch, "write_chunks")
     h = handler(memory_root, persist_every=1)
     with manager(ckpt_dir, h, use_async=False) as mngr:
         save(mngr, 1, state_of(0.1))

@@ -8,9 +8,13 @@ import sys
 from jaxckpt._memory_tier import MemoryTier
 
 
-def commit_step(tier: MemoryTier, step: int, owner: int = 0) -> None:
+def commit_step(tier: MemoryTier, step: int, owner: int = 0, size: int = 64) -> None:
     staging = tier.new_staging_dir(step, owner)
     (staging / "manifest.json").write_text("{}")
+    slab = staging / "slab"
+    tier.take_free_slab(slab)
+    with open(slab, "ab") as f:
+        f.truncate(size)
     tier.commit(staging, step, owner)
 
 
@@ -20,9 +24,40 @@ def test_commit_is_atomic_and_replaces(tmp_path):
     commit_step(tier, 5)
     staging = tier.new_staging_dir(5, 0)
     (staging / "new").write_text("x")
+    (staging / "slab").write_bytes(b"")
     tier.commit(staging, 5, 0)
-    assert sorted(p.name for p in tier.part_dir(5, 0).iterdir()) == ["new"]
+    assert sorted(p.name for p in tier.part_dir(5, 0).iterdir()) == ["new", "slab"]
     assert tier.inventory() == {5: [0]}
+
+
+def test_a_part_without_a_slab_is_not_held(tmp_path):
+    """A part of a format before slabs (left by an older jaxckpt) is not counted."""
+    tier = MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    staging = tier.new_staging_dir(5, 0)
+    (staging / "manifest.json").write_text("{}")
+    (staging / "arrays").mkdir()
+    tier.commit(staging, 5, 0)
+    assert tier.inventory() == {}
+
+
+def test_retired_slabs_are_reused_and_bounded(tmp_path):
+    tier = MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    for step in range(1, 4):
+        commit_step(tier, step, owner=0, size=4096)
+        commit_step(tier, step, owner=1, size=4096)
+    slab = tier.slab(1, 0)
+    inode = slab.stat().st_ino
+    assert tier.retain(1, upto=3) == [1, 2]
+    # Two parts per step here: at most two retired slabs wait for reuse.
+    free = sorted((tier.run_dir / ".free").iterdir())
+    assert len(free) == 2
+    assert inode in {p.stat().st_ino for p in free}
+    target = tier.run_dir / "taken"
+    assert tier.take_free_slab(target) and target.stat().st_size == 4096
+    assert tier.take_free_slab(tmp_path / "t2")
+    assert not tier.take_free_slab(tmp_path / "t3")
 
 
 def test_retention_keeps_newest_and_pinned_steps(tmp_path):

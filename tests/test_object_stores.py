@@ -162,11 +162,11 @@ def test_store_killed_mid_persist(tmp_path, memory_root, store_env, monkeypatch)
         store_env(emulator)
         url = emulator.url("run")
         h = handler(memory_root, persist_every=2, timeout_s=20)
-        copy, upload = _zarr.copy_chunks, _persister.Persister._upload
+        write, upload = _zarr.write_chunks, _persister.Persister._upload
         attempts: list[int] = []
 
-        async def dying_copy(src, dst, *args, **kwargs):
-            await copy(src, dst, *args, **kwargs)
+        async def dying_write(dst, *args, **kwargs):
+            await write(dst, *args, **kwargs)
             if "run/2/train/" in dst["path"] and emulator.proc.poll() is None:
                 # Once the manager finalized step 2 (its commit file is on the store, so
                 # save() returns), the store dies after this array: mid-upload.
@@ -180,7 +180,7 @@ def test_store_killed_mid_persist(tmp_path, memory_root, store_env, monkeypatch)
             attempts.append(manifest.step)
             return upload(self, manifest, *args)
 
-        monkeypatch.setattr(_zarr, "copy_chunks", dying_copy)
+        monkeypatch.setattr(_zarr, "write_chunks", dying_write)
         monkeypatch.setattr(_persister.Persister, "_upload", counted_upload)
         with manager(url, h) as mngr:
             save(mngr, 0, state)

@@ -29,7 +29,7 @@ def test_numpy_and_scalars_are_per_process_and_arrays_global_in_one_process(memo
         save(m, 1, state)
         m.wait_until_finished()
     raw = json.loads((ckpt_dir / "1" / "train" / _format.index_file(0)).read_text())
-    assert raw["version"] == 2
+    assert raw["version"] == _format.FORMAT_VERSION == 3
     leaves = {leaf["path"]: leaf for leaf in raw["leaves"]}
     by_index = {leaf["path"]: i for i, leaf in enumerate(raw["leaves"])}
     for name in ("['table']", "['step']", "['scale']", "['name']"):

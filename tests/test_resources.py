@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from test_bad_peers import RUN, TOKEN, FakePeers, Proxy, attach, own_server, small_state
 
 import jaxckpt
-from jaxckpt import _memory_tier, _zarr
+from jaxckpt import _memory_tier, _slab
 from jaxckpt._options import TierOptions
 from jaxckpt.peer._server import PeerServer
 
@@ -59,14 +59,14 @@ def error_chain(e: BaseException) -> str:
 
 def test_memory_tier_full_injected_enospc(memory_root, ckpt_dir, monkeypatch):
     full = False
-    original = _zarr.write_chunks
+    original = _slab.write
 
-    async def write_chunks(*args, **kwargs):
+    def write(*args, **kwargs):
         if full:
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        return await original(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(_zarr, "write_chunks", write_chunks)
+    monkeypatch.setattr(_slab, "write", write)
     h = handler(memory_root, persist_every=1000)
     mngr = manager(ckpt_dir, h)
     save(mngr, 1, small_state(1))

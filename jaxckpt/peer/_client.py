@@ -153,6 +153,7 @@ def _request(
     kind: str,
     relpath: str,
     timeout: float,
+    headers: dict[str, str] | None = None,
 ) -> bytes:
     """Sends one body-less request to a peer; returns the body of its 2xx answer."""
     check_run_id(run_id)
@@ -163,7 +164,11 @@ def _request(
     with _transport_errors(address, action, timeout):
         conn = _Connection(address, timeout)
         with contextlib.closing(conn):
-            conn.request(method, url, headers={TOKEN_HEADER: token, "Connection": "close"})
+            conn.request(
+                method,
+                url,
+                headers={TOKEN_HEADER: token, "Connection": "close", **(headers or {})},
+            )
             try:
                 response = conn.getresponse()
                 status, body = response.status, response.read()
@@ -196,6 +201,30 @@ def fetch_file(
         stalls, or refuses for another reason (message names the peer).
     """
     return _request(address, token, run_id, "GET", "files", relpath, timeout)
+
+
+def fetch_range(
+    address: PeerAddress,
+    *,
+    token: str,
+    run_id: str,
+    relpath: str,
+    offset: int,
+    nbytes: int,
+    timeout: float,
+) -> bytes:
+    """Returns bytes [offset, offset + nbytes) of ``root/run_id/relpath`` on a peer
+    (the server sends them from its page cache with sendfile).
+
+    Arguments and errors are those of `fetch_file`; a range beyond the file's end
+    gives fewer bytes (the caller checks the length).
+    """
+    if offset < 0 or nbytes < 0:
+        raise ValueError(f"Bad byte range: offset={offset}, nbytes={nbytes}.")
+    if nbytes == 0:
+        return b""
+    span = {"Range": f"bytes={offset}-{offset + nbytes - 1}"}
+    return _request(address, token, run_id, "GET", "files", relpath, timeout, span)
 
 
 def list_dir(

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from jaxckpt import _agreement, _faults, _format, _multihost, _placement
 from jaxckpt._memory_tier import MemoryTier
 from jaxckpt._options import TierOptions
-from jaxckpt.peer._client import http_kvstore_spec, push_directory, redact_token
+from jaxckpt._slab import SLAB_FILE
+from jaxckpt.peer._client import fetch_range, push_directory, redact_token
 from jaxckpt.peer._server import PeerServer
 from jaxckpt.peer._wire import PeerAddress
 
@@ -144,10 +145,26 @@ class Peers:
         """`text` without the run's token (tensorstore errors quote whole specs)."""
         return redact_token(text, self._token)
 
-    def part_kvstore(self, holder: int, step: int, owner: int) -> dict[str, Any]:
-        """Tensorstore kvstore of `owner`'s part of `step` in `holder`'s memory tier."""
-        spec = http_kvstore_spec(self.addresses[holder], self._token, self.run_id)
-        return {**spec, "path": f"{MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}/"}
+    def slab_range_reader(
+        self, holder: int, step: int, owner: int
+    ) -> Callable[[int, int, float], bytes]:
+        """(offset, nbytes, timeout_s) -> those bytes of `owner`'s slab of `step`, as
+        `holder`'s memory tier holds it (a range request to its peer service)."""
+        relpath = f"{MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}/{SLAB_FILE}"
+        address = self.addresses[holder]
+
+        def read(offset: int, nbytes: int, timeout_s: float) -> bytes:
+            return fetch_range(
+                address,
+                token=self._token,
+                run_id=self.run_id,
+                relpath=relpath,
+                offset=offset,
+                nbytes=nbytes,
+                timeout=min(timeout_s, self._timeout_s),
+            )
+
+        return read
 
     async def push_replicas(self, part_dir: Path, step: int, owner: int) -> int:
         """Copies a committed part to every holder of `owner`'s replicas; bytes sent."""

@@ -18,9 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from jaxckpt import _chunking, _format, _plan, _storage, _zarr
+from jaxckpt import _checksum, _format, _plan, _readers, _storage
 from jaxckpt.tools import _catalog, _table
 
 # (chunks done, chunks in all, bytes done, bytes in all)
@@ -97,21 +95,25 @@ def _copies(catalog: _catalog.Catalog, info: _catalog.StepInfo) -> tuple[list[_C
     return out, skipped
 
 
-async def _open(kvstore: dict[str, Any]) -> Any:
-    return await _zarr.open_array(kvstore)
-
-
 async def _verify_copy(
     copy: _Copy, manifest: _format.PartManifest, on_chunk: Callable[[int], None]
 ) -> CopyReport:
-    kvstore = _storage.kvstore(copy.part_dir)  # file, gcs or s3
     timeout = REMOTE_READ_TIMEOUT_S if _storage.is_remote(copy.part_dir) else None
     records = [(leaf, c) for leaf, cs in sorted(manifest.chunks.items()) for c in cs]
     total = sum(c.nbytes for _, c in records)
     if copy.problem:
         on_chunk(total)
         return CopyReport(copy.tier, str(copy.location), copy.part, 0, 0, (copy.problem,))
-    arrays: dict[int, Any] = {}
+    try:
+        reader: _readers.ChunkReader = (
+            _readers.SlabReader(copy.part_dir)
+            if copy.tier == _plan.MEMORY
+            else _readers.ZarrReader(_storage.kvstore(copy.part_dir))  # file, gcs or s3
+        )
+    except OSError as e:
+        on_chunk(total)
+        problem = f"unreadable ({str(e).splitlines()[0][:200]})"
+        return CopyReport(copy.tier, str(copy.location), copy.part, 0, 0, (problem,))
     problems: list[str] = []
     limit = asyncio.Semaphore(_CONCURRENCY)
     silent: list[str] = []  # set once the store gave no answer: the rest is not read
@@ -124,11 +126,9 @@ async def _verify_copy(
             try:
                 if silent:
                     raise TimeoutError(silent[0])
-                if leaf not in arrays:  # one open per leaf, shared by its chunks
-                    arrays[leaf] = asyncio.ensure_future(_open(_zarr.array_kvstore(kvstore, rec)))
-                array = await asyncio.wait_for(asyncio.shield(arrays[leaf]), timeout)
-                region = _chunking.chunk_region(chunk.index, rec.stored_shape, rec.chunk_shape)
-                data = np.asarray(await asyncio.wait_for(array[region].read(), timeout))
+                data = await asyncio.to_thread(
+                    reader.read, leaf, rec, chunk, timeout if timeout is not None else 1e9
+                )
             except TimeoutError as e:
                 if not silent:
                     silent.append(str(e) or f"no answer within {_table.duration(timeout)}")
@@ -139,7 +139,7 @@ async def _verify_copy(
                 else:
                     problems.append(f"{where}: unreadable ({str(e).splitlines()[0][:200]})")
             else:
-                if _zarr.checksum(data) != chunk.crc32:
+                if not _checksum.matches(chunk.crc32c, chunk.crc32, data):
                     problems.append(f"{where}: checksum mismatch")
         on_chunk(chunk.nbytes)
 

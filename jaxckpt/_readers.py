@@ -1,0 +1,109 @@
+"""Chunk readers: one per (source, part), whatever the tier.
+
+A tier is just a way to get a chunk's bytes: a view of a slab in this host's
+memory tier, a byte range of a peer's slab, or a read of a persisted zarr3
+array through tensorstore. Every reader returns a private copy (the restore
+verifies its checksum after the copy, so a slab reused meanwhile can never slip
+unverified bytes into a restored array) and never blocks longer than its
+timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxckpt import _chunking, _format, _slab, _zarr
+
+
+class ChunkReader(Protocol):
+    def read(
+        self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
+    ) -> np.ndarray:
+        """The chunk's values (a private copy), in the chunk's own shape."""
+        ...
+
+
+def chunk_shape(record: _format.LeafRecord, index: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of chunk `index` of a leaf (edge chunks are cut at the array's end)."""
+    assert record.stored_shape is not None and record.chunk_shape is not None
+    region = _chunking.chunk_region(index, record.stored_shape, record.chunk_shape)
+    return tuple(s.stop - s.start for s in region)
+
+
+def _from_bytes(data: Any, record: _format.LeafRecord, chunk: _format.ChunkRecord) -> np.ndarray:
+    assert record.stored_dtype is not None
+    shape = chunk_shape(record, chunk.index)
+    dtype = np.dtype(record.stored_dtype)
+    if dtype.itemsize * int(np.prod(shape)) != chunk.nbytes:
+        raise ValueError(
+            f"Chunk {chunk.index} of {record.path} records {chunk.nbytes} bytes, but its "
+            f"shape {shape} of {dtype} needs {dtype.itemsize * int(np.prod(shape))}."
+        )
+    return np.frombuffer(data, np.uint8, count=chunk.nbytes).view(dtype).reshape(shape)
+
+
+def _offset(record: _format.LeafRecord, chunk: _format.ChunkRecord) -> int:
+    if chunk.offset is None:
+        raise ValueError(f"Chunk {chunk.index} of {record.path} has no slab offset.")
+    return chunk.offset
+
+
+def chunk_view(
+    slab: _slab.Reader, record: _format.LeafRecord, chunk: _format.ChunkRecord
+) -> np.ndarray:
+    """A chunk as a view of a mapped slab (no copy: for a slab that cannot change
+    meanwhile, such as a pinned step's)."""
+    return _from_bytes(slab.view(_offset(record, chunk), chunk.nbytes), record, chunk)
+
+
+class SlabReader:
+    """Chunks of a part in this host's memory tier: views of its mapped slab, copied."""
+
+    def __init__(self, part_dir: Path):
+        self._slab = _slab.Reader(part_dir / _slab.SLAB_FILE)
+
+    def read(
+        self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
+    ) -> np.ndarray:
+        view = self._slab.view(_offset(record, chunk), chunk.nbytes)
+        return _from_bytes(np.array(view, copy=True), record, chunk)
+
+
+class RangeReader:
+    """Chunks of a part held by a peer: byte ranges of its slab, fetched over the network."""
+
+    def __init__(self, fetch: Callable[[int, int, float], bytes]):
+        self._fetch = fetch  # (offset, nbytes, timeout_s) -> the bytes
+
+    def read(
+        self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
+    ) -> np.ndarray:
+        data = self._fetch(_offset(record, chunk), chunk.nbytes, timeout_s)
+        if len(data) != chunk.nbytes:
+            raise ValueError(
+                f"Chunk {chunk.index} of {record.path}: the peer sent {len(data)} of "
+                f"{chunk.nbytes} bytes."
+            )
+        return _from_bytes(bytearray(data), record, chunk)
+
+
+class ZarrReader:
+    """Chunks of a persisted part: its zarr3 arrays read through tensorstore."""
+
+    def __init__(self, part_kvstore: dict[str, Any]):
+        self._part = part_kvstore
+        self._arrays: dict[int, Any] = {}
+
+    def read(
+        self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
+    ) -> np.ndarray:
+        assert record.stored_shape is not None and record.chunk_shape is not None
+        if leaf not in self._arrays:
+            kvstore = _zarr.array_kvstore(self._part, record)
+            self._arrays[leaf] = _zarr.open_array(kvstore, record).result(timeout=timeout_s)
+        region = _chunking.chunk_region(chunk.index, record.stored_shape, record.chunk_shape)
+        return np.asarray(self._arrays[leaf][region].read().result(timeout=timeout_s))
