@@ -122,7 +122,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         try:
             step = _step_of(directory, args.step)
             memory = self._memory_for(directory)
-            snapshot = _snapshot.take(args.state, pi)  # validates every leaf first
+            # Validates every leaf first.
+            snapshot = _snapshot.take(args.state, pi, self._options.pinned_host_staging)
         except Exception as error:
             refused = error
         try:
@@ -144,6 +145,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             _faults.maybe_crash("snapshot", step, pi)
             metrics = {"event": "save", "step": step, "process": pi, "bytes": snapshot.nbytes}
             metrics["stall_s"] = time.perf_counter() - started
+            metrics["host_staging"] = snapshot.staging
             save = _Save(_storage.as_path(directory), step, snapshot, memory, pi, metrics, started)
             commit = self._commit_agreed(tag, save)
         return [

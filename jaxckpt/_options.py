@@ -41,6 +41,12 @@ class TierOptions:
       timeout_s: the longest any wait on another process, a peer or a
         background queue may take before it fails with an error.
       peer_host: interface the peer data service binds to and advertises.
+      pinned_host_staging: copy device shards to host through the devices'
+        `pinned_host` memory (one batched `device_put`; JAX reuses the pinned
+        pool, so after the first save it runs at DMA speed, and the host sees
+        the result without another copy). `None` (default): on accelerators
+        that have a `pinned_host` memory; on CPU a shard already is host memory
+        and is held as it is (no copy).
     """
 
     memory_root: str
@@ -52,6 +58,7 @@ class TierOptions:
     run_id: str | None = None
     timeout_s: float = 120.0
     peer_host: str = "127.0.0.1"
+    pinned_host_staging: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_root, (str, os.PathLike)) or not str(self.memory_root):
@@ -76,6 +83,11 @@ class TierOptions:
                 "TierOptions.run_id may only hold 1-255 ASCII letters, digits, '-', '_' and "
                 "'.', starting with a letter or digit (it names a directory: '.' or '..' "
                 f"would name the memory root or its parent), got {self.run_id!r}."
+            )
+        if self.pinned_host_staging not in (None, True, False):
+            raise ValueError(
+                "TierOptions.pinned_host_staging must be None (automatic), True or False, "
+                f"got {self.pinned_host_staging!r}."
             )
         if self.failure_domain is not None and not str(self.failure_domain):
             raise ValueError("TierOptions.failure_domain must not be empty.")

@@ -25,11 +25,17 @@ from jaxckpt import _chunking, _format, _multihost, _sharding, _tree
 
 @dataclasses.dataclass
 class HostShard:
-    """One chunk of one leaf, copied to host memory."""
+    """One chunk of one leaf, in host memory.
+
+    `data` may be a view of memory JAX owns (a CPU buffer, or a `pinned_host`
+    copy of a device buffer): `holds` keeps that alive until the shard is
+    dropped, that is until the memory tier has the bytes.
+    """
 
     leaf: int
     index: tuple[int, ...]
     data: np.ndarray
+    holds: Any = None
 
 
 @dataclasses.dataclass
@@ -42,19 +48,23 @@ class Snapshot:
     stall_s: float
     scalars: dict[int, Any] = dataclasses.field(default_factory=dict)  # per-process values
     shardings: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    staging: str = "none"  # how device shards reached host: see `_stage`
 
     @property
     def nbytes(self) -> int:
         return sum(s.data.nbytes for s in self.shards)
 
 
-def take(state: Any, process_index: int) -> Snapshot:
+def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Snapshot:
     """Validates `state` and copies this process's share of it to host.
 
     Args:
       state: the pytree to save.
       process_index: the saving process. Every process saves its own per-process
         values (numpy arrays, scalars, process-local arrays), process 0 included.
+      pinned_host: stage device shards through `pinned_host` memory
+        (`TierOptions.pinned_host_staging`; None: where the devices have it and
+        are not CPUs).
 
     Raises:
       TypeError: for an unsupported leaf, naming its path.
@@ -107,17 +117,21 @@ def take(state: Any, process_index: int) -> Snapshot:
             records.append(_format.LeafRecord(path, kind))
             snap.iterator_states[i] = _tree.encode_iterator_state(path, leaf.get_state())
 
-    # IMPORTANT: start every device->host transfer before waiting on any of them.
-    for _, buf, _ in pending:
-        buf.copy_to_host_async()
-    for _, data in local:
-        for shard in data.addressable_shards:
-            if shard.replica_id == 0:
-                shard.data.copy_to_host_async()
-    for i, buf, index in pending:
-        snap.shards.append(HostShard(i, index, _to_host(buf)))
-    for i, data in local:
-        snap.shards.append(HostShard(i, (0,) * data.ndim, _whole_on_host(data)))
+    # IMPORTANT: every device->host transfer starts before any is waited for.
+    local_bufs = [
+        [s.data for s in data.addressable_shards if s.replica_id == 0] for _, data in local
+    ]
+    bufs = [buf for _, buf, _ in pending] + [b for group in local_bufs for b in group]
+    hosts, holds, snap.staging = _stage(bufs, pinned_host)
+    for (i, _, index), host, held in zip(pending, hosts, holds, strict=False):
+        snap.shards.append(HostShard(i, index, host, held))
+    done = len(pending)
+    for (i, data), group in zip(local, local_bufs, strict=True):
+        parts = list(zip(group, hosts[done : done + len(group)], strict=True))
+        done += len(group)
+        snap.shards.append(
+            HostShard(i, (0,) * data.ndim, _whole_on_host(data, parts), holds[done - 1])
+        )
     snap.leaves = _format.with_array_keys(
         tuple(
             dataclasses.replace(r, keys=keys)
@@ -136,27 +150,59 @@ def _key_data_layout(impl: str) -> tuple[tuple[int, ...], str]:
     return tuple(data.shape), np.dtype(data.dtype).name
 
 
-def _to_host(buf: jax.Array) -> np.ndarray:
-    """This shard's bytes in host memory, safe to read after the caller moves on.
+def _device_of(buf: jax.Array) -> Any:
+    return next(iter(buf.devices()))
 
-    On CPU a jax buffer already is host memory and immutable: a numpy view holds
-    it (measured: 0.003 s against 0.12-0.18 s to copy 0.25 GB), and while the view
-    lives JAX declines to donate that buffer, so a donating train step cannot
-    overwrite it. Elsewhere this is the device->host copy.
+
+def _has_pinned_host(device: Any) -> bool:
+    return any(m.kind == "pinned_host" for m in device.addressable_memories())
+
+
+def _stage(
+    bufs: list[jax.Array], pinned_host: bool | None
+) -> tuple[list[np.ndarray], list[Any], str]:
+    """Host views of single-device buffers, what keeps them alive, and how they got there.
+
+    - "pinned_host": one batched `device_put` of every buffer to its device's
+      `pinned_host` memory (transfers run concurrently; JAX reuses the pinned
+      pool across saves, so no host allocation per save once warm), then
+      zero-copy numpy views of the results.
+    - "cpu_view": on CPU a jax buffer already is host memory and immutable: a
+      numpy view holds it (measured: 0.003 s against 0.12-0.18 s to copy
+      0.25 GB), and while the view lives JAX declines to donate that buffer, so
+      a donating train step cannot overwrite it.
+    - "pageable": every transfer started (`copy_to_host_async`), then copied
+      into fresh host memory.
     """
-    if buf.platform() == "cpu":
-        return np.asarray(buf)
-    return np.array(buf, copy=True)
+    if not bufs:
+        return [], [], "none"
+    on_cpu = all(b.platform() == "cpu" for b in bufs)
+    if pinned_host is None:
+        pinned_host = not on_cpu and all(_has_pinned_host(_device_of(b)) for b in bufs)
+    if pinned_host:
+        targets = [
+            jax.sharding.SingleDeviceSharding(_device_of(b), memory_kind="pinned_host")
+            for b in bufs
+        ]
+        staged = jax.device_put(bufs, targets)
+        return [np.asarray(s) for s in staged], list(staged), "pinned_host"
+    if on_cpu:
+        return [np.asarray(b) for b in bufs], list(bufs), "cpu_view"
+    for b in bufs:
+        b.copy_to_host_async()
+    return [np.array(b, copy=True) for b in bufs], [None] * len(bufs), "pageable"
 
 
-def _whole_on_host(data: jax.Array) -> np.ndarray:
-    """A process-local array's whole value on host (one chunk of its own part)."""
-    shards = [s for s in data.addressable_shards if s.replica_id == 0]
-    if len(shards) == 1 and shards[0].data.shape == data.shape:
-        return _to_host(shards[0].data)  # one device holds it all: no assembly
+def _whole_on_host(data: jax.Array, shards: list[tuple[jax.Array, np.ndarray]]) -> np.ndarray:
+    """A process-local array's whole value on host (one chunk of its own part), from its
+    replica-0 shards' host copies (in `data.addressable_shards` order)."""
+    if len(shards) == 1 and shards[0][1].shape == data.shape:
+        return shards[0][1]  # one device holds it all: no assembly
     out = np.empty(data.shape, dtype=data.dtype)
-    for s in shards:
-        out[s.index] = np.asarray(s.data)
+    for s, (_, host) in zip(
+        [s for s in data.addressable_shards if s.replica_id == 0], shards, strict=True
+    ):
+        out[s.index] = host
     return out
 
 
