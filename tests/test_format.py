@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 
 import pytest
 
@@ -35,7 +36,7 @@ def manifest(owner: int, count: int = 2, step: int = 5) -> _format.PartManifest:
         process_count=count,
         failure_domain=f"node{owner}",
         leaves=(leaf, _format.LeafRecord("['it']", _format.ITERATOR)),
-        chunks={0: (_format.ChunkRecord((owner, 0), 123 + owner, 32),)},
+        chunks={0: (_format.ChunkRecord((owner, 0), 32, crc32c=123 + owner, offset=0),)},
         iterator_states={1: {"next_index": 3}},
         created=1.5,
         metrics={"stall_s": 0.1},
@@ -149,7 +150,32 @@ def test_array_keys_stay_unique_and_short():
 
 def test_older_manifests_name_arrays_by_leaf_index():
     d = json.loads(manifest(0).to_json())
-    d.pop("crc32")
+    d.pop("crc32c")
     d["version"] = 2
     old = _format.PartManifest.from_dict(d)
     assert [r.array_key for r in old.leaves] == ["0", None]
+
+
+def test_a_version_2_manifest_is_read_and_checked_with_its_crc32():
+    d = json.loads(manifest(0).to_json())
+    d.pop("crc32c")
+    d["version"] = 2
+    for c in d["chunks"]["0"]:  # v2 chunk records: zlib CRC-32, no offset
+        c["crc32"] = c.pop("crc32c")
+        c.pop("offset", None)
+    d["crc32"] = zlib.crc32(json.dumps(d, sort_keys=True, separators=(",", ":")).encode())
+    text = json.dumps(d)
+    old = _format.PartManifest.from_json(text)
+    assert old.chunks[0][0].checksum == ("crc32", 123)
+    with pytest.raises(ValueError, match="damaged"):
+        _format.PartManifest.from_json(text.replace('"run-1"', '"run-2"'))
+
+
+def test_a_manifest_checks_its_crc32c_and_is_parsed_once():
+    text = manifest(1).to_json()
+    assert text.endswith("}") and ',"crc32c":' in text
+    first = _format.PartManifest.from_json(text)
+    assert _format.PartManifest.from_json(text.encode()) is first  # cached by content
+    for damaged in (text.replace('"s1"', '"s2"'), text[:-3] + "9}", text[:-1]):
+        with pytest.raises(ValueError):
+            _format.PartManifest.from_json(damaged)

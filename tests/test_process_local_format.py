@@ -9,6 +9,7 @@ function, or an error naming the leaf) on made-up manifests.
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import jax
@@ -18,7 +19,7 @@ import pytest
 from helpers import assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
 
 import jaxckpt
-from jaxckpt import _format, _target
+from jaxckpt import _format, _readers, _target
 
 # ---- what a save records ------------------------------------------------------
 
@@ -66,21 +67,41 @@ def test_manifest_round_trips_the_per_process_fields():
 # ---- version 1 manifests still restore -----------------------------------------
 
 
-def _as_version_1(path: Path) -> None:
+def _as_version_1(path: Path, crc32s: dict[tuple[str, tuple[int, ...]], int]) -> None:
     """Rewrites a manifest the way jaxckpt 1 wrote it: scalar values inside the leaf
-    records, no per-process fields (numpy arrays were process 0's, as here)."""
+    records, no per-process fields (numpy arrays were process 0's, as here), chunks
+    with their zlib CRC-32 (`crc32s`) and no slab offsets, arrays named by index."""
     d = json.loads(path.read_text())
-    d.pop("crc32")
+    d.pop("crc32c")
     d["version"] = 1
     scalars = d.pop("scalars")
     d.pop("shardings")
     for i, leaf in enumerate(d["leaves"]):
         leaf.pop("per_process", None)
         leaf.pop("uncommitted", None)
+        leaf.pop("array_key", None)
         if leaf["kind"] == _format.SCALAR:
             leaf["value"] = scalars[str(i)]
-    d["crc32"] = _format._digest(d)
+    for i, chunks in d["chunks"].items():
+        for c in chunks:
+            c.pop("crc32c")
+            c.pop("offset")
+            c["crc32"] = crc32s[(d["leaves"][int(i)]["path"], tuple(c["index"]))]
+    d["crc32"] = zlib.crc32(json.dumps(d, sort_keys=True, separators=(",", ":")).encode())
     path.write_text(json.dumps(d))
+
+
+def _zlib_crc32s(part: Path) -> dict[tuple[str, tuple[int, ...]], int]:
+    """(leaf path, chunk index) -> zlib CRC-32 of that chunk, read from a memory slab."""
+    manifest = _format.PartManifest.from_json((part / _format.MANIFEST_FILE).read_text())
+    reader = _readers.SlabReader(part)
+    return {
+        (manifest.leaves[leaf].path, c.index): zlib.crc32(
+            reader.read(leaf, manifest.leaves[leaf], c, 10).tobytes()
+        )
+        for leaf, chunks in manifest.chunks.items()
+        for c in chunks
+    }
 
 
 def test_a_version_1_checkpoint_still_restores(memory_root, ckpt_dir):
@@ -96,13 +117,22 @@ def test_a_version_1_checkpoint_still_restores(memory_root, ckpt_dir):
         *ckpt_dir.rglob("index_*.json"),
     ]
     assert len(manifests) == 3, manifests
+    memory_part = manifests[0].parent
+    crc32s = _zlib_crc32s(memory_part)
+    persisted = ckpt_dir / "1" / "train" / _format.part_dir_name(0)
+    index = _format.PartManifest.from_json(manifests[-1].read_text())
+    for i, record in enumerate(index.leaves):  # version 1 named arrays by leaf index
+        if record.array_key is not None:
+            (persisted / "arrays" / record.array_key).rename(persisted / "arrays" / str(i))
     for path in manifests:
-        _as_version_1(path)
+        _as_version_1(path, crc32s)
+    # Before slabs the memory tier held zarr arrays: such a memory part is not used.
+    (memory_part / "slab").unlink()
     h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root))
     with manager(ckpt_dir, h) as mngr:
         target = {**state, "legacy_key": jax.ShapeDtypeStruct((2,), jnp.uint32)}
         restored = restore(mngr, 1, target)
-        assert h.last_restore_metrics["tier"] == "memory"
+        assert h.last_restore_metrics["tier"] == "persistent"
         host = restore(mngr, 1, None)
         meta = mngr.item_metadata(1).train
     assert_tree_equal(restored, state)
@@ -143,7 +173,8 @@ def _manifest(owner, count, leaves=RECORDS, scalars=None, chunks=None, states=No
         failure_domain=f"node{owner}",
         leaves=leaves,
         chunks={
-            i: (_format.ChunkRecord(idx, crc, 24),) for i, (idx, crc) in (chunks or {}).items()
+            i: (_format.ChunkRecord(idx, 24, crc32c=crc, offset=0),)
+            for i, (idx, crc) in (chunks or {}).items()
         },
         iterator_states=states or {},
         created=0.0,
