@@ -1,8 +1,8 @@
 """Tests for the peer data service (server and client in one process)."""
 
+import dataclasses
 import errno
 import http.client
-import json
 import logging
 import os
 import socket
@@ -10,21 +10,20 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tensorstore as ts
 
-from jaxckpt import _liveness
+from jaxckpt import _checksum, _format, _liveness, _slab
+from jaxckpt.peer import _client, _request_handler
 from jaxckpt.peer._client import (
     delete_path,
     fetch_file,
-    http_kvstore_spec,
+    fetch_range,
     list_dir,
-    push_directory,
+    push_part,
     redact_token,
 )
 from jaxckpt.peer._server import PeerServer
@@ -32,6 +31,7 @@ from jaxckpt.peer._wire import (
     TEMP_PREFIX,
     TOKEN_HEADER,
     PeerAddress,
+    PushHeader,
     decode_push_header,
     encode_push_header,
     push_body_length,
@@ -85,18 +85,67 @@ def _wait_no_temps(root: Path) -> None:
     assert _temps(root) == []
 
 
-def _raw_push_prefix(server: PeerServer, dest: str, files: list[tuple[str, bytes]], crc_delta=0):
+def _place(step: int, owner: int = 0) -> str:
+    return f"step_{step:012d}/part_{owner:05d}"
+
+
+def _make_part(
+    base: Path, step: int, chunks: list[bytes], *, owner: int = 0, run_id: str = RUN
+) -> Path:
+    """A memory-tier part as a save writes it: manifest.json and a slab of `chunks`."""
+    base.mkdir(parents=True, exist_ok=True)
+    offsets, size = _slab.layout([len(c) for c in chunks])
+    arrays = [np.frombuffer(c, np.uint8) for c in chunks]
+    crcs = _slab.write(base / _slab.SLAB_FILE, arrays, offsets, size)
+    leaves = (
+        _format.LeafRecord(path="['params']['w']", kind=_format.ARRAY, array_key="params.w"),
+        _format.LeafRecord(path="['step']", kind=_format.SCALAR, value=step),
+    )
+    records = tuple(
+        _format.ChunkRecord((i, 0), len(c), crc32c=crc, offset=off)
+        for i, (c, crc, off) in enumerate(zip(chunks, crcs, offsets, strict=True))
+    )
+    manifest = _format.PartManifest(
+        step=step,
+        run_id=run_id,
+        save_id=os.urandom(4).hex(),
+        owner=owner,
+        process_count=1,
+        failure_domain="",
+        leaves=leaves,
+        chunks={0: records},
+        iterator_states={},
+        created=0.0,
+    )
+    (base / _format.MANIFEST_FILE).write_text(manifest.to_json())
+    return base
+
+
+def _assert_same_part(a: Path, b: Path) -> None:
+    for name in (_format.MANIFEST_FILE, _slab.SLAB_FILE):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert sorted(os.listdir(b)) == sorted(os.listdir(a))
+
+
+def _assert_part_intact(part: Path) -> None:
+    """Every chunk of the part's slab matches its manifest."""
+    manifest = _format.PartManifest.from_json((part / _format.MANIFEST_FILE).read_text())
+    reader = _slab.Reader(part / _slab.SLAB_FILE)
+    for cs in manifest.chunks.values():
+        for c in cs:
+            assert c.offset is not None
+            assert _checksum.matches(c.crc32c, c.crc32, reader.view(c.offset, c.nbytes))
+
+
+def _raw_push_prefix(server: PeerServer, dest: str, body_after_header: bytes, sizes: PushHeader):
     """Opens a push by hand; returns (socket, reader, full body)."""
-    header = json.dumps(
-        {"version": 1, "files": [{"path": n, "size": len(d)} for n, d in files]}
-    ).encode()
-    body = len(header).to_bytes(4, "big") + header
-    for _, data in files:
-        body += data + ((zlib.crc32(data) + crc_delta) & 0xFFFFFFFF).to_bytes(4, "big")
+    header = encode_push_header(sizes)
+    body = len(header).to_bytes(4, "big") + header + body_after_header
     sock = socket.create_connection((server.address.host, server.address.port), timeout=TIMEOUT)
     sock.sendall(
         f"POST /push/{RUN}/{dest} HTTP/1.1\r\nHost: x\r\n{TOKEN_HEADER}: {TOKEN}\r\n"
-        f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode()
+        f"Content-Length: {push_body_length(len(header), sizes)}\r\n"
+        "Expect: 100-continue\r\n\r\n".encode()
     )
     reader = sock.makefile("rb")
     assert reader.readline().split()[1] == b"100"
@@ -104,76 +153,207 @@ def _raw_push_prefix(server: PeerServer, dest: str, files: list[tuple[str, bytes
     return sock, reader, body
 
 
+def _raw_push_of(server: PeerServer, part: Path, dest: str):
+    manifest = (part / _format.MANIFEST_FILE).read_bytes()
+    slab = (part / _slab.SLAB_FILE).read_bytes()
+    return _raw_push_prefix(server, dest, manifest + slab, PushHeader(len(manifest), len(slab)))
+
+
 def test_push_fetch_list_replace_round_trip(server: PeerServer, root: Path, tmp_path: Path) -> None:
-    big = os.urandom(20 << 20)  # Several transfer buffers.
-    src = _make_tree(
-        tmp_path / "src",
-        {"manifest.json": b'{"step": 3}', "a/c/0/0": big, "a/zarr.json": b"{}", "empty": b""},
+    # Several receive steps, chunks of odd sizes (padding between them), an empty one.
+    chunks = [os.urandom(9 << 20), os.urandom(12_345), b"", os.urandom(11 << 20)]
+    src = _make_part(tmp_path / "src", 3, chunks)
+    sent = push_part(server.address, part_dir=src, dest_relpath=_place(3), **_kw())
+    assert sent == sum(os.path.getsize(src / n) for n in os.listdir(src))
+    dest = root / RUN / _place(3)
+    _assert_same_part(src, dest)
+    manifest = fetch_file(server.address, relpath=f"{_place(3)}/manifest.json", **_kw())
+    assert manifest == (src / "manifest.json").read_bytes()
+    last = _format.PartManifest.from_json(manifest).chunks[0][3]
+    assert last.offset is not None
+    got = fetch_range(
+        server.address, relpath=f"{_place(3)}/slab", offset=last.offset + 5, nbytes=1000, **_kw()
     )
-    sent = push_directory(server.address, src_dir=src, dest_relpath="replicas/p0/step_3", **_kw())
-    assert sent == len(big) + 2 + 11 + 0
-    dest = root / RUN / "replicas/p0/step_3"
-    assert (dest / "a/c/0/0").read_bytes() == big
-    assert fetch_file(server.address, relpath="replicas/p0/step_3/manifest.json", **_kw()) == (
-        b'{"step": 3}'
-    )
-    assert fetch_file(server.address, relpath="replicas/p0/step_3/empty", **_kw()) == b""
-    names = list_dir(server.address, relpath="replicas/p0/step_3", **_kw())
-    assert names == ["a", "empty", "manifest.json"]
-    assert list_dir(server.address, relpath="", **_kw()) == ["replicas"]
+    assert got == chunks[3][5:1005]
+    assert list_dir(server.address, relpath=_place(3), **_kw()) == ["manifest.json", "slab"]
+    assert list_dir(server.address, relpath="", **_kw()) == ["step_000000000003"]
 
     # A second push to the same destination replaces it as a whole.
-    src2 = _make_tree(tmp_path / "src2", {"only.txt": b"new"})
-    push_directory(server.address, src_dir=src2, dest_relpath="replicas/p0/step_3", **_kw())
-    assert sorted(os.listdir(dest)) == ["only.txt"]
+    src2 = _make_part(tmp_path / "src2", 3, [b"new" * 1000])
+    push_part(server.address, part_dir=src2, dest_relpath=_place(3), **_kw())
+    _assert_same_part(src2, dest)
     _wait_no_temps(root)  # The replaced copy is freed just after the answer.
 
-    delete_path(server.address, relpath="replicas/p0/step_3", **_kw())
+    delete_path(server.address, relpath=_place(3), **_kw())
     assert not dest.exists()
-    with pytest.raises(FileNotFoundError, match="replicas/p0/step_3"):
-        delete_path(server.address, relpath="replicas/p0/step_3", **_kw())
+    with pytest.raises(FileNotFoundError, match=_place(3)):
+        delete_path(server.address, relpath=_place(3), **_kw())
     with pytest.raises(FileNotFoundError, match=str(server.address)):
-        fetch_file(server.address, relpath="replicas/p0/step_3/only.txt", **_kw())
+        fetch_file(server.address, relpath=f"{_place(3)}/slab", **_kw())
     assert _temps(root) == []
 
 
-def test_tensorstore_reads_zarr3_through_http_kvstore(server: PeerServer, tmp_path: Path) -> None:
-    """The restore path: tensorstore reads a peer's zarr3 chunks straight over HTTP."""
-    data = np.arange(96 * 40, dtype=np.float32).reshape(96, 40) * 0.5
-    src = tmp_path / "snapshot"
-    written = ts.open(
-        {
-            "driver": "zarr3",
-            "kvstore": {"driver": "file", "path": str(src / "params.w") + "/"},
-            "metadata": {
-                "shape": list(data.shape),
-                "data_type": "float32",
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [32, 40]}},
-            },
-        },
-        create=True,
-    ).result()
-    written.write(data).result()
-    push_directory(server.address, src_dir=src, dest_relpath="replicas/p1/step_9", **_kw())
+def test_push_of_an_empty_part(server: PeerServer, root: Path, tmp_path: Path) -> None:
+    src = _make_part(tmp_path / "src", 4, [])
+    push_part(server.address, part_dir=src, dest_relpath=_place(4), **_kw())
+    _assert_same_part(src, root / RUN / _place(4))
+    assert (root / RUN / _place(4) / "slab").stat().st_size == 0
 
-    kvstore = http_kvstore_spec(server.address, TOKEN, RUN) | {
-        "path": "replicas/p1/step_9/params.w/"
+
+@pytest.mark.parametrize("bigger", [True, False], ids=["free-slab-bigger", "free-slab-smaller"])
+def test_push_is_received_into_a_free_slab_of_the_memory_tier(
+    server: PeerServer, root: Path, tmp_path: Path, bigger: bool
+) -> None:
+    free = root / RUN / ".free"
+    free.mkdir(parents=True)
+    (free / "slab-1").write_bytes(b"\xee" * ((3 << 20) if bigger else 1000))
+    inode = (free / "slab-1").stat().st_ino
+    src = _make_part(tmp_path / "src", 5, [os.urandom(1 << 20), os.urandom(777)])
+    push_part(server.address, part_dir=src, dest_relpath=_place(5), **_kw())
+    dest = root / RUN / _place(5)
+    assert (dest / "slab").stat().st_ino == inode  # the free slab, refilled
+    assert list(free.iterdir()) == []
+    _assert_same_part(src, dest)  # resized to the pushed slab: no stale tail
+
+
+def test_a_service_told_not_to_reuse_slabs_leaves_them(root: Path, tmp_path: Path) -> None:
+    free = root / RUN / ".free"
+    free.mkdir(parents=True)
+    (free / "slab-1").write_bytes(b"\xee" * 4096)
+    src = _make_part(tmp_path / "src", 5, [os.urandom(5000)])
+    with PeerServer(root, run_id=RUN, token=TOKEN, reuse_free_slabs=False) as srv:
+        push_part(srv.address, part_dir=src, dest_relpath=_place(5), **_kw())
+    assert [p.name for p in free.iterdir()] == ["slab-1"]
+    _assert_same_part(src, root / RUN / _place(5))
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh-file", "free-slab"])
+@pytest.mark.parametrize("where", [0, -1], ids=["first-chunk", "last-chunk"])
+def test_push_damaged_in_flight_is_refused_and_leaves_the_old_copy(
+    server: PeerServer,
+    root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    reuse: bool,
+    where: int,
+) -> None:
+    old = _make_part(tmp_path / "old", 6, [b"old" * 100])
+    push_part(server.address, part_dir=old, dest_relpath=_place(6), **_kw())
+    if reuse:
+        (root / RUN / ".free").mkdir()
+        (root / RUN / ".free" / "slab-1").write_bytes(bytes(1 << 20))
+    new = _make_part(tmp_path / "new", 6, [os.urandom(3 << 20), os.urandom(10_000)])
+    chunk = _format.PartManifest.from_json((new / "manifest.json").read_text()).chunks[0][where]
+    assert chunk.offset is not None
+    flip_at = chunk.offset + chunk.nbytes // 2
+    original = _client._send_file
+
+    def send_damaged(sock, f, size):  # the sender's bytes, one bit flipped on the way
+        if not f.name.endswith("slab"):
+            return original(sock, f, size)
+        data = bytearray(f.read())
+        data[flip_at] ^= 0x10
+        sock.sendall(data)
+
+    monkeypatch.setattr(_client, "_send_file", send_damaged)
+    with pytest.raises(OSError, match="400") as err:
+        push_part(server.address, part_dir=new, dest_relpath=_place(6), **_kw())
+    assert err.value.errno == errno.EINVAL
+    message = str(err.value)
+    assert f"Chunk {list(chunk.index)} of leaf \"['params']['w']\"" in message, message
+    assert f"bytes [{chunk.offset}, {chunk.offset + chunk.nbytes})" in message
+    assert "damaged in transit" in message
+    _assert_same_part(old, root / RUN / _place(6))  # nothing of the bad push is visible
+    _wait_no_temps(root)
+
+    monkeypatch.setattr(_client, "_send_file", original)  # the next push goes through
+    push_part(server.address, part_dir=new, dest_relpath=_place(6), **_kw())
+    _assert_same_part(new, root / RUN / _place(6))
+
+
+def test_push_of_a_part_without_a_manifest_or_slab_is_refused(
+    server: PeerServer, root: Path, tmp_path: Path
+) -> None:
+    src = _make_part(tmp_path / "src", 7, [b"x" * 100])
+    (src / "manifest.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"manifest\.json"):
+        push_part(server.address, part_dir=src, dest_relpath=_place(7), **_kw())
+    src = _make_part(tmp_path / "src2", 7, [b"x" * 100])
+    (src / "slab").unlink()
+    with pytest.raises(FileNotFoundError, match="slab"):
+        push_part(server.address, part_dir=src, dest_relpath=_place(7), **_kw())
+    assert not (root / RUN / "step_000000000007").exists()
+
+
+def _garbage(text: str) -> str:
+    return text[: len(text) // 2]
+
+
+def _other_run(text: str) -> str:
+    return dataclasses.replace(_format.PartManifest.from_json(text), run_id="another-run").to_json()
+
+
+def _other_step(text: str) -> str:
+    return dataclasses.replace(_format.PartManifest.from_json(text), step=8).to_json()
+
+
+def _chunk_past_the_slab(text: str) -> str:
+    m = _format.PartManifest.from_json(text)
+    (c,) = m.chunks[0]
+    bad = dataclasses.replace(c, offset=(8 << 20) - 10)
+    return dataclasses.replace(m, chunks={0: (bad,)}).to_json()
+
+
+def _no_offsets(text: str) -> str:  # as in a manifest of format version 2: no slab
+    m = _format.PartManifest.from_json(text)
+    chunks = {
+        i: tuple(dataclasses.replace(c, offset=None) for c in cs) for i, cs in m.chunks.items()
     }
-    remote = ts.open({"driver": "zarr3", "kvstore": kvstore}, read=True).result()
-    assert remote.shape == data.shape
-    np.testing.assert_array_equal(remote.read().result(), data)
-    np.testing.assert_array_equal(remote[17:70, 3:9].read().result(), data[17:70, 3:9])
+    return dataclasses.replace(m, chunks=chunks).to_json()
 
-    wrong = dict(kvstore, headers=[f"{TOKEN_HEADER}: wrong"])
-    with pytest.raises(ValueError, match="403"):
-        ts.open({"driver": "zarr3", "kvstore": wrong}, read=True).result()
 
-    # tensorstore quotes the spec, token included, in its errors.
-    missing = dict(kvstore, path="replicas/p1/step_9/absent/")
-    with pytest.raises(ValueError) as err:
-        ts.open({"driver": "zarr3", "kvstore": missing}, read=True).result()
-    assert "NOT_FOUND" in str(err.value)
-    assert TOKEN not in redact_token(str(err.value), TOKEN)
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_garbage, "is not a valid part manifest"),
+        (lambda text: text.replace('"step":7', '"step":9'), "does not match its checksum"),
+        (_other_run, "run 'another-run'"),
+        (_other_step, "belongs at 'step_000000000008/part_00000'"),
+        (_chunk_past_the_slab, "lies outside the pushed 8388608-byte slab"),
+        (_no_offsets, "has no place in a slab"),
+    ],
+    ids=["garbage", "checksum", "other-run", "other-place", "past-the-slab", "no-offsets"],
+)
+def test_push_with_a_bad_manifest_is_refused_with_a_clear_answer(
+    server: PeerServer, root: Path, tmp_path: Path, damage, message: str
+) -> None:
+    # A large slab: the refusal comes before the server reads it, and still reaches
+    # the pusher (which sends the whole body first) instead of a reset connection.
+    src = _make_part(tmp_path / "src", 7, [os.urandom(8 << 20)])
+    manifest = src / "manifest.json"
+    manifest.write_text(damage(manifest.read_text()))
+    for _ in range(3):
+        with pytest.raises(OSError, match="400") as err:
+            push_part(server.address, part_dir=src, dest_relpath=_place(7), **_kw())
+        assert err.value.errno == errno.EINVAL
+        assert message in str(err.value)
+    assert not (root / RUN / "step_000000000007").exists()
+    _wait_no_temps(root)
+
+
+def test_push_when_the_holder_is_out_of_memory_is_refused_cleanly(
+    server: PeerServer, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    src = _make_part(tmp_path / "src", 7, [os.urandom(4 << 20)])
+    monkeypatch.setattr(_request_handler.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="507") as err:
+        push_part(server.address, part_dir=src, dest_relpath=_place(7), **_kw())
+    assert err.value.errno == errno.ENOSPC
+    assert not (root / RUN / "step_000000000007").exists()
+    _wait_no_temps(root)
 
 
 def test_get_supports_range_head_and_etag(server: PeerServer, root: Path) -> None:
@@ -210,10 +390,10 @@ def test_wrong_or_missing_token_is_rejected(server: PeerServer, root: Path, tmp_
     resp = conn.getresponse()
     assert resp.status == 403
     assert b"secret data" not in resp.read()
-    src = _make_tree(tmp_path / "src", {"x": b"1"})
+    src = _make_part(tmp_path / "src", 1, [b"1"])
     with pytest.raises(PermissionError):
-        push_directory(server.address, src_dir=src, dest_relpath="d", **_kw(token="wrong"))
-    assert not (root / RUN / "d").exists()
+        push_part(server.address, part_dir=src, dest_relpath=_place(1), **_kw(token="wrong"))
+    assert not (root / RUN / "step_000000000001").exists()
 
 
 def test_other_run_id_is_rejected(server: PeerServer, root: Path) -> None:
@@ -246,69 +426,106 @@ def test_server_refuses_escaping_paths(server: PeerServer, path: str) -> None:
     assert resp.status == 400
 
 
-def test_server_refuses_symlink_escape_and_bad_push_paths(
-    server: PeerServer, root: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    "dest", ["link/part_00000", "d", "step_000000000001", f"{TEMP_PREFIX}x/part_00000"]
+)
+def test_server_refuses_symlink_escape_and_bad_push_destinations(
+    server: PeerServer, root: Path, tmp_path: Path, dest: str
 ) -> None:
     outside = _make_tree(tmp_path / "outside", {"secret": b"no"})
     os.symlink(outside, root / RUN / "link")
     resp, _ = _raw(server, "GET", f"/files/{RUN}/link/secret")
     assert resp.status == 400
-    sock, reader, body = _raw_push_prefix(server, "dest", [("../evil", b"x")])
-    with sock, reader:
-        sock.sendall(body)
-        assert reader.readline().split()[1] == b"400"
-    assert not (root / RUN / "dest").exists()
-    assert not (root / "evil").exists()
-    _wait_no_temps(root)
+    # A push that is not to a part's place (or leaves the run directory through a
+    # symlink) is refused before its body moves.
+    os.symlink(outside, root / RUN / "step_000000000002")
+    for place in (dest, "step_000000000002/part_00000"):
+        sock = socket.create_connection((server.address.host, server.address.port), timeout=TIMEOUT)
+        with sock, sock.makefile("rb") as reader:
+            sock.sendall(
+                f"POST /push/{RUN}/{place} HTTP/1.1\r\nHost: x\r\n{TOKEN_HEADER}: {TOKEN}\r\n"
+                "Content-Length: 100\r\nExpect: 100-continue\r\n\r\n".encode()
+            )
+            assert reader.readline().split()[1] == b"400", place
+    assert sorted(os.listdir(outside)) == ["secret"]
+    assert sorted(os.listdir(root / RUN)) == ["link", "step_000000000002"]
 
 
 def test_oversized_push_is_refused_before_the_body(root: Path, tmp_path: Path) -> None:
     with PeerServer(root, run_id=RUN, token=TOKEN, max_push_bytes=1000) as srv:
-        src = _make_tree(tmp_path / "src", {"big": os.urandom(64 << 20)})
+        src = _make_part(tmp_path / "src", 1, [os.urandom(64 << 20)])
         start = time.monotonic()
         with pytest.raises(OSError, match="413") as err:
-            push_directory(srv.address, src_dir=src, dest_relpath="d", **_kw())
+            push_part(srv.address, part_dir=src, dest_relpath=_place(1), **_kw())
         assert err.value.errno == errno.EFBIG
         assert time.monotonic() - start < 2.0  # Refused at the headers, not after 64 MB.
-        assert not (root / RUN / "d").exists()
+        assert not (root / RUN / "step_000000000001").exists()
         assert _temps(root) == []
 
 
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh-file", "free-slab"])
 def test_interrupted_push_leaves_old_copy_and_no_partial(
-    server: PeerServer, root: Path, tmp_path: Path
+    server: PeerServer, root: Path, tmp_path: Path, reuse: bool
 ) -> None:
-    src = _make_tree(tmp_path / "src", {"a": b"old"})
-    push_directory(server.address, src_dir=src, dest_relpath="step", **_kw())
-    sock, reader, body = _raw_push_prefix(server, "step", [("a", b"n" * 100_000), ("b", b"x" * 10)])
+    old = _make_part(tmp_path / "old", 1, [b"old"])
+    push_part(server.address, part_dir=old, dest_relpath=_place(1), **_kw())
+    if reuse:
+        (root / RUN / ".free").mkdir()
+        (root / RUN / ".free" / "slab-1").write_bytes(bytes(1 << 20))
+    new = _make_part(tmp_path / "new", 1, [os.urandom(3 << 20), os.urandom(100)])
+    sock, reader, body = _raw_push_of(server, new, _place(1))
     with sock, reader:
         sock.sendall(body[: len(body) // 2])
     _wait_no_temps(root)
-    assert sorted(os.listdir(root / RUN / "step")) == ["a"]
-    assert (root / RUN / "step" / "a").read_bytes() == b"old"
+    _assert_same_part(old, root / RUN / _place(1))
 
 
-def test_corrupted_push_is_refused(server: PeerServer, root: Path) -> None:
-    sock, reader, body = _raw_push_prefix(server, "step", [("a", b"payload")], crc_delta=1)
+def test_push_whose_slab_does_not_match_is_refused_by_a_raw_client(
+    server: PeerServer, root: Path, tmp_path: Path
+) -> None:
+    src = _make_part(tmp_path / "src", 1, [b"payload" * 100])
+    sock, reader, body = _raw_push_of(server, src, _place(1))
+    damaged = bytearray(body)
+    damaged[-100] ^= 1  # inside the chunk, past its alignment padding
     with sock, reader:
-        sock.sendall(body)
+        sock.sendall(damaged)
         status_line = reader.readline()
     assert status_line.split()[1] == b"400"
-    assert not (root / RUN / "step").exists()
+    assert not (root / RUN / "step_000000000001").exists()
     _wait_no_temps(root)
+
+
+def test_push_header_that_lies_about_the_body_is_refused(
+    server: PeerServer, root: Path, tmp_path: Path
+) -> None:
+    src = _make_part(tmp_path / "src", 1, [b"payload" * 100])
+    manifest = (src / "manifest.json").read_bytes()
+    slab = (src / "slab").read_bytes()
+    header = encode_push_header(PushHeader(len(manifest), len(slab) + 10))  # 10 bytes too many
+    body = len(header).to_bytes(4, "big") + header + manifest + slab
+    sock = socket.create_connection((server.address.host, server.address.port), timeout=TIMEOUT)
+    with sock, sock.makefile("rb") as reader:
+        sock.sendall(
+            f"POST /push/{RUN}/{_place(1)} HTTP/1.1\r\nHost: x\r\n{TOKEN_HEADER}: {TOKEN}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert reader.readline().split()[1] == b"400"
+    assert not (root / RUN / "step_000000000001").exists()
 
 
 def test_concurrent_pushes_to_one_destination_stay_whole(
     server: PeerServer, root: Path, tmp_path: Path
 ) -> None:
     sources = [
-        _make_tree(tmp_path / f"src{i}", {f"f{j}": bytes([i]) * 50_000 for j in range(4)})
+        _make_part(tmp_path / f"src{i}", 1, [bytes([i]) * 50_000 for _ in range(4)])
         for i in range(6)
     ]
     threads = [
         threading.Thread(
-            target=push_directory,
+            target=push_part,
             args=(server.address,),
-            kwargs=_kw(src_dir=s, dest_relpath="step"),
+            kwargs=_kw(part_dir=s, dest_relpath=_place(1)),
         )
         for s in sources
     ]
@@ -316,8 +533,12 @@ def test_concurrent_pushes_to_one_destination_stay_whole(
         t.start()
     for t in threads:
         t.join()
-    contents = {(root / RUN / "step" / f"f{j}").read_bytes() for j in range(4)}
-    assert len(contents) == 1  # All four files come from the same push.
+    dest = root / RUN / _place(1)
+    # Manifest and slab come from the same push.
+    assert any(
+        (dest / "manifest.json").read_bytes() == (s / "manifest.json").read_bytes() for s in sources
+    )
+    _assert_part_intact(dest)
     _wait_no_temps(root)
 
 
@@ -338,12 +559,12 @@ def test_stopped_server_fails_fast(root: Path) -> None:
 def test_silent_peer_times_out_within_the_timeout(tmp_path: Path) -> None:
     listener = socket.create_server(("127.0.0.1", 0))  # Accepts (backlog), never answers.
     address = PeerAddress("127.0.0.1", listener.getsockname()[1])
-    src = _make_tree(tmp_path / "src", {"a": b"x"})
+    src = _make_part(tmp_path / "src", 1, [b"x"])
     try:
         for call in (
             lambda: fetch_file(address, relpath="manifest.json", **_kw(timeout=0.3)),
             lambda: list_dir(address, relpath="", **_kw(timeout=0.3)),
-            lambda: push_directory(address, src_dir=src, dest_relpath="d", **_kw(timeout=0.3)),
+            lambda: push_part(address, part_dir=src, dest_relpath=_place(1), **_kw(timeout=0.3)),
         ):
             start = time.monotonic()
             with pytest.raises(TimeoutError, match=rf"{address}.*0\.3 s"):
@@ -414,27 +635,24 @@ def test_argument_validation() -> None:
         PeerServer("/tmp", run_id=RUN, token="bad\r\ntoken")
     with pytest.raises(ValueError, match="max_push_bytes"):
         PeerServer("/tmp", run_id=RUN, token=TOKEN, max_push_bytes=0)
-    spec = http_kvstore_spec(PeerAddress("h", 1), TOKEN, RUN)
-    assert spec == {
-        "driver": "http",
-        "base_url": "http://h:1/files/run1/",
-        "headers": [f"{TOKEN_HEADER}: {TOKEN}"],
-    }
+    assert redact_token(f"spec with {TOKEN} in it", TOKEN) == "spec with <redacted> in it"
+    assert redact_token("text", "") == "text"
 
 
 def test_push_header_round_trip_and_rejections() -> None:
-    files = [("a/b", 3), ("c", 0)]
-    header = encode_push_header(files)
-    assert decode_push_header(header) == files
-    assert push_body_length(len(header), files) == 4 + len(header) + 3 + 4 + 0 + 4
+    sizes = PushHeader(manifest_bytes=3, slab_bytes=0)
+    header = encode_push_header(sizes)
+    assert decode_push_header(header) == sizes
+    assert push_body_length(len(header), sizes) == 4 + len(header) + 3
     bad = {
         b"not json": "Malformed push header",
-        b'{"files": []}': "Malformed push header",
-        b'{"version": 2, "files": []}': "version 2 unsupported",
-        b'{"version": 1, "files": [{"path": "../x", "size": 1}]}': "Malformed push header",
-        b'{"version": 1, "files": [{"path": "x", "size": -1}]}': "non-negative ints",
-        b'{"version": 1, "files": [{"path": "x", "size": true}]}': "non-negative ints",
-        b'{"version": 1, "files": [{"path": "x", "size": 1}, {"path": "x/", "size": 1}]}': "twice",
+        b'{"manifest_bytes": 1, "slab_bytes": 1}': "Malformed push header",
+        b'{"version": 1, "files": []}': "version 1 unsupported",
+        b'{"version": 2, "slab_bytes": 1}': "Malformed push header",
+        b'{"version": 2, "manifest_bytes": -1, "slab_bytes": 1}': "non-negative ints",
+        b'{"version": 2, "manifest_bytes": true, "slab_bytes": 1}': "non-negative ints",
+        b'{"version": 2, "manifest_bytes": 1, "slab_bytes": "1"}': "non-negative ints",
+        b"[2]": "Malformed push header",
     }
     for data, message in bad.items():
         with pytest.raises(ValueError, match=message):

@@ -2,28 +2,27 @@
 
 Each call opens one connection to a peer's `PeerServer`, speaks the wire format
 of `_wire`, and turns transport failures and HTTP errors into built-in
-exceptions that name the peer, the path and the run. Plain requests (fetch, list,
-delete) go through `http.client`; only the streaming push speaks HTTP over a raw
-socket (see `push_directory`). Tensorstore reads peers directly through
-`http_kvstore_spec`.
+exceptions that name the peer, the path and the run. Plain requests (fetch, byte
+ranges, list, delete) go through `http.client`; only the streaming push of a
+part speaks HTTP over a raw socket (see `push_part`).
 """
 
-import concurrent.futures
 import contextlib
 import errno
 import http.client
 import json
 import os
 import socket
-import stat
 import urllib.parse
-import zlib
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
 
+from jaxckpt._format import MANIFEST_FILE
+from jaxckpt._slab import SLAB_FILE
 from jaxckpt.peer._wire import (
     TOKEN_HEADER,
     PeerAddress,
+    PushHeader,
     check_run_id,
     check_token,
     clean_relpath,
@@ -33,30 +32,15 @@ from jaxckpt.peer._wire import (
     read_exact,
 )
 
-_BUFFER_BYTES: Final = 8 << 20
 _STATUS_ERRNO: Final = {400: errno.EINVAL, 409: errno.ESTALE, 413: errno.EFBIG, 507: errno.ENOSPC}
 
 
-def http_kvstore_spec(address: PeerAddress, token: str, run_id: str) -> dict[str, Any]:
-    """Returns a tensorstore ``http`` kvstore spec rooted at a peer's run directory.
-
-    Add ``"path": "<relative/path/>"`` to address a zarr3 array below it.
-
-    The spec holds the token, and tensorstore quotes the whole spec in its
-    error messages: pass those through `redact_token` before raising or
-    logging them.
-    """
-    check_run_id(run_id)
-    check_token(token)
-    return {
-        "driver": "http",
-        "base_url": f"http://{address}/files/{urllib.parse.quote(run_id)}/",
-        "headers": [f"{TOKEN_HEADER}: {token}"],
-    }
-
-
 def redact_token(text: str, token: str) -> str:
-    """Returns ``text`` with every occurrence of ``token`` replaced by ``<redacted>``."""
+    """Returns ``text`` with every occurrence of ``token`` replaced by ``<redacted>``.
+
+    No answer of a peer service quotes the token; this keeps it out of error
+    messages and logs should any other text (a caller's own) hold it.
+    """
     return text.replace(token, "<redacted>") if token else text
 
 
@@ -250,28 +234,32 @@ def delete_path(
     _request(address, token, run_id, "DELETE", "files", relpath, timeout)
 
 
-def push_directory(
+def push_part(
     address: PeerAddress,
     *,
     token: str,
     run_id: str,
-    src_dir: str | os.PathLike[str],
+    part_dir: str | os.PathLike[str],
     dest_relpath: str,
     timeout: float,
 ) -> int:
-    """Copies every regular file under ``src_dir`` to ``root/run_id/dest_relpath`` on a peer.
+    """Copies a memory-tier part (``manifest.json`` and ``slab``) to a peer.
 
-    The peer writes into a temporary directory and renames it to
-    ``dest_relpath`` (replacing what was there) only after every file arrived
-    with the right size and CRC-32, so the destination never holds a partial
-    copy. Symlinks and special files under ``src_dir`` are skipped.
+    The files go out with zero-copy sendfile and nothing else: this side
+    computes no checksum and copies no byte through user space. The peer receives into a temporary directory, checks
+    every chunk of the received slab against the CRC-32C that the received
+    manifest records (and that every chunk lies inside the slab), and only then
+    renames the directory to ``root/run_id/dest_relpath`` (replacing what was
+    there), so the destination never holds a partial or damaged copy.
 
     Args:
       address: The peer's `PeerServer.address`.
       token: The run's shared secret.
       run_id: The run whose directory receives the copy.
-      src_dir: Local directory to copy.
-      dest_relpath: Destination below the peer's run directory.
+      part_dir: Local part directory (``manifest.json`` and ``slab``).
+      dest_relpath: The part's place below the peer's run directory
+        (``step_<step:012d>/part_<owner:05d>``, as the manifest says; the peer
+        refuses any other).
       timeout: Seconds any one connect, send or receive may block.
 
     Returns:
@@ -279,83 +267,59 @@ def push_directory(
 
     Raises:
       ValueError: If an argument is malformed (before any I/O).
+      FileNotFoundError: If ``part_dir`` lacks one of the files (before any I/O).
       PermissionError: If the peer rejected the token.
-      OSError: If the push was refused (``errno.EFBIG`` when too big for the
-        peer, ``errno.ENOSPC`` when its memory tier is full) or a local file
-        could not be read.
+      OSError: If the push was refused: ``errno.EINVAL`` when the manifest is
+        not a valid part manifest of this run and place or a chunk of the slab
+        arrived damaged (the message names it), ``errno.EFBIG`` when too big for
+        the peer, ``errno.ENOSPC`` when its memory tier is full.
       TimeoutError, ConnectionError: If the peer is unreachable or stalls.
     """
     check_run_id(run_id)
     check_token(token)
     rel = clean_relpath(dest_relpath, allow_empty=False)
-    src = os.fspath(src_dir)
-    if not os.path.isdir(src):
-        raise NotADirectoryError(errno.ENOTDIR, f"Push source {src!r} is not a directory.")
-    files = _regular_files(src)
-    header = encode_push_header(files)
-    payload = sum(s for _, s in files)
-    total = push_body_length(len(header), files)
-    action = f"push of {src!r} to {dest_relpath!r} of run {run_id!r}"
+    src = os.fspath(part_dir)
+    action = f"push of part {src!r} to {dest_relpath!r} of run {run_id!r}"
     url = f"/push/{urllib.parse.quote(run_id)}/{urllib.parse.quote(rel)}"
-    # A raw socket, because http.client cannot speak this exchange: it sends a
-    # request's body right after its headers and skips interim answers, so it
-    # cannot wait for "100 Continue" before streaming (the server's chance to
-    # refuse a push before any body byte moves) nor read the refusal that comes
-    # instead. The raw socket also lets `_send_files` use zero-copy sendfile.
-    request = (
-        f"POST {url} HTTP/1.1\r\nHost: {address}\r\n{TOKEN_HEADER}: {token}\r\n"
-        f"Content-Type: application/octet-stream\r\nContent-Length: {total}\r\n"
-        "Expect: 100-continue\r\nConnection: close\r\n\r\n"
-    ).encode()
-    with _transport_errors(address, action, timeout):
-        sock = _connect(address, timeout)
-        with sock, sock.makefile("rb") as reader:
-            sock.sendall(request)
-            status, body = _read_response(reader)
-            if status == 100:
-                try:
-                    sock.sendall(pack_u32(len(header)) + header)
-                    _send_files(sock, src, files)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # The peer gave up early; its answer (if any) says why.
+    with contextlib.ExitStack() as files:
+        manifest, slab = (
+            files.enter_context(open(os.path.join(src, name), "rb"))
+            for name in (MANIFEST_FILE, SLAB_FILE)
+        )
+        sizes = PushHeader(os.fstat(manifest.fileno()).st_size, os.fstat(slab.fileno()).st_size)
+        header = encode_push_header(sizes)
+        total = push_body_length(len(header), sizes)
+        # A raw socket, because http.client cannot speak this exchange: it sends a
+        # request's body right after its headers and skips interim answers, so it
+        # cannot wait for "100 Continue" before streaming (the server's chance to
+        # refuse a push before any body byte moves) nor read the refusal that comes
+        # instead. The raw socket also lets `_send_file` use zero-copy sendfile.
+        request = (
+            f"POST {url} HTTP/1.1\r\nHost: {address}\r\n{TOKEN_HEADER}: {token}\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {total}\r\n"
+            "Expect: 100-continue\r\nConnection: close\r\n\r\n"
+        ).encode()
+        with _transport_errors(address, action, timeout):
+            sock = _connect(address, timeout)
+            with sock, sock.makefile("rb") as reader:
+                sock.sendall(request)
                 status, body = _read_response(reader)
+                if status == 100:
+                    try:
+                        sock.sendall(pack_u32(len(header)) + header)
+                        _send_file(sock, manifest, sizes.manifest_bytes)
+                        _send_file(sock, slab, sizes.slab_bytes)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # The peer gave up early; its answer (if any) says why.
+                    status, body = _read_response(reader)
     _raise_for_status(address, action, status, body)
-    return payload
+    return sizes.payload_bytes
 
 
-def _regular_files(src: str) -> list[tuple[str, int]]:
-    """Lists (posix relative path, size) of regular files under ``src``, sorted."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(src):
-        dirnames.sort()
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode):
-                found.append((os.path.relpath(path, src).replace(os.sep, "/"), st.st_size))
-    return sorted(found)
-
-
-def _send_files(sock: socket.socket, src: str, files: list[tuple[str, int]]) -> None:
-    """Sends each file with zero-copy sendfile while another thread checksums it."""
-    with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-peer-crc") as pool:
-        for name, size in files:
-            path = os.path.join(src, name)
-            crc = pool.submit(_file_crc, path, size)
-            with open(path, "rb") as f:
-                sent = sock.sendfile(f, 0, size) if size else 0
-            if sent != size:
-                raise OSError(errno.EIO, f"{path!r} shrank while being pushed.")
-            # A file that changed meanwhile fails the server's CRC check.
-            sock.sendall(pack_u32(crc.result()))
-
-
-def _file_crc(path: str, size: int) -> int:
-    crc, buf = 0, memoryview(bytearray(min(_BUFFER_BYTES, max(size, 1))))
-    with open(path, "rb", buffering=0) as f:
-        while size:
-            got = f.readinto(buf[: min(size, len(buf))])
-            if not got:
-                raise OSError(errno.EIO, f"{path!r} shrank while being pushed.")
-            crc, size = zlib.crc32(buf[:got], crc), size - got
-    return crc
+def _send_file(sock: socket.socket, f: BinaryIO, size: int) -> None:
+    """Sends the first ``size`` bytes of ``f`` with zero-copy sendfile."""
+    sent = sock.sendfile(f, 0, size) if size else 0
+    if sent != size:
+        # The peer then waits for the rest and times out, or sees the next bytes
+        # out of place and refuses them: either way nothing is committed there.
+        raise OSError(errno.EIO, f"{f.name!r} shrank while being pushed.")

@@ -18,7 +18,7 @@ from jaxckpt import _agreement, _faults, _format, _multihost, _placement
 from jaxckpt._memory_tier import MemoryTier
 from jaxckpt._options import TierOptions
 from jaxckpt._slab import SLAB_FILE
-from jaxckpt.peer._client import fetch_range, push_directory, redact_token
+from jaxckpt.peer._client import fetch_range, push_part, redact_token
 from jaxckpt.peer._server import PeerServer
 from jaxckpt.peer._wire import PeerAddress
 
@@ -142,7 +142,7 @@ class Peers:
         self._server.close()
 
     def redact(self, text: str) -> str:
-        """`text` without the run's token (tensorstore errors quote whole specs)."""
+        """`text` without the run's token (kept out of every error and log)."""
         return redact_token(text, self._token)
 
     def slab_range_reader(
@@ -167,17 +167,21 @@ class Peers:
         return read
 
     async def push_replicas(self, part_dir: Path, step: int, owner: int) -> int:
-        """Copies a committed part to every holder of `owner`'s replicas; bytes sent."""
+        """Copies a committed part to every holder of `owner`'s replicas at once; bytes sent.
+
+        This process only sends (`push_part`: sendfile, no checksum); each holder
+        verifies every chunk against the part's manifest before keeping it.
+        """
         dest = f"{MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
 
         def push(holder: int) -> int:
             _faults.maybe_crash("replicate", step, owner)
             try:
-                return push_directory(
+                return push_part(
                     self.addresses[holder],
                     token=self._token,
                     run_id=self.run_id,
-                    src_dir=part_dir,
+                    part_dir=part_dir,
                     dest_relpath=dest,
                     timeout=self._timeout_s,
                 )

@@ -2,10 +2,12 @@
 
 Authenticates each request by token and run, confines its path to the run
 directory, and serves files (with ``Range`` and ``ETag``), listings, deletions
-and pushes, which it receives into a temporary directory and commits with a
-rename. The wire format is defined in `_wire`. What a handler needs to know about
-the service it answers for (run directory, run, token, limits) comes in a
-`ServiceConfig`.
+and pushes of memory-tier parts. A push is received into a temporary directory
+(its slab into a free slab of the memory tier when there is one), its chunks are
+checked against the pushed manifest while later ones still arrive, and it is
+committed with a rename. The wire format is defined in `_wire`. What a handler
+needs to know about the service it answers for (run directory, run, token,
+limits) comes in a `ServiceConfig`.
 """
 
 import concurrent.futures
@@ -15,19 +17,25 @@ import hmac
 import http.server
 import json
 import logging
+import mmap
 import os
 import re
 import socketserver
 import threading
 import urllib.parse
-import zlib
 from collections.abc import Callable
-from typing import Any, BinaryIO, Final
+from pathlib import Path
+from typing import Any, Final
 
+from jaxckpt._checksum import matches
+from jaxckpt._format import MANIFEST_FILE, ChunkRecord, PartManifest, part_dir_name
 from jaxckpt._fs import remove_entry
+from jaxckpt._memory_tier import MemoryTier
+from jaxckpt._slab import SLAB_FILE
 from jaxckpt.peer._wire import (
     TEMP_PREFIX,
     TOKEN_HEADER,
+    PushHeader,
     clean_relpath,
     decode_push_header,
     push_body_length,
@@ -37,8 +45,21 @@ from jaxckpt.peer._wire import (
 
 logger = logging.getLogger(__name__)
 
-_MAX_PUSH_HEADER_BYTES: Final = 64 << 20
-_BUFFER_BYTES: Final = 8 << 20
+_MAX_PUSH_HEADER_BYTES: Final = 1 << 16
+_MAX_MANIFEST_BYTES: Final = 1 << 30  # read into memory whole
+_RECV_STEP: Final = 8 << 20  # bytes received between hand-offs of complete chunks to checks
+_DRAIN_BYTES: Final = 1 << 20
+_PART_PLACE: Final = re.compile(r"step_[0-9]+/part_[0-9]+")
+_WRITE_BUFFER_BYTES: Final = 1 << 20  # small enough to stay in cache between its two copies
+# Checks chunks of received slabs (CRC-32C releases the GIL): shared by all pushes.
+_verify_pool: Final = concurrent.futures.ThreadPoolExecutor(
+    min(4, os.cpu_count() or 1), thread_name_prefix="jaxckpt-peer-verify"
+)
+
+
+def no_free_slab(dest: Path, nbytes: int) -> bool:
+    """A `ServiceConfig.take_free_slab` for a service without a memory tier to reuse."""
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +75,10 @@ class ServiceConfig:
       temp_name: Returns a fresh name (starting with `TEMP_PREFIX`) for a
         temporary entry in the run directory, given its purpose.
       commit_lock: Serialises the renames that commit pushes and deletions.
+      take_free_slab: ``(dest, nbytes)``: moves a free (retired, already
+        allocated) slab of the memory tier to ``dest`` and returns True, or
+        returns False if there is none; a pushed slab of ``nbytes`` is received
+        into it.
     """
 
     run_dir: str
@@ -65,6 +90,7 @@ class ServiceConfig:
     commit_lock: threading.Lock = dataclasses.field(
         default_factory=threading.Lock, compare=False, repr=False
     )
+    take_free_slab: Callable[[Path, int], bool] = no_free_slab
 
 
 class _HTTPError(Exception):
@@ -116,8 +142,9 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def handle_expect_100(self) -> bool:
         try:
-            self._route("POST", "push")
+            rel = self._route("POST", "push")
             self._push_length()
+            self._push_dest(rel)
         except _HTTPError as e:
             self._reply_error(e)
             return False
@@ -271,32 +298,48 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
             )
         return int(length)
 
+    def _push_dest(self, rel: str) -> str:
+        """The path a push to ``rel`` writes; 400 unless ``rel`` is a part's place."""
+        if not _PART_PLACE.fullmatch(rel):
+            raise _HTTPError(
+                400, f"Push destination {rel!r} is not a part's place (step_<n>/part_<n>)."
+            )
+        return self._resolve(rel)
+
     def _push(self, rel: str) -> None:
-        if not rel or rel.startswith(TEMP_PREFIX):
-            raise _HTTPError(400, f"Push destination {rel!r} must name a non-temporary path.")
-        dest = self._resolve(rel)
         total = self._push_length()
-        files = self._read_push_header(total)
+        sizes = self._read_push_header(total)
+        dest = self._push_dest(rel)
         tmp = self._temp_path("push")
-        committed = False
+        committed = had_old = False
         try:
             os.mkdir(tmp)
-            largest = max([1] + [size for _, size in files])
-            bufs = [memoryview(bytearray(min(_BUFFER_BYTES, largest))) for _ in range(2)]
-            with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-peer-write") as writer:
-                for name, size in files:
-                    target = os.path.join(tmp, name)
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
-                    with open(target, "xb") as out:
-                        crc = self._receive_file(name, size, out, bufs, writer)
-                    if read_u32(self.rfile) != crc:
-                        raise _HTTPError(
-                            400, f"CRC-32 mismatch for {name!r}: corrupted in transit."
-                        )
+            try:
+                manifest = self._receive_manifest(rel, sizes, tmp)
+                slab = _IncomingSlab(
+                    os.path.join(tmp, SLAB_FILE), sizes.slab_bytes, self.config.take_free_slab
+                )
+            except (_HTTPError, OSError) as e:
+                if isinstance(e, (ConnectionError, TimeoutError)):
+                    raise
+                # The pusher sends the whole body before it reads an answer: read
+                # the slab's bytes away, so that it gets this refusal, not a reset.
+                self._drain(sizes.slab_bytes)
+                raise
+            with slab:
+                check = _SlabCheck(manifest, slab.view, sizes.slab_bytes)
+                try:
+                    self._receive_file(SLAB_FILE, sizes.slab_bytes, slab, check, _RECV_STEP)
+                finally:
+                    # IMPORTANT: no check may still read the mapping when it is closed.
+                    check.wait()
+            damaged = check.damaged()
+            if damaged:
+                raise _HTTPError(400, damaged)
             old = self._temp_path("old")
-            # IMPORTANT: rename only after every byte arrived and matched, and
-            # move an existing destination away before renaming over it, so
-            # readers see the old directory or the new one, never a mix.
+            # IMPORTANT: rename only after every byte arrived and every chunk matched
+            # its manifest, and move an existing destination away before renaming over
+            # it, so readers see the old part or the new one, never a mix.
             with self.config.commit_lock:
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 had_old = os.path.lexists(dest)
@@ -307,53 +350,227 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
         finally:
             if not committed:
                 remove_entry(tmp)
-        body = json.dumps({"bytes": sum(s for _, s in files)}).encode()
+        body = json.dumps({"bytes": sizes.payload_bytes}).encode()
         self._reply(200, body, "application/json")
         if had_old:
             remove_entry(old)  # After answering: freeing pages need not delay the pusher.
 
-    def _receive_file(
-        self,
-        name: str,
-        size: int,
-        out: BinaryIO,
-        bufs: list[memoryview],
-        writer: concurrent.futures.Executor,
-    ) -> int:
-        """Copies ``size`` body bytes into ``out``; returns their CRC-32.
+    def _receive_manifest(self, rel: str, sizes: PushHeader, tmp: str) -> PartManifest:
+        """Receives the pushed part's manifest into ``tmp`` and checks it.
 
-        Double-buffered: while the socket fills one buffer, the writer thread
-        checksums and writes the other (both release the GIL), so receiving
-        overlaps with checksumming and writing.
+        Raises:
+          _HTTPError: 400 unless the manifest is a part manifest of this run whose
+            place is ``rel`` and whose chunks all lie inside the announced slab.
         """
-        crc, pending, turn = 0, None, 0
+        data = read_exact(self.rfile, sizes.manifest_bytes)
         try:
-            while size:
-                chunk = bufs[turn][: min(size, len(bufs[turn]))]
-                got = self.rfile.readinto(chunk)
-                if not got:
-                    raise ConnectionResetError(f"Client disconnected during {name!r}.")
-                if pending is not None:
-                    crc = pending.result()
-                pending = writer.submit(_checksum_and_write, out, chunk[:got], crc)
-                size, turn = size - got, 1 - turn
-        finally:
-            # IMPORTANT: never return (or close `out`) while a write is in flight.
-            if pending is not None:
-                crc = pending.result()
-        return crc
+            manifest = PartManifest.from_json(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise _HTTPError(
+                400, f"The pushed {MANIFEST_FILE} is not a valid part manifest: {e}"
+            ) from e
+        place = f"{MemoryTier.step_name(manifest.step)}/{part_dir_name(manifest.owner)}"
+        if manifest.run_id != self.config.run_id or place != rel:
+            raise _HTTPError(
+                400,
+                f"The pushed part (run {manifest.run_id!r}, step {manifest.step}, owner "
+                f"{manifest.owner}) belongs at {place!r} of run {manifest.run_id!r}, not at "
+                f"{rel!r} of run {self.config.run_id!r}.",
+            )
+        for leaf, chunk in _chunks(manifest):
+            if chunk.offset is None or chunk.offset < 0 or chunk.nbytes < 0:
+                raise _HTTPError(400, f"{_describe(manifest, leaf, chunk)} has no place in a slab.")
+            if _end(chunk) > sizes.slab_bytes:
+                raise _HTTPError(
+                    400,
+                    f"{_describe(manifest, leaf, chunk)} lies outside the pushed "
+                    f"{sizes.slab_bytes}-byte slab.",
+                )
+        with open(os.path.join(tmp, MANIFEST_FILE), "xb") as out:
+            out.write(data)
+        return manifest
 
-    def _read_push_header(self, total: int) -> list[tuple[str, int]]:
+    def _receive_file(
+        self, name: str, size: int, slab: "_IncomingSlab", check: "_SlabCheck", step: int
+    ) -> None:
+        """Receives the next ``size`` body bytes into ``slab``.
+
+        Each ``step`` bytes, the chunks completed so far go to ``check``, so chunks
+        are verified while later ones still arrive.
+
+        Note: tests/mp_worker.py wraps this method (a holder dying mid-receive);
+        keep its positional signature.
+        """
+        done = 0
+        while done < size:
+            want = min(step, size - done)
+            got = slab.receive(self.rfile, done, want)
+            if got != want:
+                raise ConnectionResetError(
+                    f"Client disconnected after {done + got} of {size} bytes of {name!r}."
+                )
+            done += got
+            check.received(done)
+        check.received(size)
+
+    def _drain(self, size: int) -> None:
+        """Reads and drops the next ``size`` body bytes."""
+        buf = memoryview(bytearray(max(1, min(size, _DRAIN_BYTES))))
+        while size:
+            got = self.rfile.readinto(buf[: min(size, len(buf))]) or 0
+            if not got:
+                raise ConnectionResetError("Client disconnected during a refused push.")
+            size -= got
+
+    def _read_push_header(self, total: int) -> PushHeader:
         size = read_u32(self.rfile) if total >= 4 else -1
         if not 0 <= size <= min(_MAX_PUSH_HEADER_BYTES, total - 4):
             raise _HTTPError(400, f"Bad push header length {size} for a {total}-byte body.")
         try:
-            files = decode_push_header(read_exact(self.rfile, size))
+            header = decode_push_header(read_exact(self.rfile, size))
         except ValueError as e:
             raise _HTTPError(400, str(e)) from e
-        if push_body_length(size, files) != total:
+        if push_body_length(size, header) != total:
             raise _HTTPError(400, "Content-Length does not match the sizes in the push header.")
-        return files
+        if header.manifest_bytes > _MAX_MANIFEST_BYTES:
+            raise _HTTPError(
+                400, f"A pushed manifest of {header.manifest_bytes} bytes is implausibly large."
+            )
+        return header
+
+
+class _IncomingSlab:
+    """The slab file of a push being received.
+
+    The file is a free slab of the memory tier when there is one: its pages are
+    allocated already, so the socket's bytes are received straight into a
+    mapping of it, at memory speed. A new file is written with ``pwrite`` from a
+    small buffer instead (on tmpfs, a first write through a mapping costs a page
+    fault and a zeroing per page, twice the time). Either way `view` maps the
+    file for the checks. Close it (or use it as a context manager) after the
+    last read of `view` and of any slice of it.
+    """
+
+    def __init__(self, path: str, size: int, take_free_slab: Callable[[Path, int], bool]) -> None:
+        reused = size > 0 and take_free_slab(Path(path), size)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if reused else os.O_EXCL), 0o644)
+        self._map: mmap.mmap | None = None
+        self._buf: memoryview | None = None
+        self.view = memoryview(b"")
+        try:
+            os.ftruncate(self._fd, size)
+            if size:
+                # IMPORTANT: allocate every page up front: a full tmpfs then fails here
+                # with ENOSPC (before the body is read), never later with a SIGBUS on
+                # a mapped page.
+                os.posix_fallocate(self._fd, 0, size)
+                if reused:
+                    flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+                    self._map = mmap.mmap(self._fd, size, flags=flags)
+                else:
+                    # Read only and not populated: touching a page before it is
+                    # written would zero it for nothing.
+                    self._map = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ)
+                    self._buf = memoryview(bytearray(min(size, _WRITE_BUFFER_BYTES)))
+                self.view = memoryview(self._map)
+        except BaseException:
+            self.close()
+            raise
+
+    def receive(self, stream: Any, offset: int, size: int) -> int:
+        """Reads up to ``size`` bytes of ``stream`` into the file at ``offset``; how many."""
+        if self._buf is None:
+            return stream.readinto(self.view[offset : offset + size]) or 0
+        done = 0
+        while done < size:
+            got = stream.readinto(self._buf[: min(size - done, len(self._buf))]) or 0
+            if not got:
+                break
+            written = 0
+            while written < got:
+                written += os.pwrite(self._fd, self._buf[written:got], offset + done + written)
+            done += got
+        return done
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            if self._map is not None:
+                self._map.close()
+        except BufferError:
+            pass  # A slice outlives this (held by a failed check's traceback): unmapped with it.
+        finally:
+            os.close(self._fd)
+
+    def __enter__(self) -> "_IncomingSlab":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _SlabCheck:
+    """Verifies a pushed slab's chunks against their manifest while the slab arrives.
+
+    Each chunk is checked (its CRC-32C, or a legacy CRC-32) as soon as all of its
+    bytes are in, on a shared pool, while later chunks still arrive.
+    """
+
+    def __init__(self, manifest: PartManifest, data: memoryview, size: int) -> None:
+        self._manifest, self._data, self._size = manifest, data, size
+        self._chunks = sorted(_chunks(manifest), key=lambda lc: _end(lc[1]))
+        self._next = 0
+        self._jobs: list[concurrent.futures.Future[list[tuple[int, ChunkRecord]]]] = []
+
+    def received(self, upto: int) -> None:
+        """Queues the checks of the chunks that lie wholly before byte ``upto``."""
+        first = self._next
+        while self._next < len(self._chunks) and _end(self._chunks[self._next][1]) <= upto:
+            self._next += 1
+        if self._next > first:
+            self._jobs.append(_verify_pool.submit(self._verify, first, self._next))
+
+    def _verify(self, first: int, stop: int) -> list[tuple[int, ChunkRecord]]:
+        return [
+            (leaf, c)
+            for leaf, c in self._chunks[first:stop]
+            if not matches(c.crc32c, c.crc32, self._data[_end(c) - c.nbytes : _end(c)])
+        ]
+
+    def wait(self) -> None:
+        """Returns once no queued check runs any more."""
+        concurrent.futures.wait(self._jobs)
+
+    def damaged(self) -> str:
+        """After `wait`: why the received slab is refused, or "" if every chunk matched."""
+        bad = [b for job in self._jobs for b in job.result()]
+        if not bad:
+            return ""
+        first = _describe(self._manifest, *bad[0])
+        more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
+        return (
+            f"{first}{more} does not match the checksum in the pushed manifest: the "
+            f"{self._size}-byte slab was damaged in transit or changed while it was sent. "
+            "Nothing was kept."
+        )
+
+
+def _chunks(manifest: PartManifest) -> list[tuple[int, ChunkRecord]]:
+    """(leaf index, chunk) for every chunk of a part."""
+    return [(leaf, c) for leaf, cs in sorted(manifest.chunks.items()) for c in cs]
+
+
+def _end(chunk: ChunkRecord) -> int:
+    """Where a chunk ends in its slab (checked to have an offset before any use)."""
+    return (chunk.offset or 0) + chunk.nbytes
+
+
+def _describe(manifest: PartManifest, leaf: int, chunk: ChunkRecord) -> str:
+    path = manifest.leaves[leaf].path if 0 <= leaf < len(manifest.leaves) else f"#{leaf}"
+    where = (
+        f", bytes [{chunk.offset}, {_end(chunk)}) of the slab" if chunk.offset is not None else ""
+    )
+    return f"Chunk {list(chunk.index)} of leaf {path!r} (step {manifest.step}{where})"
 
 
 def _parse_range(value: str | None, size: int) -> tuple[int, int] | None:
@@ -375,8 +592,3 @@ def _parse_range(value: str | None, size: int) -> tuple[int, int] | None:
     if start >= size:
         raise unsatisfiable
     return start, end - start + 1
-
-
-def _checksum_and_write(out: BinaryIO, data: memoryview, crc: int) -> int:
-    out.write(data)
-    return zlib.crc32(data, crc)

@@ -1,11 +1,11 @@
 """Peer service server: serves a process's memory tier to other processes over HTTP.
 
 Each process runs one `PeerServer` (a daemon thread in the training process)
-that serves ``root/run_id/`` to peers in the wire format of `_wire`. Peers
-read files with plain HTTP GET (with ``Range``), so tensorstore's ``http``
-kvstore driver can open the zarr3 arrays there directly, and push whole
-directories in one request that the server commits atomically. Each request is
-answered by a `PeerRequestHandler` on its own thread.
+that serves ``root/run_id/`` (its memory tier) to peers in the wire format of
+`_wire`. Peers read files and byte ranges of slabs with plain HTTP GET (with
+``Range``), and push a part (manifest and slab) in one request that the server
+verifies and commits atomically. Each request is answered by a
+`PeerRequestHandler` on its own thread.
 """
 
 import contextlib
@@ -17,11 +17,13 @@ import socket
 import socketserver
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jaxckpt import _fs, _liveness
-from jaxckpt.peer._request_handler import PeerRequestHandler, ServiceConfig
+from jaxckpt._memory_tier import MemoryTier
+from jaxckpt.peer._request_handler import PeerRequestHandler, ServiceConfig, no_free_slab
 from jaxckpt.peer._wire import TEMP_PREFIX, PeerAddress, check_run_id, check_token
 
 logger = logging.getLogger(__name__)
@@ -104,6 +106,7 @@ class PeerServer:
         port: int = 0,
         max_push_bytes: int = 1 << 40,
         io_timeout: float = 60.0,
+        reuse_free_slabs: bool = True,
     ) -> None:
         """Binds the listening socket.
 
@@ -116,6 +119,8 @@ class PeerServer:
           port: TCP port; 0 picks a free one.
           max_push_bytes: Largest push body accepted; bigger ones get HTTP 413.
           io_timeout: Seconds any one recv/send on a connection may block.
+          reuse_free_slabs: Receive a pushed slab into a free slab of the memory
+            tier (`MemoryTier.take_free_slab`) when there is one.
 
         Raises:
           ValueError: If an argument is invalid.
@@ -139,6 +144,9 @@ class PeerServer:
             max_push_bytes=max_push_bytes,
             io_timeout=io_timeout,
             temp_name=_temp_name,
+            take_free_slab=_free_slabs(MemoryTier(os.fspath(root), run_id))
+            if reuse_free_slabs
+            else no_free_slab,
         )
         self._httpd = PeerHTTPServer((host, port), config)
         advertised = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
@@ -197,6 +205,17 @@ class PeerServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _free_slabs(memory: MemoryTier) -> Callable[[Path, int], bool]:
+    """A `ServiceConfig.take_free_slab` that takes the memory tier's free slabs."""
+
+    def take(dest: Path, nbytes: int) -> bool:
+        # The memory tier picks (the largest first, as for its own saves); the
+        # pushed slab resizes it.
+        return memory.take_free_slab(dest)
+
+    return take
 
 
 def _temp_name(purpose: str) -> str:

@@ -1,4 +1,4 @@
-"""Peer service wire format, version 1: what `_server` and `_client` agree on.
+"""Peer service wire format, version 2: what `_server` and `_client` agree on.
 
 This format is a compatibility promise between the processes of a run:
 
@@ -7,12 +7,19 @@ This format is a compatibility promise between the processes of a run:
 * Every request carries the run's secret in the ``X-Jaxckpt-Token`` header and
   names the run in its path: ``/files/<run>/<relpath>`` (GET, HEAD, DELETE),
   ``/list/<run>/<relpath>`` (GET: ``{"names": [...]}``), ``/push/<run>/<dest>``.
-* A push is one ``POST`` with ``Expect: 100-continue`` and a Content-Length,
-  so the server can refuse it before any byte of the body moves. The body is a
-  4-byte big-endian header length, a JSON header
-  ``{"version": 1, "files": [{"path": "a/b", "size": 123}, ...]}``, then for
-  each file in order its raw bytes followed by their 4-byte big-endian CRC-32.
+* A push copies one memory-tier part (``manifest.json`` and its ``slab``, see
+  `jaxckpt._slab`) to ``<dest>``, which must be the part's own place
+  (``step_<step:012d>/part_<owner:05d>``). It is one ``POST`` with
+  ``Expect: 100-continue`` and a Content-Length, so the server can refuse it
+  before any byte of the body moves. The body is a 4-byte big-endian header
+  length, a JSON header ``{"version": 2, "manifest_bytes": M, "slab_bytes": S}``,
+  then the M bytes of ``manifest.json`` and the S bytes of the slab, raw. The
+  sender computes no checksum: the receiver checks every chunk of the slab
+  against the CRC-32C its manifest records (and every chunk's place against the
+  slab's size) before the part becomes visible.
 * Errors are JSON ``{"error": "<sentence>"}`` with the HTTP status.
+
+Version 1 pushed any directory, each file followed by its zlib CRC-32.
 """
 
 import dataclasses
@@ -24,7 +31,7 @@ TOKEN_HEADER: Final = "X-Jaxckpt-Token"
 # Names under root/run_id that start with this are in-flight pushes or
 # deletions; they are never listed and are removed when their process is gone.
 TEMP_PREFIX: Final = ".jaxckpt-peer-tmp-"
-PUSH_VERSION: Final = 1
+PUSH_VERSION: Final = 2
 _RUN_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
@@ -92,49 +99,71 @@ def clean_relpath(relpath: str, *, allow_empty: bool) -> str:
     return "/".join(parts)
 
 
-def encode_push_header(files: list[tuple[str, int]]) -> bytes:
-    """Returns the JSON push header listing ``(path, size)`` pairs, without its length."""
-    entries = [{"path": name, "size": size} for name, size in files]
-    return json.dumps({"version": PUSH_VERSION, "files": entries}).encode()
+@dataclasses.dataclass(frozen=True)
+class PushHeader:
+    """What a push's JSON header announces: the sizes of the part's two files.
+
+    Attributes:
+      manifest_bytes: Size of the part's ``manifest.json``, sent first.
+      slab_bytes: Size of the part's slab, sent next.
+    """
+
+    manifest_bytes: int
+    slab_bytes: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.manifest_bytes + self.slab_bytes
 
 
-def decode_push_header(data: bytes) -> list[tuple[str, int]]:
-    """Parses and validates a push header into ``(cleaned path, size)`` pairs.
+def encode_push_header(header: PushHeader) -> bytes:
+    """Returns the JSON push header, without its length."""
+    return json.dumps(
+        {
+            "version": PUSH_VERSION,
+            "manifest_bytes": header.manifest_bytes,
+            "slab_bytes": header.slab_bytes,
+        }
+    ).encode()
+
+
+def decode_push_header(data: bytes) -> PushHeader:
+    """Parses and validates a push header.
 
     Raises:
-      ValueError: If the header is malformed, of another version, lists a
-        path that could escape or a file twice, or holds a bad size.
+      ValueError: If the header is malformed, of another version, or holds a bad size.
     """
     try:
         header = json.loads(data)
         version = header["version"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"Malformed push header: {e}") from e
+        raise ValueError(f"Malformed push header: {e!r}") from e
     if version != PUSH_VERSION:
-        raise ValueError(f"Push format version {version!r} unsupported.")
+        raise ValueError(
+            f"Push format version {version!r} unsupported (this peer speaks version "
+            f"{PUSH_VERSION}): every process of a run must run the same jaxckpt."
+        )
     try:
-        files = [(clean_relpath(f["path"], allow_empty=False), f["size"]) for f in header["files"]]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"Malformed push header: {e}") from e
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for _, s in files):
+        sizes = header["manifest_bytes"], header["slab_bytes"]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"Malformed push header: {e!r}") from e
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
         raise ValueError("Push header sizes must be non-negative ints.")
-    if len({name for name, _ in files}) != len(files):
-        raise ValueError("Push header lists a file twice.")
-    return files
+    return PushHeader(*sizes)
 
 
-def push_body_length(header_length: int, files: list[tuple[str, int]]) -> int:
+def push_body_length(header_length: int, header: PushHeader) -> int:
     """Returns the Content-Length of a push whose JSON header has ``header_length`` bytes."""
-    return 4 + header_length + sum(size + 4 for _, size in files)
+    return 4 + header_length + header.payload_bytes
 
 
 def pack_u32(value: int) -> bytes:
-    """Encodes a header length or CRC-32 as 4 big-endian bytes."""
+    """Encodes a push header length as 4 big-endian bytes."""
     return value.to_bytes(4, "big")
 
 
 def read_u32(stream: Any) -> int:
-    """Reads a header length or CRC-32 written by `pack_u32`."""
+    """Reads a push header length written by `pack_u32`."""
     return int.from_bytes(read_exact(stream, 4), "big")
 
 
