@@ -117,9 +117,20 @@ def leaf_signature(record: _format.LeafRecord) -> dict[str, Any]:
 
 
 def tree_digest(leaves: Sequence[_format.LeafRecord]) -> str:
-    """A short digest of the tree's structure (paths, kinds, shapes, dtypes, shardings)."""
+    """A short digest of the tree's structure (paths, kinds, shapes, dtypes, shardings).
+
+    Remembered for the last tree (by identity: the snapshot hands the same tuple
+    to every save of an unchanged tree).
+    """
+    if _LAST_DIGEST and _LAST_DIGEST[0][0] is leaves:
+        return _LAST_DIGEST[0][1]
     text = json.dumps([leaf_signature(r) for r in leaves], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    _LAST_DIGEST[:] = [(leaves, digest)]
+    return digest
+
+
+_LAST_DIGEST: list[tuple[Sequence[_format.LeafRecord], str]] = []
 
 
 def agree_on_save(

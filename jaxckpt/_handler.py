@@ -341,6 +341,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             self._redact,
             timeout_s=self._options.timeout_s,
         )
+        # IMPORTANT: the step's slabs are read in place (mapped); a pin keeps them from
+        # being retired and reused (by any process sharing the memory root) meanwhile.
+        pin = memory.pin(step) if memory.parts(step) else None
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)
             result = _target.fill(restorer, plan.leaves, args.abstract_state, ctx)
@@ -348,6 +351,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             raise FileNotFoundError(
                 f"{self._redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
             ) from e
+        finally:
+            if pin is not None:
+                pin.release()
         by_tier = restorer.bytes_by_tier
         self._publish(
             {

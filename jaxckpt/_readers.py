@@ -2,10 +2,12 @@
 
 A tier is just a way to get a chunk's bytes: a view of a slab in this host's
 memory tier, a byte range of a peer's slab, or a read of a persisted zarr3
-array through tensorstore. Every reader returns a private copy (the restore
-verifies its checksum after the copy, so a slab reused meanwhile can never slip
-unverified bytes into a restored array) and never blocks longer than its
-timeout.
+array through tensorstore. Readers never block longer than their timeout.
+
+A slab reader returns a read-only view of the mapped slab (no copy): the
+restore pins the step in the memory tier while it reads, so the slab cannot be
+retired and reused meanwhile, and copies the verified bytes where they go (the
+device, or a host array). Every other reader returns a private, writable copy.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def chunk_view(
 
 
 class SlabReader:
-    """Chunks of a part in this host's memory tier: views of its mapped slab, copied."""
+    """Chunks of a part in this host's memory tier: read-only views of its mapped slab
+    (the caller pins the step while it uses them)."""
 
     def __init__(self, part_dir: Path):
         self._slab = _slab.Reader(part_dir / _slab.SLAB_FILE)
@@ -69,8 +72,7 @@ class SlabReader:
     def read(
         self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
     ) -> np.ndarray:
-        view = self._slab.view(_offset(record, chunk), chunk.nbytes)
-        return _from_bytes(np.array(view, copy=True), record, chunk)
+        return chunk_view(self._slab, record, chunk)
 
 
 class RangeReader:

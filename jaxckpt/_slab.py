@@ -29,6 +29,7 @@ SLAB_FILE: Final = "slab"
 ALIGN: Final = 64  # a cache line: every chunk starts aligned for vectorized copies
 _MAX_WRITE: Final = 1 << 30  # Linux moves at most ~2 GiB per write call
 _WORKERS: Final = min(8, os.cpu_count() or 1)
+_MIN_TASK_BYTES: Final = 4 << 20
 _pool = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="jaxckpt-slab")
 
 
@@ -77,17 +78,35 @@ def write(path: Path, chunks: Sequence[np.ndarray], offsets: Sequence[int], size
                 _pwrite_all(fd, src, offsets[i])
                 return _checksum.crc32c(src)
 
-        futures = [_pool.submit(fill, i) for i in range(len(chunks))]
+        def fill_all(indices: range) -> list[int]:
+            return [fill(i) for i in indices]
+
+        futures = [_pool.submit(fill_all, r) for r in _batches([c.nbytes for c in chunks])]
         # IMPORTANT: every copy is done (or failed) before the file is closed or unmapped:
         # a copy still running would write through a closed (maybe reused) descriptor.
         concurrent.futures.wait(futures)
         if mapped is not None:
             del dest
-        return [f.result() for f in futures]
+        return [crc for f in futures for crc in f.result()]
     finally:
         if mapped is not None:
             mapped.close()
         os.close(fd)
+
+
+def _batches(sizes: Sequence[int]) -> list[range]:
+    """Consecutive runs of chunks, one task each: about a worker's share of the bytes,
+    and never a task per small chunk (a hand-off costs more than copying 64 KiB)."""
+    share = max(sum(sizes) // _WORKERS, _MIN_TASK_BYTES)
+    out, start, run = [], 0, 0
+    for i, n in enumerate(sizes):
+        run += n
+        if run >= share:
+            out.append(range(start, i + 1))
+            start, run = i + 1, 0
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
 
 
 def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:

@@ -70,11 +70,18 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
       TypeError: for an unsupported leaf, naming its path.
     """
     start = time.perf_counter()
-    triples, _ = _tree.flatten_with_keys(state)
+    triples, treedef = _tree.flatten_with_keys(state)
     pairs = [(path, leaf) for path, _, leaf in triples]
     kinds = [_tree.kind_of(path, leaf) for path, leaf in pairs]  # validate before any copy
 
     multi_process = _multihost.process_count() > 1
+    structure = (
+        treedef,
+        tuple(
+            _signature(k, leaf, multi_process) for (_, leaf), k in zip(pairs, kinds, strict=True)
+        ),
+    )
+    known = _RECORDS.get(structure)  # the same tree as an earlier save: same records
     records: list[_format.LeafRecord] = []
     pending: list[tuple[int, jax.Array, tuple[int, ...]]] = []
     local: list[tuple[int, jax.Array]] = []  # process-local arrays, saved whole as one chunk
@@ -83,11 +90,11 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
         if kind == _format.ARRAY:
             data = jax.random.key_data(leaf) if _tree.is_typed_key(leaf) else leaf
             if multi_process and leaf.is_fully_addressable:
-                records.append(_array_record(path, leaf, per_process=True))
+                records.append(known[i] if known else _array_record(path, leaf, per_process=True))
                 snap.shardings[i] = _sharding.describe(leaf.sharding)
                 local.append((i, data))
                 continue
-            records.append(_array_record(path, leaf))
+            records.append(known[i] if known else _array_record(path, leaf))
             chunk_shape = records[-1].chunk_shape
             assert chunk_shape is not None
             for shard in data.addressable_shards:
@@ -95,26 +102,17 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
                     index = _chunking.chunk_index_of(shard.index, data.shape, chunk_shape)
                     pending.append((i, shard.data, index))
         elif kind == _format.NUMPY:
-            records.append(
-                _format.LeafRecord(
-                    path,
-                    kind,
-                    shape=leaf.shape,
-                    dtype=leaf.dtype.name,
-                    stored_shape=leaf.shape,
-                    stored_dtype=leaf.dtype.name,
-                    chunk_shape=tuple(max(1, n) for n in leaf.shape),
-                    per_process=True,
-                )
-            )
+            records.append(known[i] if known else _numpy_record(path, leaf))
             snap.shards.append(HostShard(i, (0,) * leaf.ndim, np.array(leaf, copy=True)))
         elif kind == _format.SCALAR:
             record = _tree.scalar_record(path, leaf)
             # The value lives in this process's part: the records stay the same everywhere.
             snap.scalars[i] = record.value
-            records.append(dataclasses.replace(record, value=None, per_process=True))
+            records.append(
+                known[i] if known else dataclasses.replace(record, value=None, per_process=True)
+            )
         else:
-            records.append(_format.LeafRecord(path, kind))
+            records.append(known[i] if known else _format.LeafRecord(path, kind))
             snap.iterator_states[i] = _tree.encode_iterator_state(path, leaf.get_state())
 
     # IMPORTANT: every device->host transfer starts before any is waited for.
@@ -132,14 +130,50 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
         snap.shards.append(
             HostShard(i, (0,) * data.ndim, _whole_on_host(data, parts), holds[done - 1])
         )
-    snap.leaves = _format.with_array_keys(
-        tuple(
-            dataclasses.replace(r, keys=keys)
-            for r, (_, keys, _) in zip(records, triples, strict=True)
+    if known:
+        snap.leaves = known
+    else:
+        snap.leaves = _format.with_array_keys(
+            tuple(
+                dataclasses.replace(r, keys=keys)
+                for r, (_, keys, _) in zip(records, triples, strict=True)
+            )
         )
-    )
+        if len(_RECORDS) >= 4:
+            _RECORDS.pop(next(iter(_RECORDS), None), None)
+        _RECORDS[structure] = snap.leaves
     snap.stall_s = time.perf_counter() - start
     return snap
+
+
+# Leaf records of the last few tree structures: a training loop saves the same tree
+# every step, and its records (and their JSON, see `_format`) are derived once.
+_RECORDS: dict[Any, tuple[_format.LeafRecord, ...]] = {}
+
+
+def _signature(kind: str, leaf: Any, multi_process: bool) -> Any:
+    """What a leaf's record is derived from, hashable (not its values)."""
+    if kind == _format.ARRAY:
+        local = multi_process and leaf.is_fully_addressable
+        return (kind, leaf.shape, leaf.dtype, leaf.sharding, leaf.committed, local)
+    if kind == _format.NUMPY:
+        return (kind, leaf.shape, leaf.dtype)
+    if kind == _format.SCALAR:
+        return (kind, type(leaf), getattr(leaf, "dtype", None))
+    return (kind,)
+
+
+def _numpy_record(path: str, leaf: np.ndarray) -> _format.LeafRecord:
+    return _format.LeafRecord(
+        path,
+        _format.NUMPY,
+        shape=leaf.shape,
+        dtype=leaf.dtype.name,
+        stored_shape=leaf.shape,
+        stored_dtype=leaf.dtype.name,
+        chunk_shape=tuple(max(1, n) for n in leaf.shape),
+        per_process=True,
+    )
 
 
 @functools.cache

@@ -359,11 +359,12 @@ def fill(
         )
     pairs, treedef = match(records, target, ctx)
     out = [_leaf(restorer, i, records[i], leaf, ctx) for i, leaf in pairs]
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return jax.tree_util.tree_unflatten(treedef, restorer.place(out))
 
 
 def _leaf(restorer: Restorer, i: int, record: _format.LeafRecord, leaf: Any, ctx: Context) -> Any:
-    """Saved leaf `i` restored into target leaf `leaf` (None: no target, to host)."""
+    """Saved leaf `i` restored into target leaf `leaf` (None: no target, to host); an
+    array for a target sharding comes back `Deferred` (`Restorer.place` puts it)."""
     if record.kind == _format.ITERATOR:
         state = _iterator_state(i, record, ctx)
         if _tree.is_iterator(leaf):

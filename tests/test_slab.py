@@ -69,3 +69,11 @@ def test_a_full_tier_fails_cleanly_on_a_reused_slab(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match="No space"):
         _slab.write(path, [np.ones(1024, np.uint8)], [0], 1024)
+
+
+def test_batches_cover_every_chunk_once_in_order():
+    sizes = [10] * 1000 + [100 << 20, 5, 7]
+    runs = _slab._batches(sizes)
+    assert [i for r in runs for i in r] == list(range(len(sizes)))
+    assert len(runs) <= _slab._WORKERS + 2  # no task per small chunk
+    assert _slab._batches([]) == []
