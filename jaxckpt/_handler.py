@@ -211,8 +211,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         staging = memory.new_staging_dir(step, pi)
         try:
             slab = staging / _slab.SLAB_FILE
-            memory.take_free_slab(slab)
             offsets, size = _slab.layout([s.data.nbytes for s in snapshot.shards])
+            memory.take_free_slab(slab, size)
             crcs = await asyncio.to_thread(
                 _slab.write, slab, [s.data for s in snapshot.shards], offsets, size
             )

@@ -18,6 +18,7 @@ pages: the next save fills one at memory speed (`take_free_slab`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -111,17 +112,24 @@ class MemoryTier:
         path.mkdir(parents=True)
         return path
 
-    def take_free_slab(self, dest: Path) -> bool:
-        """Moves a retired step's slab to `dest`, if there is one (the largest first).
+    def take_free_slab(self, dest: Path, nbytes: int = 0) -> bool:
+        """Moves a retired step's slab to `dest`, if there is one: the smallest of at
+        least `nbytes` (its pages are all reused), else the largest.
 
         Any process sharing the memory root may take the same one: `os.rename`
         gives it to exactly one of them.
         """
         free = self.run_dir / ".free"
         try:
-            candidates = sorted(free.iterdir(), key=lambda p: p.stat().st_size, reverse=True)
+            sized = []
+            for p in free.iterdir():
+                with contextlib.suppress(OSError):  # taken meanwhile
+                    sized.append((p.stat().st_size, p))
         except OSError:
             return False
+        fits = sorted(s for s in sized if s[0] >= nbytes)
+        short = sorted((s for s in sized if s[0] < nbytes), reverse=True)
+        candidates = [p for _, p in fits + short]
         for slab in candidates:
             try:
                 os.rename(slab, dest)

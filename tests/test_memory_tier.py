@@ -101,3 +101,15 @@ def test_runs_are_kept_apart(tmp_path):
     b.prepare("ckpt-b", 0)
     commit_step(a, 1)
     assert b.steps() == [] and a.steps() == [1]
+
+
+def test_the_smallest_free_slab_that_fits_is_taken(tmp_path):
+    tier = MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    free = tier.run_dir / ".free"
+    free.mkdir()
+    for name, size in [("a", 100), ("b", 4000), ("c", 9000)]:
+        (free / name).write_bytes(b"x" * size)
+    assert tier.take_free_slab(tmp_path / "x", 3000) and (tmp_path / "x").stat().st_size == 4000
+    assert tier.take_free_slab(tmp_path / "y", 99999) and (tmp_path / "y").stat().st_size == 9000
+    assert tier.take_free_slab(tmp_path / "z", 1) and (tmp_path / "z").stat().st_size == 100

@@ -211,9 +211,9 @@ def _free_slabs(memory: MemoryTier) -> Callable[[Path, int], bool]:
     """A `ServiceConfig.take_free_slab` that takes the memory tier's free slabs."""
 
     def take(dest: Path, nbytes: int) -> bool:
-        # The memory tier picks (the largest first, as for its own saves); the
+        # The memory tier picks (the smallest that fits, as for its own saves); the
         # pushed slab resizes it.
-        return memory.take_free_slab(dest)
+        return memory.take_free_slab(dest, nbytes)
 
     return take
 
