@@ -79,6 +79,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             options.timeout_s,
             on_persisted=self._publish,
             closing=self._closing,
+            on_failed=self._publish,
         )
         self._memory: _memory_tier.MemoryTier | None = None
         self._peers: _peers.Peers | None = None
@@ -165,6 +166,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
     async def _refuse(self, tag: str, step: int | None, error: BaseException) -> None:
         """The commit of a save this process refused: every process raises with it."""
+        self._publish_failure("save", step, error)
         if not _agreement.is_agreed(error):
             await asyncio.to_thread(
                 _agreement.agree_on_save,
@@ -198,6 +200,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         try:
             await self._commit(save, agree)
         except Exception as error:
+            self._publish_failure("save", save.step, error)
             if not agreed:
                 await agree(error)
             raise
@@ -306,6 +309,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         try:
             result = self._restore_locally(directory, args)
         except Exception as error:
+            self._publish_failure("restore", _paths.step_of(directory), error)
             if not _agreement.is_agreed(error):
                 self._agree("restore", directory, error)
             raise
@@ -454,13 +458,25 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 [self._options.resolved_failure_domain], self._options.replicas
             )
 
+    def _publish_failure(self, operation: str, step: int | None, error: BaseException) -> None:
+        """Hands a failed save or restore to the user's callback (`<operation>_failed`)."""
+        self._publish(
+            {
+                "event": f"{operation}_failed",
+                "process": _multihost.process_index(),
+                "step": step,
+                "error": self._redact(str(error)),
+            }
+        )
+
     def _publish(self, metrics: dict[str, Any]) -> None:
-        """Hands a save's or restore's measurements to the log and the user's callback."""
+        """Hands a save's, persist's or restore's measurements (or failure) to the log and
+        the user's callback."""
         if metrics["event"] == "save":
             self.last_save_metrics = metrics
         elif metrics["event"] == "restore":
             self.last_restore_metrics = metrics
-        else:
+        elif metrics["event"] == "persist":
             self.last_persist_metrics = metrics
         log.info("jaxckpt: %s", metrics)
         if self._on_metrics is not None:

@@ -111,12 +111,14 @@ class Persister:
         timeout_s: float,
         on_persisted: Callable[[dict[str, Any]], None] | None = None,
         closing: threading.Event | None = None,
+        on_failed: Callable[[dict[str, Any]], None] | None = None,
     ):
         self._compression = compression
         # Set by the handler's close, once the manager has finished: a step not
         # finalized by then never will be, and its job ends instead of waiting.
         self._closing = closing
         self._on_persisted = on_persisted
+        self._on_failed = on_failed  # gets a `persist_failed` event per failed job
         self._timeout_s = timeout_s
         self._queue: queue.Queue[PersistJob | None] = queue.Queue()
         self._pending: dict[int, int] = {}  # step -> jobs queued or running
@@ -230,6 +232,17 @@ class Persister:
             error.__cause__ = e
             with self._lock:
                 self._errors.append(error)
+            if self._on_failed is not None:
+                failed = {
+                    "event": "persist_failed",
+                    "process": job.manifest.owner,
+                    "step": job.manifest.step,
+                    "error": str(e),
+                }
+                try:
+                    self._on_failed(failed)
+                except Exception:
+                    log.exception("jaxckpt: the callback failed on a persist_failed event")
             return None
         finally:
             if job.pin is not None:

@@ -66,3 +66,41 @@ def test_served_over_http():
         thread.join(timeout=10)
     assert 'jaxckpt_saves_total{process="0"} 1.0' in text
     assert 'jaxckpt_last_step{operation="save",process="0"} 7.0' in text
+
+
+def test_the_handler_reports_its_failures(memory_root, ckpt_dir, monkeypatch):
+    """A failed persist, a refused save and a failed restore reach the failures counter."""
+    import pytest
+
+    from jaxckpt import _persister
+
+    def broken(self, job):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(_persister.Persister, "_persist", broken)
+    metrics = jaxckpt.PrometheusMetrics()
+    handler = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=1), on_metrics=metrics
+    )
+    state = sharded_state(mesh_1d())
+    with manager(ckpt_dir, handler, use_async=False) as mngr:
+        save(mngr, 1, state)
+        with pytest.raises(OSError, match="step 1"):
+            handler.wait_for_persistence()
+        assert _value(metrics, "jaxckpt_failures_total", operation="persist") == 1
+        assert handler.last_persist_metrics == {}  # a failure is no persist event
+
+        class NotJson:
+            def get_state(self):
+                return {"x": object()}
+
+            def set_state(self, state):
+                pass
+
+        with pytest.raises((TypeError, ValueError)):
+            save(mngr, 2, {**state, "it": NotJson()})
+        assert _value(metrics, "jaxckpt_failures_total", operation="save") == 1
+
+        with pytest.raises(ValueError):
+            restore(mngr, 1, {"w": abstract(state)["w"], "other": abstract(state)["b"]})
+        assert _value(metrics, "jaxckpt_failures_total", operation="restore") == 1
