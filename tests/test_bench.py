@@ -7,6 +7,7 @@ import math
 import re
 
 import pytest
+from object_stores import BUCKET, running
 
 from jaxckpt.bench import _report as _bench_report
 from jaxckpt.bench import _run as bench
@@ -78,7 +79,15 @@ def test_state_shape_follows_the_requested_size():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--processes", "0"], ["--replicas", "2"], ["--state-gib", "-1"], ["--steps", "2"]],
+    [
+        ["--processes", "0"],
+        ["--replicas", "2"],
+        ["--state-gib", "-1"],
+        ["--steps", "2"],
+        ["--store-only"],  # without a store
+        ["--store-url", "/tmp/not-an-object-store"],
+        ["--store-url", "s3://b/run", "--store-emulator", "s3"],
+    ],
 )
 def test_bad_arguments_are_refused_before_anything_starts(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -127,3 +136,79 @@ def test_quick_run_reports_every_figure(tmp_path, capsys):
         }
         assert all(r["verified"] for r in restores.values()), restores
     assert not (tmp_path / "memory").exists() and not (tmp_path / "work").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["s3 --store-url", "gcs --store-emulator"])
+def test_object_store_phase_reports_real_throughputs(mode, tmp_path, monkeypatch, capsys):
+    """The object-store phase alone, against each emulator: once as a user's bucket
+    (--store-url, the emulator started here and reached through the environment),
+    once with the emulator the benchmark starts itself."""
+    kind, option = mode.split()
+    path = tmp_path / "bench.json"
+    argv = ["--store-only", "--processes", "1", "--state-gib", "0.02", "--repeats", "2"]
+    argv += ["--prefault-gib", "0", "--json", str(path), "--memory-root", str(tmp_path / "m")]
+    argv += ["--work-dir", str(tmp_path / "work")]
+    if option == "--store-emulator":
+        assert bench.main([*argv, "--store-emulator", kind]) == 0
+    else:
+        with running(kind, tmp_path) as emulator:
+            for key, value in emulator.env().items():
+                monkeypatch.setenv(key, value)
+            assert bench.main([*argv, "--store-url", emulator.url("runs")]) == 0
+            left = _objects(emulator)
+        # Every object the run wrote under its own prefix is deleted again.
+        assert not [k for k in left if k.startswith("runs/jaxckpt-bench-")], left
+    printed = capsys.readouterr().out
+    report = json.loads(path.read_text())
+
+    figures = {f["id"]: f for f in report["figures"]}
+    assert set(figures) == {"7a", "7b", "7c"}  # --store-only: no other phase ran
+    for f in figures.values():
+        assert _number(f["value"]) and f["value"] > 0, f
+        assert _number(f["baseline"]) and f["baseline"] > 0, f
+        assert math.isclose(f["ratio"], f["value"] / f["baseline"]), f
+        assert re.search(rf"^{f['id']}  +{re.escape(f['name'])}  ", printed, re.M), f
+    assert figures["7a"]["baseline"] == figures["7b"]["baseline"]
+    assert isinstance(figures["7a"]["met"], bool) and figures["7b"]["met"] is None
+    assert 0 < figures["7c"]["ratio"] < 1  # a share of the time from save() until persisted
+
+    (process,) = report["processes"]
+    store = process["object_store"]
+    assert store["url"].startswith(f"{'gs' if kind == 'gcs' else 's3'}://")
+    # Both sides wrote this process's own shards, i.e. the whole state (one process):
+    # params and adam's moments, plus adam's int32 step count.
+    assert store["bytes"] == process["own_bytes"] == report["state"]["state_bytes"] + 4
+    assert store["chunks"] >= store["arrays"] > 0
+    for kind_ in ("saves", "baseline"):
+        records = store[kind_]
+        assert [r["warmup"] for r in records] == [True, False, False]
+        for r in records:
+            assert r["bytes"] == store["bytes"]
+            assert _number(r["seconds"]) and r["seconds"] > 0
+            assert math.isclose(r["bytes_per_s"], r["bytes"] / r["seconds"])
+    for save in store["saves"]:
+        # The upload is part of the time from save() until persisted, and follows the
+        # commit in memory.
+        assert 0 < save["safe_in_memory_s"] < save["seconds"]
+        assert 0 < save["persist_s"] < save["seconds"]
+        assert math.isclose(save["outside_upload_s"], save["seconds"] - save["persist_s"])
+        assert math.isclose(save["persist_bytes_per_s"], save["bytes"] / save["persist_s"])
+    # Figures are the medians of the measured (not warm-up) repeats.
+    measured = [r["bytes_per_s"] for r in store["saves"] if not r["warmup"]]
+    assert math.isclose(figures["7a"]["value"] * 1e6, sum(measured) / 2)
+
+
+def _objects(emulator) -> list[str]:
+    """Every object name in the emulator's bucket (one listing, over plain HTTP)."""
+    import urllib.request
+    import xml.etree.ElementTree as ET
+
+    if emulator.kind == "gcs":
+        url = f"{emulator.endpoint}/storage/v1/b/{BUCKET}/o"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return [item["name"] for item in json.loads(r.read()).get("items", [])]
+    with urllib.request.urlopen(f"{emulator.endpoint}/{BUCKET}?list-type=2", timeout=10) as r:
+        root = ET.fromstring(r.read())
+    return [e.text or "" for e in root.iter() if e.tag.endswith("}Key")]

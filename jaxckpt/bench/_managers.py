@@ -1,7 +1,8 @@
 """The checkpoint managers the benchmark compares: jaxckpt's tiered handler and Orbax's.
 
 Both run in Orbax's `CheckpointManager` with the same async options, so that the
-figures compare the handlers, not the manager's settings.
+figures compare the handlers, not the manager's settings. The options come from
+`jaxckpt.manager_options`, so a directory may also be an object-store URL (gs://, s3://).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import jaxckpt
 class Jaxckpt:
     """A CheckpointManager around a `TieredCheckpointHandler`, and the metrics it reported."""
 
-    def __init__(self, directory: Path, memory_root: Path, cfg: dict[str, Any], **options: Any):
+    def __init__(
+        self, directory: Path | str, memory_root: Path, cfg: dict[str, Any], **options: Any
+    ):
         max_to_keep = options.pop("max_to_keep", None)
         self.events: list[dict[str, Any]] = []  # appended from the commit and persist threads
         self.handler = jaxckpt.TieredCheckpointHandler(
@@ -29,7 +32,7 @@ class Jaxckpt:
         self.mngr = ocp.CheckpointManager(
             directory,
             item_handlers={"train": self.handler},
-            options=_manager_options(cfg, max_to_keep),
+            options=_manager_options(directory, cfg, max_to_keep),
         )
 
     def save(self, step: int, state: Any) -> None:
@@ -51,12 +54,14 @@ def orbax_manager(directory: Path, cfg: dict[str, Any], max_to_keep: int) -> ocp
     return ocp.CheckpointManager(
         directory,
         item_handlers=ocp.StandardCheckpointHandler(),
-        options=_manager_options(cfg, max_to_keep),
+        options=_manager_options(directory, cfg, max_to_keep),
     )
 
 
-def _manager_options(cfg: dict[str, Any], max_to_keep: int | None) -> Any:
-    return ocp.CheckpointManagerOptions(
+def _manager_options(directory: Path | str, cfg: dict[str, Any], max_to_keep: int | None) -> Any:
+    # What the directory's store needs as well (a commit file instead of a rename on S3).
+    return jaxckpt.manager_options(
+        directory,
         max_to_keep=max_to_keep,
         enable_async_checkpointing=True,
         async_options=ocp.AsyncOptions(timeout_secs=int(cfg["timeout_s"])),

@@ -6,6 +6,8 @@
    the memory tier's tmpfs, fsync'd files where checkpoints persist, loopback TCP.
 3. Isolated saves (the previous one finished first): jaxckpt, then Orbax.
 4. Restores from every source (see `_restores`).
+5. With a store URL: saves persisted to an object store, against plain tensorstore
+   writes to the same endpoint (see `_object_store`); `store_only` runs this alone.
 
 Nothing here interprets the timings; `jaxckpt.bench` turns them into figures.
 """
@@ -23,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxckpt import _multihost
-from jaxckpt.bench import _baselines, _restores, _state
+from jaxckpt.bench import _baselines, _object_store, _restores, _state
 from jaxckpt.bench._managers import Jaxckpt, orbax_manager
 
 Record = dict[str, list[float]]
@@ -68,6 +70,24 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
     }
     for _ in range(cfg["warmup"]):
         tr.train_step()
+    if not cfg.get("store_only"):
+        _local_phases(cfg, tr, memory_root, work, sync, out)
+    if cfg.get("store_url"):
+        progress(f"object store: {cfg['store_url']}")
+        out["object_store"] = _object_store.run(cfg, tr, memory_root, sync, progress)
+    sync("done")
+    return out
+
+
+def _local_phases(
+    cfg: dict[str, Any],
+    tr: _state.Training,
+    memory_root: Path,
+    work: Path,
+    sync: Sync,
+    out: dict[str, Any],
+) -> None:
+    """Phases 1-4, into `out`."""
     progress("training loops")
     with _baselines.MemorySampler(memory_root) as sampler:
         out["loops"], out["memory"] = _loops(cfg, tr, sampler, memory_root, work, sync)
@@ -89,8 +109,10 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
     finally:
         omngr.close()
         ours.close()
-    sync("done")
-    return out
+    run_dir = ours.handler._memory.run_dir if ours.handler._memory else None
+    sync("isolated/closed")
+    if run_dir is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)  # the object-store phase has its own
 
 
 def _loop(

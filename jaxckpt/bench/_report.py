@@ -21,6 +21,7 @@ import psutil
 
 from jaxckpt.tools import _table
 
+_MB: Final = 1e6
 _PACKAGES: Final = ("jax", "jaxlib", "orbax-checkpoint", "tensorstore", "optax", "numpy", "jaxckpt")
 
 
@@ -69,9 +70,62 @@ def _sum(*xs: float | None) -> float | None:
 
 
 def figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list[Figure]:
-    """Every figure of the benchmark from the processes' raw results."""
+    """Every figure of the benchmark from the processes' raw results (those of the
+    phases that ran: the object-store figures only with a store)."""
+    out = _local_figures(procs, warmup, replicas) if "loops" in procs[0] else []
+    if "object_store" in procs[0]:
+        out += _store_figures(procs)
+    return out
 
-    mb = 1e6
+
+def _store_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
+    """Persisting to an object store against tensorstore writing the same bytes there."""
+
+    def median(key: str, kind: str = "saves") -> Callable[[dict[str, Any]], float | None]:
+        """A process's median of `key` over its measured (not warm-up) repeats."""
+        return lambda p: _median([r[key] for r in p["object_store"][kind] if not r["warmup"]])
+
+    def store_bw(key: str, kind: str = "saves") -> float | None:
+        return _scale(_worst(procs, median(key, kind), low=True), _MB)
+
+    def store_t(key: str) -> float | None:
+        return _worst(procs, median(key), low=False)
+
+    baseline = store_bw("bytes_per_s", "baseline")
+    name = "tensorstore zarr3 write, same chunks, same store"
+    return [
+        Figure(
+            "7a",
+            "object store: save until persisted",
+            store_bw("bytes_per_s"),
+            "MB/s",
+            baseline,
+            name,
+            ">= 0.7",
+        ),
+        Figure(
+            "7b",
+            "object store: upload (handler persist_s)",
+            store_bw("persist_bytes_per_s"),
+            "MB/s",
+            baseline,
+            name,
+        ),
+        Figure(
+            "7c",
+            "object store: time outside the upload",
+            store_t("outside_upload_s"),
+            "s",
+            store_t("seconds"),
+            "the whole save until persisted",
+        ),
+    ]
+
+
+def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list[Figure]:
+    """The figures of phases 1-4 (every run but `--store-only`)."""
+
+    mb = _MB
 
     def t(get: Callable[[dict[str, Any]], float | None]) -> float | None:
         return _worst(procs, get, low=False)

@@ -2,12 +2,14 @@
 
     python -m jaxckpt.bench --quick                 # ~2 minutes on 2 cores, small state
     python -m jaxckpt.bench --state-gib 4 --json bench.json
+    python -m jaxckpt.bench --store-only --store-emulator s3   # object-store persistence only
 
 Runs N JAX processes on this machine (loopback, one memory root and failure
 domain each, like `jaxckpt.launch`) that train an MLP with optax adam, save
 with jaxckpt and with Orbax's `StandardCheckpointHandler`, restore from every
 tier, and measure the raw operations each figure is bounded by (device->host
-copy, tmpfs write, fsync'd write, loopback TCP) in the same run. Prints one
+copy, tmpfs write, fsync'd write, loopback TCP; with an object store, tensorstore
+writing the same chunks there) in the same run. Prints one
 table (value, baseline, ratio, target) and optionally writes it as JSON with
 the machine it ran on. Every wait on another process has a timeout; the whole
 run has a deadline.
@@ -26,13 +28,15 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import psutil
 
-from jaxckpt.bench import _report
+from jaxckpt import _storage
+from jaxckpt.bench import _emulator, _report
 from jaxckpt.bench._worker import (
     ENV_COORDINATOR,
     ENV_MEMORY_ROOT,
@@ -65,6 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, help="seconds the whole run may take")
     p.add_argument("--platform", choices=("cpu", "default"), default="cpu")
     p.add_argument("--keep", action="store_true", help="keep the memory tiers and checkpoints")
+    store = p.add_mutually_exclusive_group()
+    store.add_argument(
+        "--store-url",
+        metavar="URL",
+        help="also persist to this object store (gs://bucket/prefix or s3://bucket/prefix; "
+        "endpoint and credentials from the standard environment: TENSORSTORE_GCS_HTTP_URL "
+        "and STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL and AWS_*) against tensorstore "
+        "writing the same bytes there",
+    )
+    store.add_argument(
+        "--store-emulator",
+        choices=_emulator.KINDS,
+        help="the same against a local emulator started on loopback (needs the dev extra: "
+        "gcp-storage-emulator, moto_server)",
+    )
+    p.add_argument("--store-only", action="store_true", help="run the object-store phase alone")
     p.add_argument(
         "--prefault-gib",
         type=float,
@@ -76,11 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _envs(cfg: dict[str, Any], memory_base: Path, port: int) -> list[dict[str, str]]:
+def _envs(
+    cfg: dict[str, Any], memory_base: Path, port: int, store_env: dict[str, str]
+) -> list[dict[str, str]]:
     package_parent = str(Path(__file__).resolve().parent.parent.parent)
     envs = []
     for i in range(cfg["processes"]):
         env = {
+            **store_env,
             ENV_PROCESS_ID: str(i),
             ENV_COORDINATOR: f"127.0.0.1:{port}",
             ENV_MEMORY_ROOT: str(memory_base / f"node{i}"),
@@ -96,7 +119,11 @@ def _envs(cfg: dict[str, Any], memory_base: Path, port: int) -> list[dict[str, s
 
 
 def _run_once(
-    cfg: dict[str, Any], memory_base: Path, logs: list[Path], deadline: float
+    cfg: dict[str, Any],
+    memory_base: Path,
+    logs: list[Path],
+    deadline: float,
+    store_env: dict[str, str],
 ) -> str | None:
     """Runs the worker processes once, their output into `logs`; returns why they failed."""
     shown = 0
@@ -113,18 +140,22 @@ def _run_once(
     command = [sys.executable, "-m", "jaxckpt.bench._worker", json.dumps(cfg)]
     with contextlib.ExitStack() as stack:
         outputs = [stack.enter_context(open(path, "wb")) for path in logs]
-        envs = _envs(cfg, memory_base, free_port())
+        envs = _envs(cfg, memory_base, free_port(), store_env)
         with ProcessSet(command, envs, outputs) as processes:
             return processes.wait(deadline, tick=echo)
 
 
 def _run_processes(
-    cfg: dict[str, Any], memory_base: Path, logs: Path, deadline: float
+    cfg: dict[str, Any],
+    memory_base: Path,
+    logs: Path,
+    deadline: float,
+    store_env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     ports = PortRetries(_PORT_RETRIES)
     for attempt in itertools.count():
         paths = [logs / f"process{i}.attempt{attempt}.log" for i in range(cfg["processes"])]
-        why = _run_once(cfg, memory_base, paths, deadline)
+        why = _run_once(cfg, memory_base, paths, deadline, store_env or {})
         texts = [path.read_bytes().decode(errors="replace") for path in paths]
         if why is None:
             results = []
@@ -157,6 +188,11 @@ def _config(args: argparse.Namespace, work_dir: str) -> dict[str, Any]:
         "timeout_s": args.timeout,
         "platform": args.platform,
         "work_dir": work_dir,
+        "keep": args.keep,
+        "store_only": args.store_only,
+        # Set by `main`: a fresh prefix under --store-url or in the emulator's bucket.
+        "store_url": None,
+        "store_emulator": args.store_emulator,
     }
 
 
@@ -202,6 +238,35 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--{name} must be at least 1, got {value}")
     if args.steps is not None and args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.store_url is not None and _storage.scheme(args.store_url) is None:
+        parser.error(f"--store-url must be a gs:// or s3:// URL, got {args.store_url!r}")
+    if args.store_only and not (args.store_url or args.store_emulator):
+        parser.error("--store-only needs --store-url or --store-emulator")
+    if args.store_emulator and not _emulator.available(args.store_emulator):
+        parser.error(
+            f"--store-emulator {args.store_emulator} needs the dev extra's emulators "
+            "(gcp-storage-emulator, moto_server): pip install 'jaxckpt[dev]'"
+        )
+
+
+def _store(
+    args: argparse.Namespace, cfg: dict[str, Any], logs: Path, stack: contextlib.ExitStack
+) -> dict[str, str]:
+    """Sets `cfg["store_url"]` to a fresh prefix on the object store, if one is asked for,
+    starting the emulator first (stopped when `stack` closes); returns the environment
+    the processes need to reach it (the emulator's; a real store's is inherited)."""
+    run = f"jaxckpt-bench-{uuid.uuid4().hex[:12]}"
+    if args.store_url:
+        cfg["store_url"] = f"{args.store_url.rstrip('/')}/{run}"
+        return {}
+    if not args.store_emulator:
+        return {}
+    emulator = _emulator.Emulator(args.store_emulator, logs / "emulator.log")
+    print(f"[bench] starting the {emulator.kind} emulator", file=sys.stderr, flush=True)
+    emulator.start()
+    stack.callback(emulator.stop)
+    cfg["store_url"] = f"{emulator.url}/{run}"
+    return emulator.env()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -233,9 +298,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         memory_base.mkdir(parents=True, exist_ok=True)
         work_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="jaxckpt-bench-logs-") as logs:
-            procs = _run_processes(cfg, memory_base, Path(logs), start + deadline_s)
-    except RuntimeError as e:
+        with contextlib.ExitStack() as stack:
+            logs = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxckpt-bench-logs-"))
+            )
+            store_env = _store(args, cfg, logs, stack)
+            procs = _run_processes(cfg, memory_base, logs, start + deadline_s, store_env)
+    except (RuntimeError, TimeoutError) as e:
         print(f"[bench] {e}", file=sys.stderr)
         return 1
     finally:
