@@ -3,6 +3,7 @@
     python -m jaxckpt.bench --quick                 # ~2 minutes on 2 cores, small state
     python -m jaxckpt.bench --state-gib 4 --json bench.json
     python -m jaxckpt.bench --store-only --store-emulator s3   # object-store persistence only
+    PYTHONPATH=. python -m jaxckpt.bench --gpu     # one process on this machine's accelerator
 
 Runs N JAX processes on this machine (loopback, one memory root and failure
 domain each, like `jaxckpt.launch`) that train an MLP with optax adam, save
@@ -54,6 +55,11 @@ _FULL: Final = {"state_gib": 1.0, "steps": 16, "repeats": 3, "deadline_s": 3600.
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxckpt bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small state, few steps (a smoke run)")
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="instead: the one-process accelerator check (`jaxckpt bench --gpu --help`)",
+    )
     p.add_argument("--processes", type=int, default=2, help="JAX processes on loopback")
     p.add_argument("--state-gib", type=float, help="params + adam state, GiB (quick: 1/8, else 1)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
@@ -271,6 +277,11 @@ def _store(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark; prints the table; returns 0 on success, 1 if the run failed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--gpu" in argv:
+        from jaxckpt.bench import _gpu  # imports JAX: only this mode runs it in the driver
+
+        return _gpu.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
