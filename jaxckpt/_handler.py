@@ -243,7 +243,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
             _faults.maybe_crash("memory_write", step, pi)
-            committed = memory.commit(staging, step, pi)
+            part = memory.commit(staging, step, pi)
             _faults.maybe_crash("memory_commit", step, pi)
         except BaseException as e:
             # The slab's writes are done when `_slab.write` returns or raises.
@@ -257,9 +257,50 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 ) from e
             raise
         metrics["safe_in_memory_s"] = time.perf_counter() - started
+        # Persistence starts now, beside the push, the agreement and the index; nothing
+        # of it becomes durable before this commit has succeeded (`committed`) and the
+        # manager has finalized the step.
+        committed: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        if step % self._options.persist_every == 0:
+            self._persister.submit(
+                _persister.PersistJob(
+                    manifest,
+                    part,
+                    directory,
+                    _paths.final_item_dir(directory),
+                    pin=memory.pin(step),
+                    committed=committed,
+                )
+            )
+        try:
+            await self._replicate_agree_index(save, manifest, part, agree)
+        except BaseException:
+            committed.set_result(False)
+            raise
+        committed.set_result(True)
+        # IMPORTANT: older steps leave memory only once this one is finalized, so that
+        # a crash at any moment leaves a finalized step in memory.
+        self._retainer.submit(self._retain, memory, directory, step)
+
+    async def _replicate_agree_index(
+        self,
+        save: _Save,
+        manifest: _format.PartManifest,
+        part: Path,
+        agree: Callable[[BaseException | None], Awaitable[None]],
+    ) -> None:
+        """The rest of a commit once the part is in memory: push it to its holders,
+        agree with the other processes, write the index manifest."""
+        directory, step, pi, metrics, started = (
+            save.directory,
+            save.step,
+            save.process,
+            save.metrics,
+            save.started,
+        )
         if self._peers is not None and self._options.replicas:
             push_start = time.perf_counter()
-            sent = await self._peers.push_replicas(committed, step, pi)
+            sent = await self._peers.push_replicas(part, step, pi)
             metrics["replicate_s"] = push_s = time.perf_counter() - push_start
             metrics["replicate_bytes"] = sent
             metrics["replicate_bytes_per_s"] = sent / max(push_s, 1e-9)
@@ -274,19 +315,6 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         _storage.write_file(directory / _format.index_file(pi), manifest.to_json())
         _faults.maybe_crash("index", step, pi)
         self._publish(metrics)
-        if step % self._options.persist_every == 0:
-            self._persister.submit(
-                _persister.PersistJob(
-                    manifest,
-                    committed,
-                    directory,
-                    _paths.final_item_dir(directory),
-                    pin=memory.pin(step),
-                )
-            )
-        # IMPORTANT: older steps leave memory only once this one is finalized, so that
-        # a crash at any moment leaves a finalized step in memory.
-        self._retainer.submit(self._retain, memory, directory, step)
 
     # ---- restore --------------------------------------------------------------
 

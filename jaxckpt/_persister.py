@@ -23,6 +23,7 @@ is still busy when `close` gives up waiting, it finishes its jobs and a later
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import queue
@@ -68,6 +69,9 @@ class PersistJob:
     # Resumed after a restart (`unpersisted_jobs`): the step was finalized long ago, and
     # its deletion since (nobody restores it any more) is no failure.
     resumed: bool = False
+    # Set by the save once its commit ended (True: it succeeded); the job is queued as
+    # soon as the part is in memory, and makes nothing durable before it is True.
+    committed: concurrent.futures.Future[bool] | None = None
 
 
 def unpersisted_jobs(
@@ -254,6 +258,29 @@ class Persister:
                     del self._pending[step]
                 self._idle.notify_all()
 
+    def _await_commit(self, job: PersistJob) -> None:
+        """Waits until the save that queued `job` has ended its commit.
+
+        Raises:
+          StepNeverFinalized: if that commit failed (the save said so; not a
+            persistence failure).
+          TimeoutError: if it does not end within `timeout_s`.
+        """
+        if job.committed is None:
+            return
+        step = job.manifest.step
+        try:
+            ok = job.committed.result(timeout=self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"The save of step {step} did not end its commit within {self._timeout_s:.0f} s."
+            ) from None
+        if not ok:
+            raise _paths.StepNeverFinalized(
+                f"The save of step {step} failed after its part was in memory (the save "
+                "raised why); it is not persisted."
+            )
+
     def _persist(self, job: PersistJob) -> dict[str, Any]:
         if _storage.is_remote(job.final_item_dir):
             return self._persist_to_object_store(job)
@@ -288,6 +315,7 @@ class Persister:
             _fs.fsync_tree(staging)
             fsync_s = time.perf_counter() - sync_start
             _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
+            self._await_commit(job)
             if not job.resumed:  # a resumed job's step was finalized before the restart
                 _paths.wait_finalized(
                     job.item_dir, job.final_item_dir, manifest.step, self._timeout_s, self._closing
@@ -345,6 +373,7 @@ class Persister:
         copy_s = time.perf_counter() - start
         manifest = dataclasses.replace(manifest, metrics={**manifest.metrics, "persist_s": copy_s})
         _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
+        self._await_commit(job)
         if not job.resumed:
             _paths.wait_finalized(
                 job.item_dir,

@@ -157,3 +157,45 @@ def test_a_save_that_fails_after_the_part_does_not_hold_up_close(
     assert "memory retention skipped after step 1: Step 1 was never finalized" in caplog.text
     assert h.last_persist_metrics == {}
     assert not any(p.name.startswith("1") and "tmp" not in p.name for p in ckpt_dir.iterdir())
+
+
+def test_persistence_starts_early_but_a_failed_commit_persists_nothing(
+    memory_root, ckpt_dir, monkeypatch, caplog
+):
+    """The persist job is queued once the part is in memory; when the rest of the commit
+    (push, agreement, index) fails, the job makes nothing durable, reports no second
+    error, and the next step persists."""
+    from jaxckpt import _agreement
+
+    agree = _agreement.agree_on_save
+    writing: list[int] = []
+    write = Persister._write_arrays
+
+    async def spy(self, manifest, *args, **kwargs):
+        writing.append(manifest.step)
+        return await write(self, manifest, *args, **kwargs)
+
+    def failing(leaves, error, *, tag, step, timeout_s):
+        if step == 2 and leaves is not None:
+            error = error or ValueError("the other processes saved another tree (injected)")
+        if step == 3:  # the agreement waits until step 3's persistence is under way
+            deadline = time.monotonic() + 30
+            while 3 not in writing:
+                assert time.monotonic() < deadline, "persistence did not start before the index"
+                time.sleep(0.01)
+        return agree(leaves, error, tag=tag, step=step, timeout_s=timeout_s)
+
+    monkeypatch.setattr(Persister, "_write_arrays", spy)
+    monkeypatch.setattr(_agreement, "agree_on_save", failing)
+    h = handler(memory_root, persist_every=1)
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        save(mngr, 1, state_of(0.1))
+        with pytest.raises(ValueError, match="another tree"):
+            save(mngr, 2, state_of(0.1))
+        save(mngr, 3, state_of(0.1))
+        h.wait_for_persistence()  # no error: the failed save already raised
+    assert (ckpt_dir / "1" / "train" / "part_00000").is_dir()
+    assert (ckpt_dir / "3" / "train" / "part_00000").is_dir()
+    assert not list(ckpt_dir.glob("2*/train/part_00000"))
+    assert "step 2 is not persisted: The save of step 2 failed after its part" in caplog.text
+    assert leftovers(ckpt_dir / ".jaxckpt-staging") == []
