@@ -48,18 +48,23 @@ def manager(url: str, h: jaxckpt.TieredCheckpointHandler, **options) -> ocp.Chec
     return ocp.CheckpointManager(url, handler_registry=registry, options=opts)
 
 
+def saved(url: str, memory_root: str, state, steps=range(3)) -> jaxckpt.TieredCheckpointHandler:
+    """Saves `state` as `steps` (every other one persisted) and drains; the handler."""
+    h = handler(memory_root, persist_every=2)
+    with manager(url, h) as mngr:
+        for step in steps:
+            save(mngr, step, state)
+        h.wait_for_persistence()
+    return h
+
+
 @pytest.mark.parametrize("kind", ["gcs", "s3"])
 def test_save_persist_wipe_memory_restore(kind, tmp_path, memory_root, store_env):
     state = sharded_state(mesh_1d())
     with running(kind, tmp_path) as emulator:
         store_env(emulator)
         url = emulator.url("run")
-        h = handler(memory_root, persist_every=2)
-        with manager(url, h) as mngr:
-            for step in range(3):
-                save(mngr, step, state)
-            h.wait_for_persistence()
-            assert h.last_persist_metrics["step"] == 2
+        assert saved(url, memory_root, state).last_persist_metrics["step"] == 2
         shutil.rmtree(memory_root)  # the host is gone: only the bucket is left
 
         h = handler(memory_root, persist_every=2)
@@ -84,11 +89,7 @@ def test_a_step_a_crash_left_unpersisted_is_persisted_on_restart(
     with running("s3", tmp_path) as emulator:
         store_env(emulator)
         url = emulator.url("run")
-        h = handler(memory_root, persist_every=2)
-        with manager(url, h) as mngr:
-            for step in range(3):
-                save(mngr, step, state)
-            h.wait_for_persistence()
+        saved(url, memory_root, state)
         assert not _storage.exists(_storage.as_path(url + "/2/train/part_00000/manifest.json"))
         monkeypatch.setattr(_persister.Persister, "submit", submit)
 
