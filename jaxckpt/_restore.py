@@ -21,7 +21,16 @@ import jax
 import numpy as np
 from absl import logging as log
 
-from jaxckpt import _checksum, _chunking, _format, _memory_tier, _plan, _readers, _sharding
+from jaxckpt import (
+    _checksum,
+    _chunking,
+    _format,
+    _memory_tier,
+    _plan,
+    _readers,
+    _sharding,
+    _storage,
+)
 
 ReaderFor = Callable[[_plan.Source, int], _readers.ChunkReader]  # (source, owner) -> reader
 
@@ -85,8 +94,8 @@ def persisted_parts(item_dir: Path, index: dict[int, _format.PartManifest]) -> s
     out = set()
     for owner, m in index.items():
         try:
-            text = (item_dir / _format.part_dir_name(owner) / _format.MANIFEST_FILE).read_text()
-            if matches(_format.PartManifest.from_json(text), m):
+            path = item_dir / _format.part_dir_name(owner) / _format.MANIFEST_FILE
+            if matches(_format.PartManifest.from_json(_storage.read_bytes(path)), m):
                 out.add(owner)
         except (OSError, ValueError, KeyError, TypeError):
             continue

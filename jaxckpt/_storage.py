@@ -130,6 +130,23 @@ def write_object(path: Path, data: str) -> None:
     _result(store.write(path.name, data.encode()), f"Writing {path}")
 
 
+def read_bytes(path: Path) -> bytes:
+    """The bytes of the file `path`. On an object store: one request, with tensorstore's
+    bounded retries, and never an answer from a cached listing (a listing cached by
+    gcsfs/s3fs before an object was written by tensorstore would hide it).
+
+    Raises:
+      FileNotFoundError: if there is no such file.
+    """
+    if not is_remote(path):
+        return path.read_bytes()
+    store = _result(ts.KvStore.open(kvstore(path.parent), context=_context()), path)
+    got = _result(store.read(path.name), f"Reading {path}")
+    if got.state != "value":
+        raise FileNotFoundError(f"{path} does not exist.")
+    return bytes(got.value)
+
+
 def exists(path: Path) -> bool:
     """Whether the file `path` exists. On an object store: one request, with
     tensorstore's bounded retries, and never an answer from a cached listing."""
