@@ -19,7 +19,7 @@ from helpers import mesh_1d, save, sharded_state
 from object_stores import reset_clients, running
 
 import jaxckpt
-from jaxckpt import _chunking, _format, _paths, _restore, _storage, _zarr, cli
+from jaxckpt import _chunking, _format, _paths, _readers, _restore, _storage, _zarr, cli
 from jaxckpt.tools import _verify
 
 pytestmark = pytest.mark.slow
@@ -226,15 +226,12 @@ def test_verify_of_a_store_that_stops_answering_is_bounded(
         save_steps(url, memory_root)
         proxy = Proxy(PeerAddress("127.0.0.1", emulator.port))
         try:
-            kvstore = _storage.kvstore
+            init = _readers.ZarrReader.__init__
 
-            def through_proxy(path):
-                spec = kvstore(path)
-                if "/part_" in str(path):  # the chunk reads only
-                    spec["endpoint"] = f"http://127.0.0.1:{proxy.address.port}"
-                return spec
+            def through_proxy(self, part_kvstore):  # the chunk reads only
+                init(self, {**part_kvstore, "endpoint": f"http://127.0.0.1:{proxy.address.port}"})
 
-            monkeypatch.setattr(_storage, "kvstore", through_proxy)
+            monkeypatch.setattr(_readers.ZarrReader, "__init__", through_proxy)
             monkeypatch.setattr(_verify, "REMOTE_READ_TIMEOUT_S", 1.0)
             proxy.stall.set()
             start = time.monotonic()
