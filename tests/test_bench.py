@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 
 import pytest
 from object_stores import BUCKET, running
@@ -33,6 +34,8 @@ FIGURE_IDS = {
     "5d",
     "6a",
     "6b",
+    "8a",
+    "8b",
 }
 
 
@@ -87,6 +90,8 @@ def test_state_shape_follows_the_requested_size():
         ["--store-only"],  # without a store
         ["--store-url", "/tmp/not-an-object-store"],
         ["--store-url", "s3://b/run", "--store-emulator", "s3"],
+        ["--many-leaves", "-1"],
+        ["--many-leaf-kib", "0"],
     ],
 )
 def test_bad_arguments_are_refused_before_anything_starts(argv, capsys):
@@ -135,7 +140,84 @@ def test_quick_run_reports_every_figure(tmp_path, capsys):
             "orbax_mesh_change": "persistent",
         }
         assert all(r["verified"] for r in restores.values()), restores
+    _check_new_baselines(report, figures)
+    _check_many_leaves(report, figures)
     assert not (tmp_path / "memory").exists() and not (tmp_path / "work").exists()
+
+
+def _check_new_baselines(report, figures):
+    """4a: the memory tier's write of saves that reused a retired slab, against a memcpy
+    into a pre-faulted tmpfs file of the same bytes; 5a's target is 3x faster than Orbax."""
+    procs = report["processes"]
+    for p in procs:
+        copies = p["raw"]["prefaulted_copy"]
+        assert len(copies) == report["config"]["repeats"]
+        assert all(_number(c) and c > 0 for c in copies)
+        for save in p["saves"]:
+            assert isinstance(save["slab_reused"], bool)
+            # Committed (the part's directory renamed into place) after its manifest
+            # was built, and before the save finished.
+            assert 0 < save["manifest_s"] <= save["to_memory_s"] + 0.01, save
+        assert not p["saves"][0]["slab_reused"]  # the first save has no retired slab
+    value = min(
+        statistics.median(
+            [
+                s["memory_write_bytes_per_s"]
+                for s in p["saves"]
+                if not s["warmup"] and s["slab_reused"]
+            ]
+        )
+        for p in procs
+    )
+    baseline = min(p["own_bytes"] / statistics.median(p["raw"]["prefaulted_copy"]) for p in procs)
+    assert math.isclose(figures["4a"]["value"], value / 1e6)
+    assert math.isclose(figures["4a"]["baseline"], baseline / 1e6)
+    assert figures["4a"]["target"] == ">= 0.8"
+    assert figures["5a"]["target"] == "<= 0.33"
+    assert figures["5a"]["baseline"] == figures["5b"]["baseline"]
+
+
+def _check_many_leaves(report, figures):
+    """8a/8b: the 4000-leaf tree, jaxckpt against Orbax, from the same raw timings."""
+    config, procs = report["config"], report["processes"]
+    assert config["many_leaves"] == 4000 and config["many_leaf_bytes"] == 16 * 1024
+    for p in procs:
+        many = p["many_leaves"]
+        assert many["leaves"] == 4000 and many["bytes"] == 4000 * 16 * 1024
+        # Each process owns its shards of every leaf: half the bytes with 2 processes.
+        assert many["own_bytes"] * len(procs) == many["bytes"]
+        for kind in ("saves", "orbax_saves"):
+            assert [s["warmup"] for s in many[kind]] == [True] + [False] * config["repeats"]
+            assert all(_number(s["done_s"]) and s["done_s"] > 0 for s in many[kind])
+        for save in many["saves"]:
+            assert 0 < save["to_memory_s"] < save["done_s"] + 0.01, save
+        restores = many["restores"]
+        assert {k: {r["tier"] for r in rs} for k, rs in restores.items()} == {
+            "memory": {"memory"},
+            "orbax": {"persistent"},
+        }
+        assert all(r["verified"] for rs in restores.values() for r in rs), restores
+        assert all(len(rs) == config["repeats"] for rs in restores.values())
+
+    def worst(get):
+        return max(get(p["many_leaves"]) for p in procs)
+
+    def measured(records, key):
+        return statistics.median([r[key] for r in records if not r["warmup"]])
+
+    assert math.isclose(
+        figures["8a"]["value"], worst(lambda m: measured(m["saves"], "to_memory_s"))
+    )
+    assert math.isclose(
+        figures["8a"]["baseline"], worst(lambda m: measured(m["orbax_saves"], "done_s"))
+    )
+    for source, key in (("memory", "value"), ("orbax", "baseline")):
+        assert math.isclose(
+            figures["8b"][key],
+            worst(lambda m, s=source: statistics.median([r["seconds"] for r in m["restores"][s]])),
+        )
+    assert figures["8a"]["target"] == figures["8b"]["target"] == "<= 0.25"
+    assert figures["8a"]["name"].startswith("4000-leaf tree")
 
 
 @pytest.mark.slow

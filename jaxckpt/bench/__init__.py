@@ -2,10 +2,11 @@
 
 `python -m jaxckpt.bench` or `jaxckpt bench`. The driver (`_run`) starts the worker
 processes (`_worker`, started and stopped with `jaxckpt.launch._supervise`), which build
-the state (`_state`), run the phases (`_phases`, `_restores`) on jaxckpt's and Orbax's
-managers (`_managers`) and measure the raw baselines (`_baselines`); with an object
-store, `_object_store` persists to it against plain tensorstore writes (`_emulator`
-starts a local one); `_report` turns their results into the table of figures.
+the state (`_state`), run the phases (`_phases`, `_restores`, `_many_leaves`) on
+jaxckpt's and Orbax's managers (`_managers`) and measure the raw baselines
+(`_baselines`); with an object store, `_object_store` persists to it against plain
+tensorstore writes (`_emulator` starts a local one); `_report` turns their results into
+the table of figures. `--gpu` runs `_gpu` instead: one process on an accelerator.
 """
 
 from jaxckpt.bench._run import main as main

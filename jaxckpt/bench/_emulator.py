@@ -38,8 +38,6 @@ import urllib.request
 from pathlib import Path
 from typing import Final
 
-from jaxckpt.launch._supervise import free_port
-
 KINDS: Final = ("gcs", "s3")
 BUCKET: Final = "jaxckpt-bench"
 _START_TIMEOUT_S: Final = 30.0
@@ -84,6 +82,9 @@ class Emulator:
     """One emulator process, started by `start` and stopped by `stop`."""
 
     def __init__(self, kind: str, log_path: Path):
+        # Imported here: `jaxckpt bench --gpu` runs without the launcher's dependencies.
+        from jaxckpt.launch._supervise import free_port
+
         self.kind = kind
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"

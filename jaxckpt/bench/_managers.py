@@ -22,6 +22,7 @@ class Jaxckpt:
         self, directory: Path | str, memory_root: Path, cfg: dict[str, Any], **options: Any
     ):
         max_to_keep = options.pop("max_to_keep", None)
+        self.timeout_s: float = cfg["timeout_s"]
         self.events: list[dict[str, Any]] = []  # appended from the commit and persist threads
         self.handler = jaxckpt.TieredCheckpointHandler(
             jaxckpt.TierOptions(

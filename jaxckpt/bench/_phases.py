@@ -3,9 +3,12 @@
 1. Training loops: no checkpoint, a jaxckpt save every step, an Orbax
    `StandardCheckpointHandler` async save every step (host memory sampled).
 2. Raw baselines on this process's own shards: device->host copy, files into
-   the memory tier's tmpfs, fsync'd files where checkpoints persist, loopback TCP.
+   the memory tier's tmpfs, a copy into a pre-faulted tmpfs file, fsync'd files
+   where checkpoints persist, loopback TCP.
 3. Isolated saves (the previous one finished first): jaxckpt, then Orbax.
 4. Restores from every source (see `_restores`).
+   Then a tree of thousands of small leaves saved and restored by both (see
+   `_many_leaves`).
 5. With a store URL: saves persisted to an object store, against plain tensorstore
    writes to the same endpoint (see `_object_store`); `store_only` runs this alone.
 
@@ -25,7 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxckpt import _multihost
-from jaxckpt.bench import _baselines, _object_store, _restores, _state
+from jaxckpt.bench import _baselines, _many_leaves, _object_store, _restores, _saves, _state
 from jaxckpt.bench._managers import Jaxckpt, orbax_manager
 
 Record = dict[str, list[float]]
@@ -72,6 +75,8 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
         tr.train_step()
     if not cfg.get("store_only"):
         _local_phases(cfg, tr, memory_root, work, sync, out)
+        if cfg.get("many_leaves"):
+            out["many_leaves"] = _many_leaves.run(cfg, memory_root, work, sync, progress)
     if cfg.get("store_url"):
         progress(f"object store: {cfg['store_url']}")
         out["object_store"] = _object_store.run(cfg, tr, memory_root, sync, progress)
@@ -95,7 +100,7 @@ def _local_phases(
     out["raw"] = _raw(cfg, tr, memory_root, work, sync)
 
     ours = Jaxckpt(
-        work / "jaxckpt", memory_root, cfg, persist_every=cfg["repeats"] + 1, memory_keep=2
+        work / "jaxckpt", memory_root, cfg, persist_every=cfg["repeats"] + 1, memory_keep=1
     )
     omngr = orbax_manager(work / "orbax", cfg, max_to_keep=2)
     try:
@@ -202,7 +207,13 @@ def _raw(
 ) -> dict[str, list[float]]:
     """The baselines, every process at once (as a save runs on every process at once)."""
     shards = _state.own_shards(tr.state(0))
-    out: dict[str, list[float]] = {"d2h": [], "tmpfs_write": [], "fsync_write": [], "socket": []}
+    out: dict[str, list[float]] = {
+        "d2h": [],
+        "tmpfs_write": [],
+        "prefaulted_copy": [],
+        "fsync_write": [],
+        "socket": [],
+    }
     host: list[Any] = []
     for i in range(cfg["repeats"]):
         del host[:]
@@ -214,6 +225,8 @@ def _raw(
     for i in range(cfg["repeats"]):
         sync(f"raw/tmpfs/{i}")
         out["tmpfs_write"].append(_baselines.write_files(host, memory_root, fsync=False))
+        sync(f"raw/prefaulted/{i}")
+        out["prefaulted_copy"].append(_baselines.prefaulted_copy(host, memory_root))
         sync(f"raw/fsync/{i}")
         out["fsync_write"].append(_baselines.write_files(host, persist_dir, fsync=True))
     shutil.rmtree(persist_dir, ignore_errors=True)
@@ -244,59 +257,12 @@ def _isolated_jaxckpt(
     """Saves steps 1..repeats+1, each after the previous one finished; step 1 warms up.
 
     Time to safe counts from the `mngr.save()` call: to the commit in memory
-    (the part manifest's creation time), then to the end of the replica push.
+    (see `_saves.jaxckpt`), then to the end of the replica push.
     """
-    pi, records = jax.process_index(), []
-    for step in range(1, cfg["repeats"] + 2):
-        sync(f"save/{step}")
-        wall = time.time()
-        start = time.perf_counter()
-        ours.save(step, tr.state(step))
-        stall_wall = time.perf_counter() - start
-        ours.mngr.wait_until_finished()
-        done = time.perf_counter() - start
-        (metrics,) = ours.metrics("save", step)
-        memory = ours.handler._memory
-        manifest = memory.read_manifest(step, pi) if memory else None
-        to_memory = manifest.created - wall if manifest else None
-        push_s = (
-            metrics["safe_on_peers_s"] - metrics["safe_in_memory_s"]
-            if "safe_on_peers_s" in metrics
-            else None
-        )
-        records.append(
-            {
-                "warmup": step == 1,
-                "save_wall_s": stall_wall,
-                "done_s": done,
-                "to_memory_s": to_memory,
-                "to_replicated_s": _plus(to_memory, push_s),
-                **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-            }
-        )
-    return records
-
-
-def _plus(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a + b
+    return _saves.jaxckpt(cfg["repeats"] + 1, tr.state, ours, sync, "save")
 
 
 def _isolated_orbax(
     cfg: dict[str, Any], tr: _state.Training, mngr: ocp.CheckpointManager, sync: Sync
 ) -> list[dict[str, Any]]:
-    records = []
-    for step in range(1, cfg["repeats"] + 2):
-        sync(f"orbax/{step}")
-        start = time.perf_counter()
-        mngr.save(step, args=ocp.args.StandardSave(tr.state(step)))
-        stall = time.perf_counter() - start
-        mngr.wait_until_finished()
-        records.append(
-            {
-                "step": step,
-                "warmup": step == 1,
-                "save_wall_s": stall,
-                "done_s": time.perf_counter() - start,
-            }
-        )
-    return records
+    return _saves.orbax(cfg["repeats"] + 1, tr.state, mngr, sync, "orbax")

@@ -9,7 +9,8 @@ Runs N JAX processes on this machine (loopback, one memory root and failure
 domain each, like `jaxckpt.launch`) that train an MLP with optax adam, save
 with jaxckpt and with Orbax's `StandardCheckpointHandler`, restore from every
 tier, and measure the raw operations each figure is bounded by (device->host
-copy, tmpfs write, fsync'd write, loopback TCP; with an object store, tensorstore
+copy, tmpfs write, copy into a pre-faulted tmpfs file, fsync'd write, loopback
+TCP; Orbax on a tree of 4000 small leaves; with an object store, tensorstore
 writing the same chunks there) in the same run. Prints one
 table (value, baseline, ratio, target) and optionally writes it as JSON with
 the machine it ran on. Every wait on another process has a timeout; the whole
@@ -44,7 +45,6 @@ from jaxckpt.bench._worker import (
     ENV_PROCESS_ID,
     RESULT_PREFIX,
 )
-from jaxckpt.launch._supervise import PortRetries, ProcessSet, free_port, port_in_use
 
 FORMAT_VERSION: Final = 1  # of the JSON report; bump on incompatible changes
 _PORT_RETRIES: Final = 2
@@ -69,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help="isolated saves / raw baselines (default 3)")
     p.add_argument("--warmup", type=int, default=3, help="loop steps left out of medians")
     p.add_argument("--batch-per-device", type=int, default=16)
+    p.add_argument(
+        "--many-leaves",
+        type=int,
+        default=4000,
+        help="leaves of the many-leaf tree saved and restored by both (0: skip that phase)",
+    )
+    p.add_argument(
+        "--many-leaf-kib", type=float, default=16.0, help="KiB per leaf of the many-leaf tree"
+    )
     p.add_argument("--memory-root", help="parent of the memory tiers (default: a dir in /dev/shm)")
     p.add_argument("--work-dir", help="persistent checkpoints (default: a new temp dir)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds any one wait may take")
@@ -143,6 +152,8 @@ def _run_once(
                 print(line, file=sys.stderr, flush=True)
         shown = len(lines)
 
+    from jaxckpt.launch._supervise import ProcessSet, free_port
+
     command = [sys.executable, "-m", "jaxckpt.bench._worker", json.dumps(cfg)]
     with contextlib.ExitStack() as stack:
         outputs = [stack.enter_context(open(path, "wb")) for path in logs]
@@ -158,6 +169,9 @@ def _run_processes(
     deadline: float,
     store_env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
+    # Imported here: `--gpu` runs without the launcher's dependencies (portpicker).
+    from jaxckpt.launch._supervise import PortRetries, port_in_use
+
     ports = PortRetries(_PORT_RETRIES)
     for attempt in itertools.count():
         paths = [logs / f"process{i}.attempt{attempt}.log" for i in range(cfg["processes"])]
@@ -191,6 +205,8 @@ def _config(args: argparse.Namespace, work_dir: str) -> dict[str, Any]:
         "repeats": args.repeats or preset["repeats"],
         "warmup": args.warmup,
         "batch_per_device": args.batch_per_device,
+        "many_leaves": args.many_leaves,
+        "many_leaf_bytes": int(args.many_leaf_kib * 1024),
         "timeout_s": args.timeout,
         "platform": args.platform,
         "work_dir": work_dir,
@@ -238,6 +254,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--state-gib must be positive, got {args.state_gib}")
     if args.replicas is not None and not 0 <= args.replicas < args.processes:
         parser.error(f"--replicas must be in 0..{args.processes - 1}, got {args.replicas}")
+    if args.many_leaves < 0 or not args.many_leaf_kib > 0:
+        parser.error("--many-leaves must be at least 0 and --many-leaf-kib positive")
     for name in ("steps", "repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
