@@ -74,6 +74,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # Set while closing: the manager has finished, so background waits for a
         # step's finalization end at once (a step not finalized by now never will be).
         self._closing = threading.Event()
+        # Commits of saves returned by `async_save` that have not ended yet.
+        self._commits_in_flight = 0
+        self._commits_done = threading.Condition()
         self._persister = _persister.Persister(
             options.persist_compression,
             options.timeout_s,
@@ -151,9 +154,27 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             commit = self._commit_agreed(tag, save)
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
-                commit, name="jaxckpt_commit", timeout_secs=int(self._options.timeout_s)
+                self._counted(commit),
+                name="jaxckpt_commit",
+                timeout_secs=int(self._options.timeout_s),
             )
         ]
+
+    def _counted(self, commit: Awaitable[None]) -> Awaitable[None]:
+        """`commit`, counted as in flight from now until it ends (`wait_for_persistence`
+        waits for the commits of the saves made so far: they queue the persistence)."""
+        with self._commits_done:
+            self._commits_in_flight += 1
+
+        async def run() -> None:
+            try:
+                await commit
+            finally:
+                with self._commits_done:
+                    self._commits_in_flight -= 1
+                    self._commits_done.notify_all()
+
+        return run()
 
     def save(self, directory: epath.Path, args: TieredSave) -> None:
         """Saves synchronously: `async_save`, then waits for its commit."""
@@ -575,13 +596,26 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._raise_background_errors()
 
     def wait_for_persistence(self, timeout_s: float | None = None) -> None:
-        """Blocks until the background work queued so far (memory retention,
-        persistence) is done, or failed.
+        """Blocks until the saves made so far have ended their commits and the
+        background work they queued (memory retention, persistence) is done, or
+        failed: right after an asynchronous manager's `save()`, it waits for that
+        step's persistence too.
 
         Raises:
           TimeoutError: if it is not done within `timeout_s` (default: the options').
         """
         timeout_s = self._options.timeout_s if timeout_s is None else timeout_s
+        # The commits of the saves made so far first: they queue the persistence (an
+        # asynchronous manager's save returns before its commit has run).
+        with self._commits_done:
+            if not self._commits_done.wait_for(
+                lambda: self._commits_in_flight == 0, timeout=timeout_s
+            ):
+                raise TimeoutError(
+                    f"[process {_multihost.process_index()}] {self._commits_in_flight} save(s) "
+                    f"did not end their commit within {timeout_s:.0f} s; see the manager's "
+                    "wait_until_finished() for why."
+                )
         self._retainer.submit(lambda: None).result(timeout=timeout_s)
         self._persister.drain(timeout_s)
         self._raise_background_errors()

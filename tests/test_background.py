@@ -113,3 +113,28 @@ def test_run_file_records_the_failure_domain(tmp_path, caplog):
     assert "failure domain" not in caplog.text
     tier.prepare("ckpt", 2, "rack-9")  # shares the host's tmpfs, declares another domain
     assert "'rack-7'" in caplog.text and "'rack-9'" in caplog.text
+
+
+def test_wait_for_persistence_waits_for_a_commit_still_running(memory_root, ckpt_dir, monkeypatch):
+    """An asynchronous manager's save() returns before its commit runs; the commit queues
+    the persistence, and wait_for_persistence() waits for it all the same."""
+    import time as _time
+
+    from helpers import manager, mesh_1d, save, sharded_state
+
+    import jaxckpt
+    from jaxckpt import _slab
+
+    write = _slab.write
+
+    def slow(*args, **kwargs):
+        _time.sleep(1.0)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(_slab, "write", slow)
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=1))
+    with manager(ckpt_dir, h) as mngr:
+        save(mngr, 1, sharded_state(mesh_1d()))
+        h.wait_for_persistence()
+        assert h.last_persist_metrics.get("step") == 1
+        assert (ckpt_dir / "1" / "train" / "part_00000").is_dir()
