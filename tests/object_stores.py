@@ -22,7 +22,10 @@ from pathlib import Path
 
 import portpicker
 
-BUCKET = "jaxckpt-test"
+# Each emulator gets a bucket of its own name: tensorstore keeps open kvstore drivers
+# by spec, and a GCS spec names no endpoint (TENSORSTORE_GCS_HTTP_URL is read when the
+# driver opens), so an earlier emulator's driver for the same bucket could be reused.
+BUCKET_PREFIX = "jaxckpt-test"
 START_TIMEOUT_S = 30.0
 
 
@@ -33,13 +36,14 @@ class Emulator:
         self.kind = kind
         self.data_dir = data_dir  # GCS only: keep objects on disk there (they survive a kill)
         self.port = portpicker.pick_unused_port()
+        self.bucket = f"{BUCKET_PREFIX}-{self.port}"
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.scheme = {"gcs": "gs", "s3": "s3"}[kind]
         self._log = open(log_dir / f"{kind}-emulator.log", "ab")  # noqa: SIM115 -- closed in stop()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def url(self, path: str) -> str:
-        return f"{self.scheme}://{BUCKET}/{path}"
+        return f"{self.scheme}://{self.bucket}/{path}"
 
     def env(self) -> dict[str, str]:
         """What clients read to reach this emulator (and nothing else)."""
@@ -104,7 +108,7 @@ class Emulator:
 
     def _make_bucket(self) -> None:
         if self.kind == "gcs":
-            body = f'{{"name": "{BUCKET}"}}'.encode()
+            body = f'{{"name": "{self.bucket}"}}'.encode()
             request = urllib.request.Request(
                 f"{self.endpoint}/storage/v1/b?project=test",
                 data=body,
@@ -112,7 +116,7 @@ class Emulator:
                 headers={"Content-Type": "application/json"},
             )
         else:
-            request = urllib.request.Request(f"{self.endpoint}/{BUCKET}", method="PUT")
+            request = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT")
         urllib.request.urlopen(request, timeout=10).close()
 
     def kill(self) -> None:

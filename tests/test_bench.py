@@ -8,7 +8,7 @@ import re
 import statistics
 
 import pytest
-from object_stores import BUCKET, running
+from object_stores import running
 
 from jaxckpt.bench import _report as _bench_report
 from jaxckpt.bench import _run as bench
@@ -288,9 +288,11 @@ def _objects(emulator) -> list[str]:
     import xml.etree.ElementTree as ET
 
     if emulator.kind == "gcs":
-        url = f"{emulator.endpoint}/storage/v1/b/{BUCKET}/o"
+        url = f"{emulator.endpoint}/storage/v1/b/{emulator.bucket}/o"
         with urllib.request.urlopen(url, timeout=10) as r:
             return [item["name"] for item in json.loads(r.read()).get("items", [])]
-    with urllib.request.urlopen(f"{emulator.endpoint}/{BUCKET}?list-type=2", timeout=10) as r:
+    with urllib.request.urlopen(
+        f"{emulator.endpoint}/{emulator.bucket}?list-type=2", timeout=10
+    ) as r:
         root = ET.fromstring(r.read())
     return [e.text or "" for e in root.iter() if e.tag.endswith("}Key")]
