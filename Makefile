@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 # The oldest releases pyproject.toml allows; `make test-oldest` runs the suite against them.
 OLDEST := jax==0.10.0 jaxlib==0.10.0 orbax-checkpoint==0.12.6 tensorstore==0.1.85 \
-	flax==0.12.2 optax==0.2.6 grain==0.2.15 numpy==2.0.2
+	flax==0.12.2 optax==0.2.6 grain==0.2.15 numpy==2.0.2 crc32c==2.4
 OLDEST_VENV := .venv-oldest
 
 $(STAMP): pyproject.toml

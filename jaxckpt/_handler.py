@@ -394,8 +394,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             self._redact,
             timeout_s=self._options.timeout_s,
         )
-        # IMPORTANT: the step's slabs are read in place (mapped); a pin keeps them from
-        # being retired and reused (by any process sharing the memory root) meanwhile.
+        # IMPORTANT: the step's slabs are read in place (mapped) and lent to the restored
+        # arrays; a pin keeps the step from being retired (by any process sharing the
+        # memory root) before they are marked lent, which keeps them from being reused.
         pin = memory.pin(step) if memory.parts(step) else None
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)
@@ -454,7 +455,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     ) -> _restore.ReaderFor:
         def reader_for(source: _plan.Source, owner: int) -> _readers.ChunkReader:
             if source.tier == _plan.MEMORY:
-                return _readers.SlabReader(memory.part_dir(step, owner))
+                return _readers.SlabReader(memory.slab(step, owner), memory.lend(step, owner))
             if source.tier == _plan.PEER and self._peers is not None and source.holder is not None:
                 return _readers.RangeReader(
                     self._peers.slab_range_reader(source.holder, step, owner)

@@ -7,13 +7,15 @@ Layout under `<memory_root>/<run_id>/`:
                                   manifest.json and one slab file (`_slab`)
     step_<step>/.pin-<pid>-<id>   pins: the step is in use by a live process (a held lock)
     .staging/<unique>/            parts being written; never read
+    step_<step>/part_<owner>/.lent  the slab was lent to a restore: never reused
     .free/slab-<id>               slabs of retired steps, for the next saves to reuse
 
 A part becomes visible only by `os.rename` of a complete staging directory, so
 a crash at any moment leaves the previous content or the new one. Retiring a
 step moves its slabs to `.free/` (at most as many as the newest step holds, so
 the tier holds about one step more than it keeps) instead of freeing their
-pages: the next save fills one at memory speed (`take_free_slab`).
+pages: the next save fills one at memory speed (`take_free_slab`). A slab lent to a
+restore (`lend`) is only ever unlinked: arrays restored from it keep its pages.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from jaxckpt import _format, _fs, _liveness, _slab
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PART_RE = re.compile(r"^part_(\d+)$")
 
+# In a part directory: its slab was lent to a restore (`MemoryTier.lend`).
+LENT_MARKER = ".lent"
 # A pin on a step; `release()` removes it. Judged live by its lock, not by a pid.
 Pin = _liveness.HeldFile
 
@@ -138,6 +142,19 @@ class MemoryTier:
                 continue
         return False
 
+    def lend(self, step: int, owner: int) -> bool:
+        """Marks the slab of a part as lent to a restore: arrays built on its pages
+        (mapped copy-on-write) live on after the step is retired, so it is never
+        recycled and written again, only unlinked (its pages are freed with the
+        last array). Call it while the step is pinned. False if it cannot be marked.
+        """
+        try:
+            (self.part_dir(step, owner) / LENT_MARKER).touch()
+            return True
+        except OSError as e:
+            log.warning("jaxckpt: cannot lend the slab of part %d of step %d: %s", owner, step, e)
+            return False
+
     def commit(self, staging: Path, step: int, owner: int) -> Path:
         """Makes a fully written staging directory the part (step, owner)."""
         final = self.part_dir(step, owner)
@@ -231,6 +248,8 @@ class MemoryTier:
         for part in sorted(step_dir.glob("part_*")):
             if have >= spare:
                 return
+            if (part / LENT_MARKER).exists():
+                continue
             try:
                 os.rename(part / _slab.SLAB_FILE, free / f"slab-{uuid.uuid4().hex}")
                 have += 1

@@ -4,10 +4,12 @@ A tier is just a way to get a chunk's bytes: a view of a slab in this host's
 memory tier, a byte range of a peer's slab, or a read of a persisted zarr3
 array through tensorstore. Readers never block longer than their timeout.
 
-A slab reader returns a read-only view of the mapped slab (no copy): the
-restore pins the step in the memory tier while it reads, so the slab cannot be
-retired and reused meanwhile, and copies the verified bytes where they go (the
-device, or a host array). Every other reader returns a private, writable copy.
+A slab reader returns a view of the mapped slab (no copy). The restore pins
+the step in the memory tier while it reads, so the slab cannot be retired
+meanwhile, and lends the slab first (`MemoryTier.lend`): a lent slab is never
+written in place again, so the restored arrays may keep its pages, mapped
+copy-on-write (on CPU they do: restoring from memory copies nothing). A slab
+that could not be lent gives private copies, as every other reader does.
 """
 
 from __future__ import annotations
@@ -63,16 +65,19 @@ def chunk_view(
 
 
 class SlabReader:
-    """Chunks of a part in this host's memory tier: read-only views of its mapped slab
-    (the caller pins the step while it uses them)."""
+    """Chunks of a part in this host's memory tier, from its mapped slab (the caller
+    pins the step while reading): views of a lent slab, mapped copy-on-write, which
+    the restored arrays may keep; private copies from any other."""
 
-    def __init__(self, part_dir: Path):
-        self._slab = _slab.Reader(part_dir / _slab.SLAB_FILE)
+    def __init__(self, slab: Path, lent: bool):
+        self._slab = _slab.Reader(slab, private=lent)
+        self._lent = lent
 
     def read(
         self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
     ) -> np.ndarray:
-        return chunk_view(self._slab, record, chunk)
+        view = chunk_view(self._slab, record, chunk)
+        return view if self._lent else view.copy()
 
 
 class RangeReader:

@@ -276,9 +276,7 @@ class Restorer:
                 size += sum(b.nbytes for b in pending[start][1].bufs)
                 start += 1
             bufs = [b for _, d in batch for b in d.bufs]
-            placed = iter(
-                _owned(jax.device_put(bufs, [dev for _, d in batch for dev in d.devices]), bufs)
-            )
+            placed = iter(jax.device_put(bufs, [dev for _, d in batch for dev in d.devices]))
             for k, d in batch:
                 shards = [next(placed) for _ in d.bufs]
                 assert d.record.stored_shape is not None
@@ -294,25 +292,7 @@ class Restorer:
         record = self._plan.leaves[leaf]
         assert record.stored_shape is not None
         whole = tuple(slice(0, n) for n in record.stored_shape)
-        out = self._read_regions(leaf, [whole], owner)[0]
-        return out if out.flags.writeable else out.copy()  # never a view of a slab
-
-
-def _owned(arrays: list[jax.Array], bufs: list[np.ndarray]) -> list[jax.Array]:
-    """`arrays` (device_put of `bufs`), none of them aliasing a read-only host buffer (a
-    view of a memory slab, which is reused once its step is retired): JAX copies host
-    data into its own buffers, and this makes sure of it."""
-    out = []
-    for a, b in zip(arrays, bufs, strict=True):
-        if (
-            not b.flags.writeable
-            and b.nbytes
-            and a.platform() == "cpu"
-            and a.unsafe_buffer_pointer() == b.ctypes.data
-        ):
-            a = jax.device_put(np.array(b, copy=True), next(iter(a.devices())))
-        out.append(a)
-    return out
+        return self._read_regions(leaf, [whole], owner)[0]
 
 
 @dataclasses.dataclass

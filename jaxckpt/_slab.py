@@ -19,7 +19,7 @@ import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 
@@ -116,15 +116,20 @@ def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
 
 
 class Reader:
-    """Read-only views of one slab file (mapped once; views keep the mapping alive)."""
+    """Views of one slab file (mapped once; views keep the mapping alive).
 
-    def __init__(self, path: Path):
+    `private`: map it copy-on-write, so its views are writable and what writes to
+    them stays in this process (arrays built on them may be donated and
+    overwritten), for a slab that is never written in place again (a lent one,
+    `MemoryTier.lend`). Else the views are read-only.
+    """
+
+    def __init__(self, path: Path, private: bool = False):
         self.path = path
+        access = mmap.ACCESS_COPY if private else mmap.ACCESS_READ
         with open(path, "rb") as f:
             self.size = os.fstat(f.fileno()).st_size
-            self._map = (
-                mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ) if self.size else None
-            )
+            self._map = mmap.mmap(f.fileno(), self.size, access=access) if self.size else None
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """The bytes [offset, offset + nbytes) as a uint8 view.
@@ -141,8 +146,3 @@ class Reader:
             return np.empty(0, np.uint8)
         assert self._map is not None
         return np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)
-
-
-def copy_chunk(view: np.ndarray, dtype: Any, shape: Sequence[int]) -> np.ndarray:
-    """A private copy of a chunk's bytes as an array: safe however the slab changes later."""
-    return np.array(view, copy=True).view(np.dtype(dtype)).reshape(tuple(shape))

@@ -416,18 +416,16 @@ def test_metrics_reach_the_callback_the_log_and_the_manifest(memory_root, ckpt_d
 
 def test_snapshot_survives_a_donating_train_step(memory_root, ckpt_dir, monkeypatch):
     """The background commit still reads the saved values after the step donated them."""
-    from jaxckpt import _zarr
+    from jaxckpt import _slab
 
     gate = threading.Event()
-    original = _zarr.write_chunks
+    original = _slab.write
 
-    async def held(*args, **kwargs):
-        import asyncio
+    def held(*args, **kwargs):
+        assert gate.wait(60)
+        return original(*args, **kwargs)
 
-        await asyncio.to_thread(gate.wait, 60)
-        return await original(*args, **kwargs)
-
-    monkeypatch.setattr(_zarr, "write_chunks", held)
+    monkeypatch.setattr(_slab, "write", held)
     sharding = NamedSharding(mesh_1d(), P("data"))
     w = jax.device_put(np.arange(64, dtype=np.float32), sharding)
     expected = np.asarray(w).copy()
@@ -441,3 +439,33 @@ def test_snapshot_survives_a_donating_train_step(memory_root, ckpt_dir, monkeypa
         target = {"w": jax.ShapeDtypeStruct((64,), np.float32, sharding=sharding)}
         np.testing.assert_array_equal(restore(mngr, 1, target)["w"], expected)
     np.testing.assert_array_equal(np.asarray(w), expected * 2 + 1)
+
+
+def test_restored_arrays_outlive_their_slab(memory_root, ckpt_dir):
+    """Arrays restored from memory may keep the slab's pages (on CPU they do): they
+    keep their values after the step is retired and its slabs' successors are
+    written, and a train step that donates them changes no saved byte."""
+    sharding = NamedSharding(mesh_1d(), P("data"))
+
+    def weights(step: int) -> jax.Array:
+        return jax.device_put(np.arange(4096, dtype=np.float32) * step, sharding)
+
+    target = {"w": jax.ShapeDtypeStruct((4096,), np.float32, sharding=sharding)}
+    h = handler(memory_root, memory_keep=1, persist_every=1000)
+    with manager(ckpt_dir, h) as mngr:
+        save(mngr, 1, {"w": weights(1)})
+        mngr.wait_until_finished()
+        restored = restore(mngr, 1, target)["w"]
+        assert h.last_restore_metrics["tier"] == "memory"
+        for step in range(2, 6):  # retires step 1; later saves refill retired slabs
+            save(mngr, step, {"w": weights(step)})
+            mngr.wait_until_finished()
+        h.wait_for_persistence()
+        assert h._memory.steps() == [5]
+        np.testing.assert_array_equal(np.asarray(restored), np.asarray(weights(1)))
+
+        update = jax.jit(lambda x: x * 2 + 1, donate_argnums=0)
+        again = update(restore(mngr, 5, target)["w"])
+        np.testing.assert_array_equal(np.asarray(again), np.asarray(weights(5)) * 2 + 1)
+        np.testing.assert_array_equal(np.asarray(restore(mngr, 5, target)["w"]), weights(5))
+        assert h.last_restore_metrics["tier"] == "memory"

@@ -60,6 +60,21 @@ def test_retired_slabs_are_reused_and_bounded(tmp_path):
     assert not tier.take_free_slab(tmp_path / "t3")
 
 
+def test_a_lent_slab_is_never_recycled(tmp_path):
+    tier = MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    for step in (1, 2):
+        commit_step(tier, step, owner=0, size=4096)
+        commit_step(tier, step, owner=1, size=4096)
+    lent = tier.slab(1, 0).stat().st_ino
+    assert tier.lend(1, 0)
+    assert tier.retain(1, upto=2) == [1]
+    # Part 1's slab waits for reuse; the lent one is only unlinked.
+    free = list((tier.run_dir / ".free").iterdir())
+    assert len(free) == 1 and free[0].stat().st_ino != lent
+    assert not tier.lend(1, 0)  # retired: nothing left to lend
+
+
 def test_retention_keeps_newest_and_pinned_steps(tmp_path):
     tier = MemoryTier(str(tmp_path), "run-a")
     tier.prepare("ckpt", 0)
