@@ -94,7 +94,7 @@ def _as_version_1(path: Path, crc32s: dict[tuple[str, tuple[int, ...]], int]) ->
 def _zlib_crc32s(part: Path) -> dict[tuple[str, tuple[int, ...]], int]:
     """(leaf path, chunk index) -> zlib CRC-32 of that chunk, read from a memory slab."""
     manifest = _format.PartManifest.from_json((part / _format.MANIFEST_FILE).read_text())
-    reader = _readers.SlabReader(part)
+    reader = _readers.SlabReader(part / "slab", lent=False)
     return {
         (manifest.leaves[leaf].path, c.index): zlib.crc32(
             reader.read(leaf, manifest.leaves[leaf], c, 10).tobytes()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _checksum, _format, _plan, _readers, _storage
+from jaxckpt import _checksum, _format, _plan, _readers, _slab, _storage
 from jaxckpt.tools import _catalog, _table
 
 # (chunks done, chunks in all, bytes done, bytes in all)
@@ -106,7 +106,7 @@ async def _verify_copy(
         return CopyReport(copy.tier, str(copy.location), copy.part, 0, 0, (copy.problem,))
     try:
         reader: _readers.ChunkReader = (
-            _readers.SlabReader(copy.part_dir)
+            _readers.SlabReader(copy.part_dir / _slab.SLAB_FILE, lent=False)
             if copy.tier == _plan.MEMORY
             else _readers.ZarrReader(_storage.kvstore(copy.part_dir))  # file, gcs or s3
         )
