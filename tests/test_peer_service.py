@@ -473,10 +473,16 @@ def test_interrupted_push_leaves_old_copy_and_no_partial(
         (root / RUN / ".free").mkdir()
         (root / RUN / ".free" / "slab-1").write_bytes(bytes(1 << 20))
     new = _make_part(tmp_path / "new", 1, [os.urandom(3 << 20), os.urandom(100)])
+    handled = server.handled
     sock, reader, body = _raw_push_of(server, new, _place(1))
     with sock, reader:
         sock.sendall(body[: len(body) // 2])
-    _wait_no_temps(root)
+    # The server may not even have accepted the connection yet: wait until it is done.
+    deadline = time.monotonic() + TIMEOUT
+    while server.handled == handled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.handled > handled
+    assert _temps(root) == []
     _assert_same_part(old, root / RUN / _place(1))
 
 

@@ -186,8 +186,11 @@ def _process(pid: int) -> psutil.Process:
 
 
 def rss_bytes() -> int:
-    """This process's resident set size now."""
-    return int(_process(os.getpid()).memory_info().rss)
+    """This process's private resident memory now: its resident set less the pages of
+    mapped files (`shared`: shared libraries, and the tmpfs slabs it maps while writing
+    or receiving them, which `tree_bytes` counts already)."""
+    info = _process(os.getpid()).memory_info()
+    return int(info.rss - getattr(info, "shared", 0))
 
 
 class MemorySampler:

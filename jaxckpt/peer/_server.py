@@ -48,6 +48,7 @@ class PeerHTTPServer(http.server.ThreadingHTTPServer):
         self.config = config
         self._live_lock = threading.Lock()
         self._live: dict[threading.Thread, socket.socket] = {}
+        self.handled = 0  # connections served to their end
         super().__init__(address, functools.partial(PeerRequestHandler, config=config))
 
     def server_bind(self) -> None:
@@ -72,6 +73,7 @@ class PeerHTTPServer(http.server.ThreadingHTTPServer):
         finally:
             with self._live_lock:
                 self._live.pop(threading.current_thread(), None)
+                self.handled += 1
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.debug("peer service: request from %s failed", client_address, exc_info=True)
@@ -159,6 +161,12 @@ class PeerServer:
     def address(self) -> PeerAddress:
         """Where peers reach this server."""
         return self._address
+
+    @property
+    def handled(self) -> int:
+        """How many connections this server has served to their end (each request's
+        cleanup included)."""
+        return self._httpd.handled
 
     def start(self) -> None:
         """Starts serving; idempotent.
