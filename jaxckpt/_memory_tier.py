@@ -228,33 +228,34 @@ class MemoryTier:
             for s in steps[: max(0, len(steps) - keep)]
             if s not in pinned and not self.is_pinned(s)
         ]
-        newest = [s for s in self.steps() if s not in doomed]
-        spare = len(self.parts(newest[-1])) if newest else 1
         for step in doomed:
             trash = self.run_dir / ".staging" / f"trash.{step}.{uuid.uuid4().hex}"
             try:
                 os.rename(self.step_dir(step), trash)
             except OSError:
                 continue
-            self._recycle(trash, spare)
+            for part in sorted(trash.glob("part_*")):
+                self.recycle(part)
             _fs.remove_entry(trash)
         return doomed
 
-    def _recycle(self, step_dir: Path, spare: int) -> None:
-        """Moves the slabs of a retired step to `.free/` while it holds fewer than `spare`."""
+    def recycle(self, part_dir: Path) -> bool:
+        """Moves the slab of a retired part (out of its step already) to `.free/`, for
+        the next save or received push to fill, while `.free/` holds fewer slabs than
+        the newest step has parts; never a lent slab. Whether it moved."""
+        if (part_dir / LENT_MARKER).exists():
+            return False
         free = self.run_dir / ".free"
-        free.mkdir(exist_ok=True)
-        have = sum(1 for _ in free.iterdir())
-        for part in sorted(step_dir.glob("part_*")):
-            if have >= spare:
-                return
-            if (part / LENT_MARKER).exists():
-                continue
-            try:
-                os.rename(part / _slab.SLAB_FILE, free / f"slab-{uuid.uuid4().hex}")
-                have += 1
-            except OSError:
-                continue
+        steps = self.steps()
+        spare = len(self.parts(steps[-1])) if steps else 1
+        try:
+            free.mkdir(exist_ok=True)
+            if sum(1 for _ in free.iterdir()) >= spare:
+                return False
+            os.rename(part_dir / _slab.SLAB_FILE, free / f"slab-{uuid.uuid4().hex}")
+            return True
+        except OSError:
+            return False
 
     def clear_staging(self, older_than_s: float = 0.0) -> None:
         """Removes leftovers of interrupted writes older than `older_than_s`."""

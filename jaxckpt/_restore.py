@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -40,13 +41,6 @@ _PARALLEL_BYTES = 4 << 20
 _POOL = concurrent.futures.ThreadPoolExecutor(
     min(8, os.cpu_count() or 1), thread_name_prefix="jaxckpt-restore"
 )
-
-
-def _single_chunk(region: _chunking.Region, record: _format.LeafRecord) -> tuple[int, ...] | None:
-    """The index of the one chunk `region` lies in, if it lies in one."""
-    assert record.stored_shape is not None and record.chunk_shape is not None
-    found = list(_chunking.chunks_overlapping(region, record.stored_shape, record.chunk_shape))
-    return found[0] if len(found) == 1 else None
 
 
 class ChunkUnavailableError(OSError):
@@ -123,6 +117,7 @@ class Restorer:
         self._process_index = process_index
         self._owners = plan.chunk_owners()
         self._readers: dict[tuple[_plan.Source, int], _readers.ChunkReader] = {}
+        self._chunk_records: dict[tuple[int, int], dict[tuple[int, ...], _format.ChunkRecord]] = {}
         self._lock = threading.Lock()
         self.bytes_by_tier: dict[str, int] = {}
         self.failures: list[str] = []
@@ -138,14 +133,22 @@ class Restorer:
             reader = self._readers[key] = self._reader_for(source, owner)
         return reader
 
+    def _saved_chunks(self, owner: int, leaf: int) -> dict[tuple[int, ...], _format.ChunkRecord]:
+        """index -> record of the chunks of `leaf` in the part of `owner`."""
+        key = (owner, leaf)
+        found = self._chunk_records.get(key)
+        if found is None:
+            saved = self._plan.manifests[owner].chunks.get(leaf, ())
+            found = self._chunk_records[key] = {c.index: c for c in saved}
+        return found
+
     def _read_chunk(
         self, leaf: int, index: tuple[int, ...], owner: int | None = None
     ) -> np.ndarray:
         record = self._plan.leaves[leaf]
         if owner is None:
             owner = self._owners.get((leaf, index))
-        saved = self._plan.manifests[owner].chunks.get(leaf, ()) if owner is not None else ()
-        expected = next((c for c in saved if c.index == index), None)
+        expected = self._saved_chunks(owner, leaf).get(index) if owner is not None else None
         if owner is None or expected is None:
             raise ChunkUnavailableError(
                 f"Chunk {index} of {record.path} is in no part of step {self._plan.step}"
@@ -197,34 +200,28 @@ class Restorer:
             and record.chunk_shape is not None
             and record.stored_dtype
         )
-        needed = sorted(
-            {
-                i
-                for r in regions
-                for i in _chunking.chunks_overlapping(r, record.stored_shape, record.chunk_shape)
-            }
-        )
+        shape, chunk_shape = record.stored_shape, record.chunk_shape
+        overlapping = [list(_chunking.chunks_overlapping(r, shape, chunk_shape)) for r in regions]
+        needed = sorted({i for found in overlapping for i in found})
         itemsize = np.dtype(record.stored_dtype).itemsize
-        nbytes = len(needed) * itemsize * int(np.prod(record.chunk_shape))
+        nbytes = len(needed) * itemsize * math.prod(chunk_shape)
         if len(needed) > 1 and nbytes >= _PARALLEL_BYTES:
             read = list(_POOL.map(lambda i: self._read_chunk(leaf, i, owner), needed))
         else:
             read = [self._read_chunk(leaf, i, owner) for i in needed]
         chunks = dict(zip(needed, read, strict=True))
         out = []
-        for region in regions:
-            only = _single_chunk(region, record)
-            if only is not None and _chunking.region_key(
-                _chunking.chunk_region(only, record.stored_shape, record.chunk_shape)
+        for region, found in zip(regions, overlapping, strict=True):
+            if len(found) == 1 and _chunking.region_key(
+                _chunking.chunk_region(found[0], shape, chunk_shape)
             ) == _chunking.region_key(region):
-                out.append(chunks[only])  # the target shard is one whole chunk: no copy
+                out.append(chunks[found[0]])  # the target shard is one whole chunk: no copy
                 continue
             buf = np.empty([s.stop - s.start for s in region], dtype=record.stored_dtype)
-            for i, data in chunks.items():
-                where = _chunking.chunk_region(i, record.stored_shape, record.chunk_shape)
+            for i in found:
+                where = _chunking.chunk_region(i, shape, chunk_shape)
                 both = _chunking.intersect(region, where)
-                if all(s.stop > s.start for s in both):
-                    buf[_chunking.relative(both, region)] = data[_chunking.relative(both, where)]
+                buf[_chunking.relative(both, region)] = chunks[i][_chunking.relative(both, where)]
             out.append(buf)
         return out
 

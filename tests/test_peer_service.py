@@ -463,6 +463,24 @@ def test_oversized_push_is_refused_before_the_body(root: Path, tmp_path: Path) -
         assert _temps(root) == []
 
 
+def test_a_replaced_part_gives_its_slab_to_the_free_slabs(
+    server: PeerServer, root: Path, tmp_path: Path
+) -> None:
+    first = _make_part(tmp_path / "first", 1, [os.urandom(1 << 20)])
+    push_part(server.address, part_dir=first, dest_relpath=_place(1), **_kw())
+    replaced = (root / RUN / _place(1) / "slab").stat().st_ino
+    second = _make_part(tmp_path / "second", 1, [os.urandom(1 << 20)])
+    push_part(server.address, part_dir=second, dest_relpath=_place(1), **_kw())
+    _assert_same_part(second, root / RUN / _place(1))
+    _wait_no_temps(root)  # the replaced part is retired just after the answer
+    free = list((root / RUN / ".free").iterdir())
+    assert [p.stat().st_ino for p in free] == [replaced]
+    third = _make_part(tmp_path / "third", 1, [os.urandom(1 << 20)])
+    push_part(server.address, part_dir=third, dest_relpath=_place(1), **_kw())
+    assert (root / RUN / _place(1) / "slab").stat().st_ino == replaced  # received into it
+    _assert_same_part(third, root / RUN / _place(1))
+
+
 @pytest.mark.parametrize("reuse", [False, True], ids=["fresh-file", "free-slab"])
 def test_interrupted_push_leaves_old_copy_and_no_partial(
     server: PeerServer, root: Path, tmp_path: Path, reuse: bool

@@ -5,7 +5,8 @@
 2. Raw baselines on this process's own shards: device->host copy, files into
    the memory tier's tmpfs, a copy into a pre-faulted tmpfs file, fsync'd files
    where checkpoints persist, loopback TCP.
-3. Isolated saves (the previous one finished first): jaxckpt, then Orbax.
+3. Isolated saves (the previous one finished first): jaxckpt, then Orbax; then
+   the newest part pushed again to its holders alone (as the loopback baseline runs).
 4. Restores from every source (see `_restores`).
    Then a tree of thousands of small leaves saved and restored by both (see
    `_many_leaves`).
@@ -27,7 +28,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxckpt import _multihost
+from jaxckpt import _aio, _multihost
 from jaxckpt.bench import _baselines, _many_leaves, _object_store, _restores, _saves, _state
 from jaxckpt.bench._managers import Jaxckpt, orbax_manager
 
@@ -108,6 +109,7 @@ def _local_phases(
         out["saves"] = _isolated_jaxckpt(cfg, tr, ours, sync)
         ours.handler.wait_for_persistence(cfg["timeout_s"])
         out["persist"] = ours.metrics("persist")
+        out["push_alone"] = _push_alone(cfg, ours, sync)
         out["orbax_saves"] = _isolated_orbax(cfg, tr, omngr, sync)
         progress("restores")
         out["restores"] = _restores.run(tr, ours, omngr, cfg["repeats"] + 1, work, sync)
@@ -260,6 +262,26 @@ def _isolated_jaxckpt(
     (see `_saves.jaxckpt`), then to the end of the replica push.
     """
     return _saves.jaxckpt(cfg["repeats"] + 1, tr.state, ours, sync, "save")
+
+
+def _push_alone(cfg: dict[str, Any], ours: Jaxckpt, sync: Sync) -> list[dict[str, float]]:
+    """Every process pushes its part of the newest step to its holders again, all at
+    once and with nothing else running, as the loopback baseline sends (the product's
+    push: sendfile out; the holder receives into a free slab, checks every chunk,
+    renames, and recycles the copy it replaced). Seconds and bytes sent, per push."""
+    peers, memory = ours.handler._peers, ours.handler._memory
+    if peers is None or memory is None or not cfg["replicas"]:
+        return []
+    me = jax.process_index()
+    step = max(memory.steps())
+    out = []
+    for i in range(cfg["repeats"]):
+        sync(f"push_alone/{i}")
+        start = time.perf_counter()
+        sent = _aio.run_sync(peers.push_replicas(memory.part_dir(step, me), step, me))
+        out.append({"seconds": time.perf_counter() - start, "bytes": sent})
+    sync("push_alone/done")
+    return out
 
 
 def _isolated_orbax(

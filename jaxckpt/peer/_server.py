@@ -9,6 +9,7 @@ verifies and commits atomically. Each request is answered by a
 """
 
 import contextlib
+import dataclasses
 import functools
 import http.server
 import logging
@@ -23,7 +24,7 @@ from typing import Any
 
 from jaxckpt import _fs, _liveness
 from jaxckpt._memory_tier import MemoryTier
-from jaxckpt.peer._request_handler import PeerRequestHandler, ServiceConfig, no_free_slab
+from jaxckpt.peer._request_handler import PeerRequestHandler, ServiceConfig
 from jaxckpt.peer._wire import TEMP_PREFIX, PeerAddress, check_run_id, check_token
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ class PeerServer:
           max_push_bytes: Largest push body accepted; bigger ones get HTTP 413.
           io_timeout: Seconds any one recv/send on a connection may block.
           reuse_free_slabs: Receive a pushed slab into a free slab of the memory
-            tier (`MemoryTier.take_free_slab`) when there is one.
+            tier (`MemoryTier.take_free_slab`) when there is one, and give the
+            slab of a part a push replaced to them (`MemoryTier.recycle`).
 
         Raises:
           ValueError: If an argument is invalid.
@@ -146,10 +148,12 @@ class PeerServer:
             max_push_bytes=max_push_bytes,
             io_timeout=io_timeout,
             temp_name=_temp_name,
-            take_free_slab=_free_slabs(MemoryTier(os.fspath(root), run_id))
-            if reuse_free_slabs
-            else no_free_slab,
         )
+        if reuse_free_slabs:
+            memory = MemoryTier(os.fspath(root), run_id)
+            config = dataclasses.replace(
+                config, take_free_slab=memory.take_free_slab, retire_part=_retirer(memory)
+            )
         self._httpd = PeerHTTPServer((host, port), config)
         advertised = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
         self._address = PeerAddress(advertised, self._httpd.server_address[1])
@@ -215,15 +219,14 @@ class PeerServer:
         self.close()
 
 
-def _free_slabs(memory: MemoryTier) -> Callable[[Path, int], bool]:
-    """A `ServiceConfig.take_free_slab` that takes the memory tier's free slabs."""
+def _retirer(memory: MemoryTier) -> Callable[[str], None]:
+    """A `ServiceConfig.retire_part` that recycles the replaced part's slab."""
 
-    def take(dest: Path, nbytes: int) -> bool:
-        # The memory tier picks (the smallest that fits, as for its own saves); the
-        # pushed slab resizes it.
-        return memory.take_free_slab(dest, nbytes)
+    def retire(part_dir: str) -> None:
+        memory.recycle(Path(part_dir))
+        _fs.remove_entry(part_dir)
 
-    return take
+    return retire
 
 
 def _temp_name(purpose: str) -> str:
