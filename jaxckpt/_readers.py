@@ -81,21 +81,26 @@ class SlabReader:
 
 
 class RangeReader:
-    """Chunks of a part held by a peer: byte ranges of its slab, fetched over the network."""
+    """Chunks of a part held by a peer: byte ranges of its slab, received over the
+    network straight into a new buffer, aligned as the slab is (so that JAX on CPU
+    may keep it without a copy)."""
 
-    def __init__(self, fetch: Callable[[int, int, float], bytes]):
-        self._fetch = fetch  # (offset, nbytes, timeout_s) -> the bytes
+    def __init__(self, fetch: Callable[[int, memoryview, float], None]):
+        self._fetch = fetch  # (offset, into, timeout_s): fills `into`
 
     def read(
         self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
     ) -> np.ndarray:
-        data = self._fetch(_offset(record, chunk), chunk.nbytes, timeout_s)
-        if len(data) != chunk.nbytes:
-            raise ValueError(
-                f"Chunk {chunk.index} of {record.path}: the peer sent {len(data)} of "
-                f"{chunk.nbytes} bytes."
-            )
-        return _from_bytes(bytearray(data), record, chunk)
+        buf = aligned_empty(chunk.nbytes)
+        self._fetch(_offset(record, chunk), buf.data, timeout_s)
+        return _from_bytes(buf, record, chunk)
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A new uint8 buffer of `nbytes` that starts at a multiple of `_slab.ALIGN`."""
+    raw = np.empty(nbytes + _slab.ALIGN, np.uint8)
+    start = -raw.ctypes.data % _slab.ALIGN
+    return raw[start : start + nbytes]
 
 
 class ZarrReader:

@@ -171,10 +171,24 @@ def test_push_fetch_list_replace_round_trip(server: PeerServer, root: Path, tmp_
     assert manifest == (src / "manifest.json").read_bytes()
     last = _format.PartManifest.from_json(manifest).chunks[0][3]
     assert last.offset is not None
-    got = fetch_range(
-        server.address, relpath=f"{_place(3)}/slab", offset=last.offset + 5, nbytes=1000, **_kw()
+    got = bytearray(1000)
+    fetch_range(
+        server.address,
+        relpath=f"{_place(3)}/slab",
+        offset=last.offset + 5,
+        into=memoryview(got),
+        **_kw(),
     )
     assert got == chunks[3][5:1005]
+    size = (dest / "slab").stat().st_size
+    with pytest.raises(OSError, match="answers with 10 bytes, not the 1000"):
+        fetch_range(
+            server.address,
+            relpath=f"{_place(3)}/slab",
+            offset=size - 10,
+            into=memoryview(got),
+            **_kw(),
+        )
     assert list_dir(server.address, relpath=_place(3), **_kw()) == ["manifest.json", "slab"]
     assert list_dir(server.address, relpath="", **_kw()) == ["step_000000000003"]
 

@@ -138,8 +138,11 @@ def _request(
     relpath: str,
     timeout: float,
     headers: dict[str, str] | None = None,
+    into: memoryview | None = None,
 ) -> bytes:
-    """Sends one body-less request to a peer; returns the body of its 2xx answer."""
+    """Sends one body-less request to a peer; returns the body of its 2xx answer, or
+    receives that body straight into ``into`` (returning b"") if given, which it
+    must fill exactly (else OSError)."""
     check_run_id(run_id)
     check_token(token)
     rel = clean_relpath(relpath, allow_empty=kind == "list")
@@ -155,7 +158,18 @@ def _request(
             )
             try:
                 response = conn.getresponse()
-                status, body = response.status, response.read()
+                status = response.status
+                if into is not None and 200 <= status < 300:
+                    body, size = b"", response.length
+                    if size != len(into):
+                        raise OSError(
+                            errno.EIO,
+                            f"{action} on peer {address}: the peer answers with {size} "
+                            f"bytes, not the {len(into)} asked for.",
+                        )
+                    _read_into(response, into)
+                else:
+                    body = response.read()
             except http.client.RemoteDisconnected as e:
                 raise ConnectionResetError(_NO_ANSWER) from e
             except http.client.IncompleteRead as e:
@@ -163,6 +177,15 @@ def _request(
                 raise ConnectionResetError(f"Connection closed after {got} of {size} bytes.") from e
     _raise_for_status(address, action, status, body)
     return body
+
+
+def _read_into(response: http.client.HTTPResponse, out: memoryview) -> None:
+    done = 0
+    while done < len(out):
+        got = response.readinto(out[done:])
+        if not got:
+            raise ConnectionResetError(f"Connection closed after {done} of {len(out)} bytes.")
+        done += got
 
 
 def fetch_file(
@@ -194,21 +217,22 @@ def fetch_range(
     run_id: str,
     relpath: str,
     offset: int,
-    nbytes: int,
+    into: memoryview,
     timeout: float,
-) -> bytes:
-    """Returns bytes [offset, offset + nbytes) of ``root/run_id/relpath`` on a peer
-    (the server sends them from its page cache with sendfile).
+) -> None:
+    """Receives bytes [offset, offset + len(into)) of ``root/run_id/relpath`` on a
+    peer straight into ``into`` (the server sends them from its page cache with
+    sendfile; this side copies them once, from the socket).
 
-    Arguments and errors are those of `fetch_file`; a range beyond the file's end
-    gives fewer bytes (the caller checks the length).
+    Arguments and errors are those of `fetch_file`; a range that is not wholly in
+    the file raises OSError (EIO), one cut short ConnectionResetError.
     """
-    if offset < 0 or nbytes < 0:
-        raise ValueError(f"Bad byte range: offset={offset}, nbytes={nbytes}.")
-    if nbytes == 0:
-        return b""
-    span = {"Range": f"bytes={offset}-{offset + nbytes - 1}"}
-    return _request(address, token, run_id, "GET", "files", relpath, timeout, span)
+    if offset < 0:
+        raise ValueError(f"Bad byte range: offset={offset}, nbytes={len(into)}.")
+    if not len(into):
+        return
+    span = {"Range": f"bytes={offset}-{offset + len(into) - 1}"}
+    _request(address, token, run_id, "GET", "files", relpath, timeout, span, into=into)
 
 
 def list_dir(

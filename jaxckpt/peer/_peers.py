@@ -147,20 +147,21 @@ class Peers:
 
     def slab_range_reader(
         self, holder: int, step: int, owner: int
-    ) -> Callable[[int, int, float], bytes]:
-        """(offset, nbytes, timeout_s) -> those bytes of `owner`'s slab of `step`, as
-        `holder`'s memory tier holds it (a range request to its peer service)."""
+    ) -> Callable[[int, memoryview, float], None]:
+        """(offset, into, timeout_s): receives len(into) bytes of `owner`'s slab of
+        `step` from `offset` into `into`, as `holder`'s memory tier holds it (a range
+        request to its peer service)."""
         relpath = f"{MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}/{SLAB_FILE}"
         address = self.addresses[holder]
 
-        def read(offset: int, nbytes: int, timeout_s: float) -> bytes:
-            return fetch_range(
+        def read(offset: int, into: memoryview, timeout_s: float) -> None:
+            fetch_range(
                 address,
                 token=self._token,
                 run_id=self.run_id,
                 relpath=relpath,
                 offset=offset,
-                nbytes=nbytes,
+                into=into,
                 timeout=min(timeout_s, self._timeout_s),
             )
 
