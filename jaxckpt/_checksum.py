@@ -23,9 +23,10 @@ def _bytes_of(data: Any) -> Any:
     return data
 
 
-def crc32c(data: Any) -> int:
-    """CRC-32C of an array's bytes in C order, or of a buffer."""
-    return int(_crc32c.crc32c(_bytes_of(data)))
+def crc32c(data: Any, value: int = 0) -> int:
+    """CRC-32C of an array's bytes in C order, or of a buffer; `value`: the CRC-32C of
+    the bytes before them (to checksum a buffer block by block)."""
+    return int(_crc32c.crc32c(_bytes_of(data), value))
 
 
 def crc32(data: Any) -> int:

@@ -217,7 +217,10 @@ class Restorer:
             ) == _chunking.region_key(region):
                 out.append(chunks[found[0]])  # the target shard is one whole chunk: no copy
                 continue
-            buf = np.empty([s.stop - s.start for s in region], dtype=record.stored_dtype)
+            # Aligned as a slab is: JAX on CPU keeps it without another copy.
+            dims = [s.stop - s.start for s in region]
+            buf = _readers.aligned_empty(math.prod(dims) * itemsize)
+            buf = buf.view(record.stored_dtype).reshape(dims)
             for i in found:
                 where = _chunking.chunk_region(i, shape, chunk_shape)
                 both = _chunking.intersect(region, where)

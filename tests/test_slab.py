@@ -68,7 +68,7 @@ def test_a_full_tier_fails_cleanly_on_a_reused_slab(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match="No space"):
-        _slab.write(path, [np.ones(1024, np.uint8)], [0], 1024)
+        _slab.write(path, [np.ones(1 << 20, np.uint8)], [0], 1 << 20)  # grows past its pages
 
 
 def test_batches_cover_every_chunk_once_in_order():

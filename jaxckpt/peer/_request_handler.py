@@ -464,10 +464,11 @@ class _IncomingSlab:
         try:
             os.ftruncate(self._fd, size)
             if size:
-                # IMPORTANT: allocate every page up front: a full tmpfs then fails here
-                # with ENOSPC (before the body is read), never later with a SIGBUS on
-                # a mapped page.
-                os.posix_fallocate(self._fd, 0, size)
+                # IMPORTANT: allocate every page up front (unless a reused slab has them
+                # all): a full tmpfs then fails here with ENOSPC (before the body is
+                # read), never later with a SIGBUS on a mapped page.
+                if os.fstat(self._fd).st_blocks * 512 < size:
+                    os.posix_fallocate(self._fd, 0, size)
                 if reused:
                     flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
                     self._map = mmap.mmap(self._fd, size, flags=flags)
