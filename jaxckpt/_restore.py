@@ -128,9 +128,10 @@ class Restorer:
 
     def _reader(self, source: _plan.Source, owner: int) -> _readers.ChunkReader:
         key = (source, owner)
-        reader = self._readers.get(key)
-        if reader is None:
-            reader = self._readers[key] = self._reader_for(source, owner)
+        with self._lock:  # leaves are read on several threads
+            reader = self._readers.get(key)
+            if reader is None:
+                reader = self._readers[key] = self._reader_for(source, owner)
         return reader
 
     def _saved_chunks(self, owner: int, leaf: int) -> dict[tuple[int, ...], _format.ChunkRecord]:
@@ -252,11 +253,23 @@ class Restorer:
         ]
         # Replicated targets ask for the same region on many devices: read it once.
         unique = {_chunking.region_key(r): r for r in regions}
-        read = self._read_regions(leaf, list(unique.values()), owner)
-        bufs = dict(zip(unique, read, strict=True))
-        return Deferred(
-            record, data_sharding, devices, [bufs[_chunking.region_key(r)] for r in regions]
-        )
+        keys = list(map(_chunking.region_key, regions))
+
+        def read() -> list[np.ndarray]:
+            got = self._read_regions(leaf, list(unique.values()), owner)
+            bufs = dict(zip(unique, got, strict=True))
+            return [bufs[k] for k in keys]
+
+        assert record.stored_dtype is not None
+        itemsize = np.dtype(record.stored_dtype).itemsize
+        nbytes = itemsize * sum(math.prod(s.stop - s.start for s in r) for r in unique.values())
+        reading: concurrent.futures.Future[list[np.ndarray]]
+        if nbytes >= _BACKGROUND_LEAF_BYTES:
+            reading = _LEAF_POOL.submit(read)  # while the next leaves are asked for
+        else:
+            reading = concurrent.futures.Future()
+            reading.set_result(read())
+        return Deferred(record, data_sharding, devices, reading)
 
     @staticmethod
     def place(values: list[Any]) -> list[Any]:
@@ -266,19 +279,27 @@ class Restorer:
         shard costs ~0.4 ms: seconds for a tree of thousands of leaves).
         """
         out = list(values)
-        pending = [(k, v) for k, v in enumerate(values) if isinstance(v, Deferred)]
+        deferred = [(k, v) for k, v in enumerate(values) if isinstance(v, Deferred)]
+        try:
+            pending = [(k, d, d.reading.result()) for k, d in deferred]
+        except BaseException:
+            # IMPORTANT: no read may still run when the restore fails (and unpins the step).
+            for _, d in deferred:
+                d.reading.cancel()
+            concurrent.futures.wait([d.reading for _, d in deferred])
+            raise
         start = 0
         while start < len(pending):
-            batch: list[tuple[int, Deferred]] = []
+            batch: list[tuple[int, Deferred, list[np.ndarray]]] = []
             size = 0
             while start < len(pending) and (not batch or size < _PLACE_BATCH_BYTES):
                 batch.append(pending[start])
-                size += sum(b.nbytes for b in pending[start][1].bufs)
+                size += sum(b.nbytes for b in pending[start][2])
                 start += 1
-            bufs = [b for _, d in batch for b in d.bufs]
-            placed = iter(jax.device_put(bufs, [dev for _, d in batch for dev in d.devices]))
-            for k, d in batch:
-                shards = [next(placed) for _ in d.bufs]
+            bufs = [b for _, _, read in batch for b in read]
+            placed = iter(jax.device_put(bufs, [dev for _, d, _ in batch for dev in d.devices]))
+            for k, d, read in batch:
+                shards = [next(placed) for _ in read]
                 assert d.record.stored_shape is not None
                 data = jax.make_array_from_single_device_arrays(
                     d.record.stored_shape, d.sharding, shards
@@ -297,15 +318,23 @@ class Restorer:
 
 @dataclasses.dataclass
 class Deferred:
-    """An array leaf read to host, one buffer per target device, not yet placed."""
+    """An array leaf being read to host (a large one on a thread, while the next
+    leaves are asked for), one buffer per target device; not yet placed."""
 
     record: _format.LeafRecord
     sharding: jax.sharding.Sharding
     devices: list[Any]
-    bufs: list[np.ndarray]
+    reading: concurrent.futures.Future[list[np.ndarray]]
 
 
 _PLACE_BATCH_BYTES = 1 << 30
+# Leaves of this many bytes on are read on `_LEAF_POOL`, several at once (a peer's
+# byte ranges overlap their round trips and checks); smaller ones inline, where a
+# hand-off would cost more than the read.
+_BACKGROUND_LEAF_BYTES = 1 << 20
+_LEAF_POOL = concurrent.futures.ThreadPoolExecutor(
+    min(4, os.cpu_count() or 1), thread_name_prefix="jaxckpt-restore-leaf"
+)
 
 
 class GlobalView:

@@ -319,6 +319,34 @@ def test_flipped_byte_without_other_copy_raises(memory_root, ckpt_dir):
             restore(mngr, 1, abstract(state))
 
 
+def test_large_leaves_read_in_the_background_fail_and_fall_back_alike(memory_root, ckpt_dir):
+    """Leaves of 1 MiB and more are read on threads while the next ones are asked for:
+    a damaged chunk of one still falls back to another tier, or fails the restore
+    with its name, and no read outlives the failed restore."""
+    from jaxckpt import _restore
+
+    row = NamedSharding(mesh_1d(), P("data"))
+    rng = np.random.default_rng(0)
+    state = {
+        f"big{i}": jax.device_put(rng.standard_normal((512, 1024)).astype(np.float32), row)
+        for i in range(4)
+    }
+    assert state["big0"].nbytes >= _restore._BACKGROUND_LEAF_BYTES
+    h = handler(memory_root, persist_every=2, memory_keep=2)
+    with manager(ckpt_dir, h) as mngr:
+        for step in (1, 2):
+            save(mngr, step, state)
+            mngr.wait_until_finished()
+        h.wait_for_persistence()
+        flip_slab_byte(h._memory.part_dir(2, 0), "['big2']", (5, 0), at=7)
+        assert_tree_equal(restore(mngr, 2, abstract(state)), state)
+        assert h.last_restore_metrics["fallbacks"] == 1
+        flip_slab_byte(h._memory.part_dir(1, 0), "['big1']", (3, 0), at=-1, bit=0x01)
+        with pytest.raises(FileNotFoundError, match=r"chunk \(3, 0\) of \['big1'\]"):
+            restore(mngr, 1, abstract(state))
+        assert _restore._LEAF_POOL._work_queue.empty()
+
+
 def test_memory_of_another_run_is_never_used(memory_root, tmp_path):
     state = sharded_state(mesh_1d())
     first = tmp_path / "first"
