@@ -766,7 +766,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             directory, self._options.run_id, recorded.run_id if recorded else None
         )
         if self._memory is None or self._memory.run_id != run_id:
-            memory = _memory_tier.MemoryTier(self._options.memory_root, run_id)
+            memory = _memory_tier.MemoryTier(
+                self._options.memory_root, run_id, self._options.spare_slabs
+            )
             memory.prepare(
                 str(_paths.checkpoint_root(directory)),
                 _multihost.process_index(),

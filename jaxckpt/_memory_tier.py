@@ -45,9 +45,10 @@ Pin = _liveness.HeldFile
 class MemoryTier:
     """This host's memory tier for one run."""
 
-    def __init__(self, memory_root: str, run_id: str):
+    def __init__(self, memory_root: str, run_id: str, spare_slabs: bool = True):
         self.run_dir = Path(memory_root) / run_id
         self.run_id = run_id
+        self.spare_slabs = spare_slabs  # False: `recycle` keeps none (TierOptions.spare_slabs)
 
     def prepare(self, checkpoint_dir: str, process_index: int, failure_domain: str = "") -> None:
         """Creates the run directory, checks that it is writable, records the run.
@@ -242,8 +243,9 @@ class MemoryTier:
     def recycle(self, part_dir: Path) -> bool:
         """Moves the slab of a retired part (out of its step already) to `.free/`, for
         the next save or received push to fill, while `.free/` holds fewer slabs than
-        the newest step has parts; never a lent slab. Whether it moved."""
-        if (part_dir / LENT_MARKER).exists():
+        the newest step has parts; never a lent slab, nor any without `spare_slabs`.
+        Whether it moved."""
+        if not self.spare_slabs or (part_dir / LENT_MARKER).exists():
             return False
         free = self.run_dir / ".free"
         steps = self.steps()

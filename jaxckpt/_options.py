@@ -47,6 +47,12 @@ class TierOptions:
         the result without another copy). `None` (default): on accelerators
         that have a `pinned_host` memory; on CPU a shard already is host memory
         and is held as it is (no copy).
+      spare_slabs: keep the slabs of retired steps (at most a step's worth) for
+        the next saves and received replicas to refill: their pages exist, so
+        the copy runs at memory speed. The tier then holds about one step more
+        than `memory_keep` at rest (during a save it holds that anyway). False
+        frees them at once: `memory_keep` steps at rest, and each save writes
+        fresh tmpfs pages (2-3x slower to safe in memory).
     """
 
     memory_root: str
@@ -59,6 +65,7 @@ class TierOptions:
     timeout_s: float = 120.0
     peer_host: str = "127.0.0.1"
     pinned_host_staging: bool | None = None
+    spare_slabs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_root, (str, os.PathLike)) or not str(self.memory_root):
@@ -89,6 +96,8 @@ class TierOptions:
                 "TierOptions.pinned_host_staging must be None (automatic), True or False, "
                 f"got {self.pinned_host_staging!r}."
             )
+        if self.spare_slabs not in (True, False):
+            raise ValueError(f"TierOptions.spare_slabs must be a bool, got {self.spare_slabs!r}.")
         if self.failure_domain is not None and not str(self.failure_domain):
             raise ValueError("TierOptions.failure_domain must not be empty.")
 

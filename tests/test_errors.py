@@ -126,6 +126,7 @@ def test_unwritable_memory_root_is_reported(tmp_path, ckpt_dir):
         ({"timeout_s": 0}, r"timeout_s must be a positive"),
         ({"run_id": "a/b"}, r"run_id may only hold"),
         ({"replicas": True}, r"replicas must be an integer"),
+        ({"spare_slabs": "no"}, r"spare_slabs must be a bool, got 'no'"),
     ],
 )
 def test_options_are_validated(kw, match):

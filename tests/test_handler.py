@@ -385,6 +385,19 @@ def test_retention_bounds_memory(memory_root, ckpt_dir):
             restore(mngr, 2, abstract(state))
 
 
+def test_without_spare_slabs_the_tier_holds_only_the_kept_steps(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, memory_keep=1, persist_every=1000, spare_slabs=False)
+    with manager(ckpt_dir, h) as mngr:
+        for step in range(4):
+            save(mngr, step, state)
+            mngr.wait_until_finished()
+        h.wait_for_persistence()
+        assert h._memory.steps() == [3]
+        assert [p.parent.name for p in h._memory.run_dir.rglob("slab")] == ["part_00000"]
+        assert_tree_equal(restore(mngr, 3, abstract(state)), state)
+
+
 def test_metadata_builds_a_restore_target(memory_root, ckpt_dir):
     state = sharded_state(mesh_1d())
     state["data"] = fresh_iterator()

@@ -60,6 +60,16 @@ def test_retired_slabs_are_reused_and_bounded(tmp_path):
     assert not tier.take_free_slab(tmp_path / "t3")
 
 
+def test_without_spare_slabs_retired_slabs_are_freed(tmp_path):
+    tier = MemoryTier(str(tmp_path), "run-a", spare_slabs=False)
+    tier.prepare("ckpt", 0)
+    for step in (1, 2, 3):
+        commit_step(tier, step, owner=0, size=4096)
+    assert tier.retain(1, upto=3) == [1, 2]
+    assert list((tier.run_dir / ".free").glob("*")) == []
+    assert sorted(p.name for p in tier.run_dir.rglob("slab")) == ["slab"]  # step 3's
+
+
 def test_a_lent_slab_is_never_recycled(tmp_path):
     tier = MemoryTier(str(tmp_path), "run-a")
     tier.prepare("ckpt", 0)

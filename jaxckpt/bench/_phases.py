@@ -178,6 +178,8 @@ def _loops(
         jaxckpt_tmpfs_peak=int(peaks["tmpfs"]),
         jaxckpt_combined_peak=int(peaks["combined"]),
         tmpfs_steady=_baselines.tree_bytes(memory_root),
+        # The spare slabs among them (`TierOptions.spare_slabs=False` frees these).
+        tmpfs_spare=sum(_baselines.tree_bytes(free) for free in memory_root.glob("*/.free")),
         rss_after=_baselines.rss_bytes(),
     )
     run_dir = ours.handler._memory.run_dir if ours.handler._memory else None

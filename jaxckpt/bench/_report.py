@@ -226,6 +226,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         max(0, p["memory"]["jaxckpt_rss_peak"] - p["memory"]["train_rss_peak"]) for p in procs
     )
     tmpfs_steady = sum(p["memory"]["tmpfs_steady"] for p in procs)
+    tmpfs_spare = sum(p["memory"].get("tmpfs_spare", 0) for p in procs)
     combined = sum(p["memory"]["jaxckpt_combined_peak"] for p in procs)
     return [
         Figure(
@@ -393,6 +394,14 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             "6b",
             f"host memory, transient peak during saves, r={replicas}",
             combined / state,
+            "x state",
+            1.0 + replicas,
+            "1 + r copies of the state",
+        ),
+        Figure(
+            "6c",
+            f"host memory as 6a, less the spare slabs (spare_slabs=False), r={replicas}",
+            (rss_delta + tmpfs_steady - tmpfs_spare) / state,
             "x state",
             1.0 + replicas,
             "1 + r copies of the state",

@@ -96,6 +96,7 @@ class Peers:
                     token=token,
                     host=options.peer_host,
                     io_timeout=options.timeout_s,
+                    reuse_free_slabs=options.spare_slabs,
                 )
                 server.start()
             except Exception as e:  # agreed on below, so every process raises it
