@@ -50,6 +50,23 @@ def chunk_region(index: Sequence[int], shape: Sequence[int], chunk_shape: Sequen
     )
 
 
+def chunk_shape_at(
+    index: Sequence[int], shape: Sequence[int], chunk_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """The shape of the chunk at grid `index` (edge chunks are cut at the array's end)."""
+    return tuple(min(c, n - i * c) for i, c, n in zip(index, chunk_shape, shape, strict=True))
+
+
+def is_chunk(
+    region: Sequence[slice], index: Sequence[int], shape: Sequence[int], chunk_shape: Sequence[int]
+) -> bool:
+    """Whether explicit `region` is exactly the chunk at grid `index`."""
+    return all(
+        s.start == i * c and s.stop == min((i + 1) * c, n)
+        for s, i, c, n in zip(region, index, chunk_shape, shape, strict=True)
+    )
+
+
 def chunks_overlapping(
     region: Sequence[slice], shape: Sequence[int], chunk_shape: Sequence[int]
 ) -> Iterator[tuple[int, ...]]:

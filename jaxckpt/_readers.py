@@ -14,6 +14,7 @@ that could not be lent gives private copies, as every other reader does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,21 +32,18 @@ class ChunkReader(Protocol):
         ...
 
 
-def chunk_shape(record: _format.LeafRecord, index: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of chunk `index` of a leaf (edge chunks are cut at the array's end)."""
-    assert record.stored_shape is not None and record.chunk_shape is not None
-    region = _chunking.chunk_region(index, record.stored_shape, record.chunk_shape)
-    return tuple(s.stop - s.start for s in region)
-
-
 def _from_bytes(data: Any, record: _format.LeafRecord, chunk: _format.ChunkRecord) -> np.ndarray:
-    assert record.stored_dtype is not None
-    shape = chunk_shape(record, chunk.index)
+    assert (
+        record.stored_dtype is not None
+        and record.stored_shape is not None
+        and record.chunk_shape is not None
+    )
+    shape = _chunking.chunk_shape_at(chunk.index, record.stored_shape, record.chunk_shape)
     dtype = np.dtype(record.stored_dtype)
-    if dtype.itemsize * int(np.prod(shape)) != chunk.nbytes:
+    if dtype.itemsize * math.prod(shape) != chunk.nbytes:
         raise ValueError(
             f"Chunk {chunk.index} of {record.path} records {chunk.nbytes} bytes, but its "
-            f"shape {shape} of {dtype} needs {dtype.itemsize * int(np.prod(shape))}."
+            f"shape {shape} of {dtype} needs {dtype.itemsize * math.prod(shape)}."
         )
     return np.frombuffer(data, np.uint8, count=chunk.nbytes).view(dtype).reshape(shape)
 

@@ -213,9 +213,7 @@ class Restorer:
         chunks = dict(zip(needed, read, strict=True))
         out = []
         for region, found in zip(regions, overlapping, strict=True):
-            if len(found) == 1 and _chunking.region_key(
-                _chunking.chunk_region(found[0], shape, chunk_shape)
-            ) == _chunking.region_key(region):
+            if len(found) == 1 and _chunking.is_chunk(region, found[0], shape, chunk_shape):
                 out.append(chunks[found[0]])  # the target shard is one whole chunk: no copy
                 continue
             # Aligned as a slab is: JAX on CPU keeps it without another copy.

@@ -60,6 +60,11 @@ def test_manifest_of_a_newer_format_is_refused():
 def test_chunk_grid_arithmetic():
     shape, chunk = (10, 4), (4, 4)
     assert _chunking.chunk_region((2, 0), shape, chunk) == (slice(8, 10), slice(0, 4))
+    assert _chunking.chunk_shape_at((2, 0), shape, chunk) == (2, 4)  # cut at the edge
+    assert _chunking.chunk_shape_at((1, 0), shape, chunk) == (4, 4)
+    assert _chunking.is_chunk((slice(8, 10), slice(0, 4)), (2, 0), shape, chunk)
+    assert not _chunking.is_chunk((slice(8, 9), slice(0, 4)), (2, 0), shape, chunk)
+    assert not _chunking.is_chunk((slice(4, 8), slice(0, 4)), (2, 0), shape, chunk)
     assert list(_chunking.chunks_overlapping((slice(3, 9), slice(None)), shape, chunk)) == [
         (0, 0),
         (1, 0),
