@@ -259,6 +259,11 @@ class MemoryTier:
         except OSError:
             return False
 
+    def dispose(self, part_dir: Path) -> None:
+        """Removes a retired part (moved out of its step already), its slab recycled."""
+        self.recycle(part_dir)
+        _fs.remove_entry(part_dir)
+
     def clear_staging(self, older_than_s: float = 0.0) -> None:
         """Removes leftovers of interrupted writes older than `older_than_s`."""
         now = time.time()

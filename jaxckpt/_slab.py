@@ -66,8 +66,7 @@ def write(path: Path, chunks: Sequence[np.ndarray], offsets: Sequence[int], size
     try:
         os.ftruncate(fd, size)
         if reuse and size:
-            if os.fstat(fd).st_blocks * 512 < size:  # not every page exists yet
-                os.posix_fallocate(fd, 0, size)
+            allocate(fd, size)
             mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             dest = np.frombuffer(mapped, np.uint8)
 
@@ -100,6 +99,14 @@ def write(path: Path, chunks: Sequence[np.ndarray], offsets: Sequence[int], size
         if mapped is not None:
             mapped.close()
         os.close(fd)
+
+
+def allocate(fd: int, size: int) -> None:
+    """Makes every page of the first `size` bytes of the file exist (`posix_fallocate`,
+    skipped when they all do, as in a reused slab): a full tmpfs then fails here with
+    ENOSPC, never later with a SIGBUS on a mapped page."""
+    if os.fstat(fd).st_blocks * 512 < size:
+        os.posix_fallocate(fd, 0, size)
 
 
 def _batches(sizes: Sequence[int]) -> list[range]:

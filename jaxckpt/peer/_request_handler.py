@@ -31,7 +31,7 @@ from jaxckpt._checksum import matches
 from jaxckpt._format import MANIFEST_FILE, ChunkRecord, PartManifest, part_dir_name
 from jaxckpt._fs import remove_entry
 from jaxckpt._memory_tier import MemoryTier
-from jaxckpt._slab import SLAB_FILE
+from jaxckpt._slab import SLAB_FILE, allocate
 from jaxckpt.peer._wire import (
     TEMP_PREFIX,
     TOKEN_HEADER,
@@ -464,11 +464,9 @@ class _IncomingSlab:
         try:
             os.ftruncate(self._fd, size)
             if size:
-                # IMPORTANT: allocate every page up front (unless a reused slab has them
-                # all): a full tmpfs then fails here with ENOSPC (before the body is
-                # read), never later with a SIGBUS on a mapped page.
-                if os.fstat(self._fd).st_blocks * 512 < size:
-                    os.posix_fallocate(self._fd, 0, size)
+                # IMPORTANT: every page exists before the body is read (ENOSPC here,
+                # never a SIGBUS on a mapped page later).
+                allocate(self._fd, size)
                 if reused:
                     flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
                     self._map = mmap.mmap(self._fd, size, flags=flags)

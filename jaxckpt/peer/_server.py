@@ -18,7 +18,6 @@ import socket
 import socketserver
 import threading
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +151,9 @@ class PeerServer:
         if reuse_free_slabs:
             memory = MemoryTier(os.fspath(root), run_id)
             config = dataclasses.replace(
-                config, take_free_slab=memory.take_free_slab, retire_part=_retirer(memory)
+                config,
+                take_free_slab=memory.take_free_slab,
+                retire_part=lambda part: memory.dispose(Path(part)),
             )
         self._httpd = PeerHTTPServer((host, port), config)
         advertised = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
@@ -217,16 +218,6 @@ class PeerServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _retirer(memory: MemoryTier) -> Callable[[str], None]:
-    """A `ServiceConfig.retire_part` that recycles the replaced part's slab."""
-
-    def retire(part_dir: str) -> None:
-        memory.recycle(Path(part_dir))
-        _fs.remove_entry(part_dir)
-
-    return retire
 
 
 def _temp_name(purpose: str) -> str:
