@@ -238,6 +238,8 @@ class MemoryTier:
             for part in sorted(trash.glob("part_*")):
                 self.recycle(part)
             _fs.remove_entry(trash)
+        if doomed:
+            _slab.forget_unlinked()
         return doomed
 
     def recycle(self, part_dir: Path) -> bool:
@@ -263,10 +265,12 @@ class MemoryTier:
         """Removes a retired part (moved out of its step already), its slab recycled."""
         self.recycle(part_dir)
         _fs.remove_entry(part_dir)
+        _slab.forget_unlinked()
 
     def clear_staging(self, older_than_s: float = 0.0) -> None:
         """Removes leftovers of interrupted writes older than `older_than_s`."""
         now = time.time()
-        _fs.remove_entries(
+        if _fs.remove_entries(
             self.run_dir / ".staging", which=lambda p: now - p.stat().st_mtime >= older_than_s
-        )
+        ):
+            _slab.forget_unlinked()

@@ -46,7 +46,15 @@ class TierOptions:
         pool, so after the first save it runs at DMA speed, and the host sees
         the result without another copy). `None` (default): on accelerators
         that have a `pinned_host` memory; on CPU a shard already is host memory
-        and is held as it is (no copy).
+        (see `hold_cpu_arrays`).
+      hold_cpu_arrays: on CPU, hold the saved arrays' buffers as they are (no
+        copy) until the memory tier has their bytes, instead of copying them
+        into the step's slab before `save()` returns (the checksums are computed
+        in the background either way). Holding makes `save()` return at once
+        but declines the next train step's donation of those buffers: that step
+        then writes into fresh memory (page faults, and up to one more copy of
+        the state in RSS). Hold when the train step does not donate its state;
+        the default copies, at memory speed into pages the tier already has.
       spare_slabs: keep the slabs of retired steps (at most a step's worth) for
         the next saves and received replicas to refill: their pages exist, so
         the copy runs at memory speed. The tier then holds about one step more
@@ -65,6 +73,7 @@ class TierOptions:
     timeout_s: float = 120.0
     peer_host: str = "127.0.0.1"
     pinned_host_staging: bool | None = None
+    hold_cpu_arrays: bool = False
     spare_slabs: bool = True
 
     def __post_init__(self) -> None:
@@ -96,8 +105,9 @@ class TierOptions:
                 "TierOptions.pinned_host_staging must be None (automatic), True or False, "
                 f"got {self.pinned_host_staging!r}."
             )
-        if self.spare_slabs not in (True, False):
-            raise ValueError(f"TierOptions.spare_slabs must be a bool, got {self.spare_slabs!r}.")
+        for name in ("hold_cpu_arrays", "spare_slabs"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"TierOptions.{name} must be a bool, got {getattr(self, name)!r}.")
         if self.failure_domain is not None and not str(self.failure_domain):
             raise ValueError("TierOptions.failure_domain must not be empty.")
 

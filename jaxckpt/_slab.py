@@ -15,11 +15,14 @@ about a quarter as fast, the kernel allocating and zeroing each page).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import mmap
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal, overload
 
 import numpy as np
 
@@ -47,8 +50,15 @@ def _as_bytes(data: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
 
-def write(path: Path, chunks: Sequence[np.ndarray], offsets: Sequence[int], size: int) -> list[int]:
-    """Writes `chunks` at `offsets` into the slab file at `path`; their CRC-32Cs.
+def write(
+    path: Path,
+    chunks: Sequence[np.ndarray],
+    offsets: Sequence[int],
+    size: int,
+    checksum: bool = True,
+) -> list[int]:
+    """Writes `chunks` at `offsets` into the slab file at `path`; their CRC-32Cs
+    (none if not `checksum`: see `checksums`).
 
     An existing file (a reused slab) is resized, its pages allocated up front
     unless they all exist (`posix_fallocate`: a full tmpfs fails here with
@@ -67,7 +77,7 @@ def write(path: Path, chunks: Sequence[np.ndarray], offsets: Sequence[int], size
         os.ftruncate(fd, size)
         if reuse and size:
             allocate(fd, size)
-            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            mapped = _kept_mapping(fd, size)
             dest = np.frombuffer(mapped, np.uint8)
 
             def put(block: np.ndarray, offset: int) -> None:
@@ -79,6 +89,9 @@ def write(path: Path, chunks: Sequence[np.ndarray], offsets: Sequence[int], size
 
         def fill(i: int) -> int:
             src, crc = _as_bytes(chunks[i]), 0
+            if not checksum:
+                put(src, offsets[i])  # one call: a large copy streams past the cache
+                return crc
             for start in range(0, src.nbytes, _BLOCK):
                 block = src[start : start + _BLOCK]
                 put(block, offsets[i] + start)
@@ -94,11 +107,112 @@ def write(path: Path, chunks: Sequence[np.ndarray], offsets: Sequence[int], size
         concurrent.futures.wait(futures)
         if mapped is not None:
             del dest
-        return [crc for f in futures for crc in f.result()]
+        crcs = [crc for f in futures for crc in f.result()]
+        return crcs if checksum else []
     finally:
-        if mapped is not None:
+        os.close(fd)  # a mapping is kept (`_kept_mapping`)
+
+
+def checksums(path: Path, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """The CRC-32Cs of the byte ranges [offset, offset + size) of the slab at `path`,
+    computed in parallel (of a slab `write` filled without them)."""
+    with open(path, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
+        if not total:
+            return [0] * len(sizes)
+        kept = _kept_mapping(f.fileno(), total, keep=False)
+        if kept is not None:  # the one `write` filled it through: no mapping to set up
+            return _checksums_of(np.frombuffer(kept, np.uint8), offsets, sizes)
+        mapped = mmap.mmap(
+            f.fileno(), total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
+        )
+    try:
+        return _checksums_of(np.frombuffer(mapped, np.uint8), offsets, sizes)
+    finally:
+        # Every checksum is done or failed. A failure's traceback may still hold a view:
+        # then the mapping goes with it.
+        with contextlib.suppress(BufferError):
             mapped.close()
-        os.close(fd)
+
+
+def _checksums_of(data: np.ndarray, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    def crcs(indices: range) -> list[int]:
+        return [_checksum.crc32c(data[offsets[i] : offsets[i] + sizes[i]]) for i in indices]
+
+    futures = [_pool.submit(crcs, r) for r in _batches(sizes)]
+    concurrent.futures.wait(futures)
+    return [crc for f in futures for crc in f.result()]
+
+
+@dataclasses.dataclass
+class _Kept:
+    fd: int  # a duplicate: tells when the file is unlinked
+    mapping: mmap.mmap
+    size: int
+
+
+# Slab files this process fills, kept mapped across saves by inode (the file moves
+# from a part to `.free/` to a staging directory and back by rename): setting up the
+# page tables of a mapping and tearing them down costs as much as a third of the copy.
+# A file that is unlinked is unmapped at the next `_kept_mapping` or `forget_unlinked`.
+_KEPT: dict[tuple[int, int], _Kept] = {}
+_KEPT_LOCK = threading.Lock()
+_MAX_KEPT: Final = 8
+
+
+@overload
+def _kept_mapping(fd: int, size: int) -> mmap.mmap: ...
+@overload
+def _kept_mapping(fd: int, size: int, keep: Literal[False]) -> mmap.mmap | None: ...
+def _kept_mapping(fd: int, size: int, keep: bool = True) -> mmap.mmap | None:
+    """A shared mapping of the `size` bytes of the slab open (read-write if `keep`) at
+    `fd`, whose pages all exist: the one kept for its file, else (if `keep`) a new
+    one, populated and kept; else None."""
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    with _KEPT_LOCK:
+        _forget(lambda k: os.fstat(k.fd).st_nlink == 0)
+        kept = _KEPT.pop(key, None)
+        if kept is not None and kept.size != size:
+            _close(kept)
+            kept = None
+        if kept is None:
+            if not keep:
+                return None
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            kept = _Kept(os.dup(fd), mapping, size)
+        _KEPT[key] = kept  # the newest last
+        while len(_KEPT) > _MAX_KEPT:
+            _close(_KEPT.pop(next(iter(_KEPT))))
+        return kept.mapping
+
+
+def forget_unlinked() -> None:
+    """Unmaps the kept mappings of slab files that were unlinked (their pages are freed
+    once no restored array uses them either)."""
+    with _KEPT_LOCK:
+        _forget(lambda k: os.fstat(k.fd).st_nlink == 0)
+
+
+def forget_all() -> None:
+    """Unmaps every kept mapping (at the end of a run: files stay as they are)."""
+    with _KEPT_LOCK:
+        _forget(lambda k: True)
+
+
+def _forget(which: Callable[[_Kept], bool]) -> None:
+    for key, kept in list(_KEPT.items()):
+        if which(kept):
+            del _KEPT[key]
+            _close(kept)
+
+
+def _close(kept: _Kept) -> None:
+    os.close(kept.fd)
+    # A copy may still use it (a slab unlinked while being filled): then it is unmapped
+    # when the last view goes.
+    with contextlib.suppress(BufferError):
+        kept.mapping.close()
 
 
 def allocate(fd: int, size: int) -> None:

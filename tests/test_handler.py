@@ -455,26 +455,38 @@ def test_metrics_reach_the_callback_the_log_and_the_manifest(memory_root, ckpt_d
     assert durable["metrics"]["persist_s"] == persisted["persist_s"]
 
 
-def test_snapshot_survives_a_donating_train_step(memory_root, ckpt_dir, monkeypatch):
-    """The background commit still reads the saved values after the step donated them."""
+@pytest.mark.parametrize("hold", [False, True])
+def test_snapshot_survives_a_donating_train_step(hold, memory_root, ckpt_dir, monkeypatch):
+    """The step saved keeps its values when the next train step donates the saved
+    arrays while the commit is still pending. On CPU the save copied them into the
+    slab before it returned and let go of them, so the step reuses their buffers;
+    `hold_cpu_arrays` holds them instead until the slab has them (the donation is
+    declined)."""
     from jaxckpt import _slab
 
-    gate = threading.Event()
-    original = _slab.write
+    gate = threading.Event()  # the commit's work on the slab waits for the train step
+    write, checksums = _slab.write, _slab.checksums
 
-    def held(*args, **kwargs):
+    def gated_write(*args, checksum=True, **kwargs):
+        if checksum:  # else the copy before save() returns
+            assert gate.wait(60)
+        return write(*args, checksum=checksum, **kwargs)
+
+    def gated_checksums(*args, **kwargs):
         assert gate.wait(60)
-        return original(*args, **kwargs)
+        return checksums(*args, **kwargs)
 
-    monkeypatch.setattr(_slab, "write", held)
+    monkeypatch.setattr(_slab, "write", gated_write)
+    monkeypatch.setattr(_slab, "checksums", gated_checksums)
     sharding = NamedSharding(mesh_1d(), P("data"))
     w = jax.device_put(np.arange(64, dtype=np.float32), sharding)
     expected = np.asarray(w).copy()
     update = jax.jit(lambda x: x * 2 + 1, donate_argnums=0)
-    with manager(ckpt_dir, handler(memory_root)) as mngr:
+    with manager(ckpt_dir, handler(memory_root, hold_cpu_arrays=hold)) as mngr:
         save(mngr, 1, {"w": w})
-        w = update(w)  # donates the saved buffers while the commit is still pending
+        saved, w = w, update(w)  # while the commit is still pending
         w.block_until_ready()
+        assert saved.is_deleted() is not hold  # donated, unless the save holds it
         gate.set()
         mngr.wait_until_finished()
         target = {"w": jax.ShapeDtypeStruct((64,), np.float32, sharding=sharding)}

@@ -11,19 +11,29 @@ import jaxckpt
 from jaxckpt import _snapshot
 
 
-@pytest.mark.parametrize(("pinned", "expected"), [(None, "cpu_view"), (True, "pinned_host")])
+@pytest.mark.parametrize(
+    ("pinned", "hold", "expected"),
+    [(None, False, "slab"), (None, True, "cpu_view"), (True, False, "pinned_host")],
+)
 def test_a_save_stages_shards_as_configured_and_restores_exactly(
-    pinned, expected, memory_root, ckpt_dir
+    pinned, hold, expected, memory_root, ckpt_dir
 ):
     state = sharded_state(mesh_1d())
     h = jaxckpt.TieredCheckpointHandler(
-        jaxckpt.TierOptions(memory_root, persist_every=1000, pinned_host_staging=pinned)
+        jaxckpt.TierOptions(
+            memory_root, persist_every=1000, pinned_host_staging=pinned, hold_cpu_arrays=hold
+        )
     )
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)
         mngr.wait_until_finished()
         assert h.last_save_metrics["host_staging"] == expected
         assert_tree_equal(restore(mngr, 1, abstract(state)), state)
+
+
+def test_hold_cpu_arrays_is_validated():
+    with pytest.raises(ValueError, match="hold_cpu_arrays must be a bool"):
+        jaxckpt.TierOptions("/tmp/m", hold_cpu_arrays="yes")
 
 
 def test_pinned_staging_copies_every_shard_in_one_batch_and_holds_it():

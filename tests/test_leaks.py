@@ -62,8 +62,10 @@ def failing_after_others(monkeypatch, name: str) -> None:
     monkeypatch.setattr(_zarr, name, flaky)
 
 
-def test_failed_memory_write_leaves_no_staging_chunks(memory_root, ckpt_dir, monkeypatch):
-    """The first chunk's write fails at once; the others land late, after the failure."""
+@pytest.mark.parametrize("hold", [False, True], ids=["copy", "hold"])
+def test_failed_memory_write_leaves_no_staging_chunks(hold, memory_root, ckpt_dir, monkeypatch):
+    """The first chunk's write fails at once; the others land late, after the failure
+    (in `save()` itself, or in the commit of held arrays)."""
     original = _slab._pwrite_all
 
     def flaky(fd, data, offset):
@@ -73,7 +75,7 @@ def test_failed_memory_write_leaves_no_staging_chunks(memory_root, ckpt_dir, mon
         original(fd, data, offset)
 
     monkeypatch.setattr(_slab, "_pwrite_all", flaky)
-    h = handler(memory_root, persist_every=1000)
+    h = handler(memory_root, persist_every=1000, hold_cpu_arrays=hold)
     with manager(ckpt_dir, h, use_async=False) as mngr:
         with pytest.raises(OSError, match="Step 1 does not fit in the memory tier"):
             save(mngr, 1, state_of(0.1))

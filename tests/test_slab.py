@@ -77,3 +77,68 @@ def test_batches_cover_every_chunk_once_in_order():
     assert [i for r in runs for i in r] == list(range(len(sizes)))
     assert len(runs) <= _slab._WORKERS + 2  # no task per small chunk
     assert _slab._batches([]) == []
+
+
+def _kept_inodes() -> set[int]:
+    return {ino for _, ino in _slab._KEPT}
+
+
+def test_a_copy_without_checksums_then_checksums_in_place(tmp_path):
+    rng = np.random.default_rng(1)
+    chunks = [rng.standard_normal(1000), np.arange(7, dtype=np.int16), np.zeros(0, np.uint8)]
+    offsets, size = _slab.layout([c.nbytes for c in chunks])
+    path = tmp_path / "slab"
+    for _ in range(2):  # a new file (written), then the same one again (mapped)
+        assert _slab.write(path, chunks, offsets, size, checksum=False) == []
+        got = _slab.checksums(path, offsets, [c.nbytes for c in chunks])
+        assert got == [_checksum.crc32c(c) for c in chunks]
+    # A damaged byte changes the checksum computed in place.
+    with open(path, "r+b") as f:
+        f.seek(offsets[1])
+        f.write(b"\x00\x01")
+    assert _slab.checksums(path, offsets, [c.nbytes for c in chunks])[1] != _checksum.crc32c(
+        chunks[1]
+    )
+    _slab.forget_all()
+
+
+def test_a_refilled_slab_keeps_its_mapping_until_it_is_unlinked(tmp_path):
+    """A slab refilled by the next saves is mapped once; moved by rename it is the
+    same file; once unlinked its mapping goes (its pages with it)."""
+    _slab.forget_all()
+    path = tmp_path / "slab"
+    path.write_bytes(b"\x00" * 4096)  # a retired slab, reused
+    ino = path.stat().st_ino
+    data = [np.arange(512, dtype=np.float32)]
+    offsets, size = _slab.layout([data[0].nbytes])
+    _slab.write(path, data, offsets, size)
+    kept = _slab._KEPT[(path.stat().st_dev, ino)].mapping
+    moved = tmp_path / "free-slab"
+    path.rename(moved)  # retired, then taken by the next save
+    data = [np.arange(512, dtype=np.float32) + 1]
+    assert _slab.write(moved, data, offsets, size) == [_checksum.crc32c(data[0])]
+    assert _slab._KEPT[(moved.stat().st_dev, ino)].mapping is kept  # no new mapping
+    np.testing.assert_array_equal(
+        _slab.Reader(moved).view(0, data[0].nbytes).view(np.float32), data[0]
+    )
+    # Another size: mapped anew.
+    bigger = [np.arange(2048, dtype=np.float32)]
+    offsets, size = _slab.layout([bigger[0].nbytes])
+    _slab.write(moved, bigger, offsets, size)
+    assert _slab._KEPT[(moved.stat().st_dev, ino)].mapping is not kept
+    moved.unlink()
+    _slab.forget_unlinked()
+    assert ino not in _kept_inodes()
+
+
+def test_at_most_a_few_slabs_stay_mapped(tmp_path):
+    _slab.forget_all()
+    data = [np.ones(64, np.uint8)]
+    offsets, size = _slab.layout([64])
+    for i in range(_slab._MAX_KEPT + 3):
+        path = tmp_path / f"slab{i}"
+        path.write_bytes(b"\x00" * size)
+        _slab.write(path, data, offsets, size)
+    assert len(_slab._KEPT) == _slab._MAX_KEPT
+    _slab.forget_all()
+    assert not _slab._KEPT
