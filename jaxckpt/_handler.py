@@ -123,7 +123,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         tag = self._tag("save", directory)
         step, memory = args.step, None
         refused: Exception | None = None
-        copied: _CopiedSlab | None = None
+        staged: _memory_tier.StagedSlab | None = None
         try:
             step = _step_of(directory, args.step)
             memory = self._memory_for(directory)
@@ -142,7 +142,10 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 cpu = refused is None and snapshot.staging == "cpu_view"
                 if cpu and not self._options.hold_cpu_arrays:
                     assert step is not None  # set when nothing was refused
-                    copied = _copy_into_slab(memory, step, pi, snapshot)
+                    # The copy lets go of the arrays: JAX may donate them to the next
+                    # train step (a declined donation costs that step more than the copy).
+                    release = [s.release() for s in snapshot.shards]
+                    staged = memory.stage_slab(step, pi, release, checksum=False)
         except Exception as error:
             refused = refused or error
         if refused is not None or memory is None:
@@ -154,11 +157,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             _faults.maybe_crash("snapshot", step, pi)
             metrics = {"event": "save", "step": step, "process": pi, "bytes": snapshot.nbytes}
             metrics["stall_s"] = time.perf_counter() - started
-            metrics["host_staging"] = "slab" if copied else snapshot.staging
-            if copied is not None:
-                metrics["slab_copy_s"] = copied.seconds
+            metrics["host_staging"] = "slab" if staged else snapshot.staging
+            if staged is not None:
+                metrics["slab_copy_s"] = staged.seconds
             save = _Save(
-                _storage.as_path(directory), step, snapshot, memory, pi, metrics, started, copied
+                _storage.as_path(directory), step, snapshot, memory, pi, metrics, started, staged
             )
             commit = self._commit_agreed(tag, save)
         return [
@@ -241,26 +244,23 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         directory, step, snapshot, memory = save.directory, save.step, save.snapshot, save.memory
         pi, metrics, started = save.process, save.metrics, save.started
         start = time.perf_counter()
-        sizes = [s.nbytes for s in snapshot.shards]
-        copied = save.copied
-        staging = copied.staging if copied else memory.new_staging_dir(step, pi)
+        staged = save.staged
+        if staged is None:
+            chunks_data = [s.release() for s in snapshot.shards]
+            staged = await asyncio.to_thread(memory.stage_slab, step, pi, chunks_data)
+        staging = staged.staging
         try:
-            slab = staging / _slab.SLAB_FILE
-            if copied is not None:  # the bytes are in the slab already: checksum them there
-                offsets = copied.offsets
-                crcs = await asyncio.to_thread(_slab.checksums, slab, offsets, sizes)
-            else:
-                offsets, size = _slab.layout(sizes)
-                memory.take_free_slab(slab, size)
-                crcs = await asyncio.to_thread(
-                    _slab.write, slab, [s.release() for s in snapshot.shards], offsets, size
-                )
+            crcs = staged.crcs
+            if crcs is None:  # copied by `save()`: checksummed here, in place
+                sizes = [s.nbytes for s in snapshot.shards]
+                slab = staging / _slab.SLAB_FILE
+                crcs = await asyncio.to_thread(_slab.checksums, slab, staged.offsets, sizes)
             chunks: dict[int, list[_format.ChunkRecord]] = {}
-            for s, crc, offset in zip(snapshot.shards, crcs, offsets, strict=True):
+            for s, crc, offset in zip(snapshot.shards, crcs, staged.offsets, strict=True):
                 chunks.setdefault(s.leaf, []).append(
                     _format.ChunkRecord(s.index, s.nbytes, crc32c=crc, offset=offset)
                 )
-            memory_s = time.perf_counter() - start + (copied.seconds if copied else 0.0)
+            memory_s = time.perf_counter() - start + (save.staged.seconds if save.staged else 0.0)
             metrics["memory_write_s"] = memory_s
             metrics["memory_write_bytes_per_s"] = snapshot.nbytes / max(memory_s, 1e-9)
             manifest = _format.PartManifest(
@@ -283,10 +283,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             part = memory.commit(staging, step, pi)
             _faults.maybe_crash("memory_commit", step, pi)
         except BaseException as e:
-            # The slab's writes are done when `_slab.write` returns or raises.
             _fs.remove_entry(staging)
             if _fs.is_out_of_space(e):
-                raise _tier_full(e, memory, step, pi) from e
+                raise memory.full_error(e, step, pi) from e
             raise
         metrics["safe_in_memory_s"] = time.perf_counter() - started
         # Persistence starts now, beside the push, the agreement and the index; nothing
@@ -838,53 +837,9 @@ class _Save:
     process: int
     metrics: dict[str, Any]
     started: float
-    copied: _CopiedSlab | None = None  # the shards' bytes, copied into the slab already
-
-
-@dataclasses.dataclass(frozen=True)
-class _CopiedSlab:
-    """A staging directory whose slab holds a snapshot's bytes (no checksums yet)."""
-
-    staging: Path
-    offsets: list[int]
-    seconds: float
-
-
-def _copy_into_slab(
-    memory: _memory_tier.MemoryTier, step: int, pi: int, snapshot: _snapshot.Snapshot
-) -> _CopiedSlab:
-    """Copies the snapshot's shards into a new part's slab now, in parallel, and lets go
-    of them (`TierOptions.hold_cpu_arrays` False, on CPU): JAX may then donate their
-    buffers to the next train step. The checksums are left to the commit.
-
-    Raises:
-      OSError: if the slab cannot be written (the staging directory is removed).
-    """
-    start = time.perf_counter()
-    staging = memory.new_staging_dir(step, pi)
-    try:
-        slab = staging / _slab.SLAB_FILE
-        offsets, size = _slab.layout([s.nbytes for s in snapshot.shards])
-        memory.take_free_slab(slab, size)
-        _slab.write(slab, [s.release() for s in snapshot.shards], offsets, size, checksum=False)
-    except BaseException as e:
-        _fs.remove_entry(staging)
-        if _fs.is_out_of_space(e):
-            raise _tier_full(e, memory, step, pi) from e
-        raise
-    return _CopiedSlab(staging, offsets, time.perf_counter() - start)
-
-
-def _tier_full(
-    error: BaseException, memory: _memory_tier.MemoryTier, step: int, pi: int
-) -> OSError:
-    """The out-of-space `error` of a memory-tier write, saying what to do about it."""
-    return _fs.out_of_space(
-        error,
-        f"[process {pi}] Step {step} does not fit in the memory tier {memory.run_dir}",
-        "Give TierOptions.memory_root's filesystem more room (a tmpfs: its size= "
-        "mount option) or keep fewer steps there (TierOptions.memory_keep).",
-    )
+    # The shards' bytes, copied into the part's slab before `save()` returned (on CPU,
+    # unless `TierOptions.hold_cpu_arrays`); else the commit copies them.
+    staged: _memory_tier.StagedSlab | None = None
 
 
 @checkpoint_args.register_with_handler(TieredCheckpointHandler, for_save=True)

@@ -21,14 +21,16 @@ restore (`lend`) is only ever unlinked: arrays restored from it keep its pages.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 from absl import logging as log
 
 from jaxckpt import _format, _fs, _liveness, _slab
@@ -116,6 +118,41 @@ class MemoryTier:
         path = self.run_dir / ".staging" / f"step_{step}.part_{owner}.{uuid.uuid4().hex}"
         path.mkdir(parents=True)
         return path
+
+    def stage_slab(
+        self, step: int, owner: int, chunks: Sequence[np.ndarray], checksum: bool = True
+    ) -> StagedSlab:
+        """A new staging directory for part (step, owner) whose slab holds `chunks`
+        (in a retired slab if there is one: `take_free_slab`), with their CRC-32Cs
+        if `checksum` (else `_slab.checksums` computes them later, in place).
+
+        Raises:
+          OSError: if the slab cannot be written (the staging directory is removed);
+            when the tier is full, one that says what to do.
+        """
+        start = time.perf_counter()
+        staging = self.new_staging_dir(step, owner)
+        try:
+            slab = staging / _slab.SLAB_FILE
+            offsets, size = _slab.layout([c.nbytes for c in chunks])
+            self.take_free_slab(slab, size)
+            crcs = _slab.write(slab, chunks, offsets, size, checksum=checksum)
+        except BaseException as e:
+            # The slab's writes are done when `_slab.write` returns or raises.
+            _fs.remove_entry(staging)
+            if _fs.is_out_of_space(e):
+                raise self.full_error(e, step, owner) from e
+            raise
+        return StagedSlab(staging, offsets, crcs if checksum else None, time.perf_counter() - start)
+
+    def full_error(self, error: BaseException, step: int, owner: int) -> OSError:
+        """The out-of-space `error` of a write of part (step, owner), saying what to do."""
+        return _fs.out_of_space(
+            error,
+            f"[process {owner}] Step {step} does not fit in the memory tier {self.run_dir}",
+            "Give TierOptions.memory_root's filesystem more room (a tmpfs: its size= "
+            "mount option) or keep fewer steps there (TierOptions.memory_keep).",
+        )
 
     def take_free_slab(self, dest: Path, nbytes: int = 0) -> bool:
         """Moves a retired step's slab to `dest`, if there is one: the smallest of at
@@ -274,3 +311,13 @@ class MemoryTier:
             self.run_dir / ".staging", which=lambda p: now - p.stat().st_mtime >= older_than_s
         ):
             _slab.forget_unlinked()
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedSlab:
+    """A staging directory whose slab holds a part's chunks at `offsets`."""
+
+    staging: Path
+    offsets: list[int]
+    crcs: list[int] | None  # None: not computed yet (`_slab.checksums`)
+    seconds: float  # the write took
