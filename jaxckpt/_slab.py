@@ -77,7 +77,7 @@ def write(
         os.ftruncate(fd, size)
         if reuse and size:
             allocate(fd, size)
-            mapped = _kept_mapping(fd, size)
+            mapped = kept_mapping(fd, size)
             dest = np.frombuffer(mapped, np.uint8)
 
             def put(block: np.ndarray, offset: int) -> None:
@@ -110,7 +110,7 @@ def write(
         crcs = [crc for f in futures for crc in f.result()]
         return crcs if checksum else []
     finally:
-        os.close(fd)  # a mapping is kept (`_kept_mapping`)
+        os.close(fd)  # a mapping is kept (`kept_mapping`)
 
 
 def checksums(path: Path, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
@@ -120,7 +120,7 @@ def checksums(path: Path, offsets: Sequence[int], sizes: Sequence[int]) -> list[
         total = os.fstat(f.fileno()).st_size
         if not total:
             return [0] * len(sizes)
-        kept = _kept_mapping(f.fileno(), total, keep=False)
+        kept = kept_mapping(f.fileno(), total, keep=False)
         if kept is not None:  # the one `write` filled it through: no mapping to set up
             return _checksums_of(np.frombuffer(kept, np.uint8), offsets, sizes)
         mapped = mmap.mmap(
@@ -154,17 +154,17 @@ class _Kept:
 # Slab files this process fills, kept mapped across saves by inode (the file moves
 # from a part to `.free/` to a staging directory and back by rename): setting up the
 # page tables of a mapping and tearing them down costs as much as a third of the copy.
-# A file that is unlinked is unmapped at the next `_kept_mapping` or `forget_unlinked`.
+# A file that is unlinked is unmapped at the next `kept_mapping` or `forget_unlinked`.
 _KEPT: dict[tuple[int, int], _Kept] = {}
 _KEPT_LOCK = threading.Lock()
 _MAX_KEPT: Final = 8
 
 
 @overload
-def _kept_mapping(fd: int, size: int) -> mmap.mmap: ...
+def kept_mapping(fd: int, size: int) -> mmap.mmap: ...
 @overload
-def _kept_mapping(fd: int, size: int, keep: Literal[False]) -> mmap.mmap | None: ...
-def _kept_mapping(fd: int, size: int, keep: bool = True) -> mmap.mmap | None:
+def kept_mapping(fd: int, size: int, keep: Literal[False]) -> mmap.mmap | None: ...
+def kept_mapping(fd: int, size: int, keep: bool = True) -> mmap.mmap | None:
     """A shared mapping of the `size` bytes of the slab open (read-write if `keep`) at
     `fd`, whose pages all exist: the one kept for its file, else (if `keep`) a new
     one, populated and kept; else None."""

@@ -230,6 +230,32 @@ def test_push_is_received_into_a_free_slab_of_the_memory_tier(
     _assert_same_part(src, dest)  # resized to the pushed slab: no stale tail
 
 
+def test_a_free_slab_received_into_stays_mapped_for_the_next_push(
+    server: PeerServer, root: Path, tmp_path: Path
+) -> None:
+    """The holder maps a free slab once: retired (back to `.free/`) and refilled by the
+    next push, it is received into through the same mapping, with the new bytes."""
+    free = root / RUN / ".free"
+    free.mkdir(parents=True)
+    (free / "slab-1").write_bytes(b"\xee" * (2 << 20))
+    st = (free / "slab-1").stat()
+    key = (st.st_dev, st.st_ino)
+    push_part(
+        server.address,
+        part_dir=_make_part(tmp_path / "src", 5, [os.urandom(1 << 20)]),
+        dest_relpath=_place(5),
+        **_kw(),
+    )
+    mapping = _slab._KEPT[key].mapping
+    os.rename(root / RUN / _place(5) / "slab", free / "slab-2")  # retired, as `recycle` does
+    src = _make_part(tmp_path / "src2", 6, [os.urandom(1 << 20)])
+    push_part(server.address, part_dir=src, dest_relpath=_place(6), **_kw())
+    assert (root / RUN / _place(6) / "slab").stat().st_ino == key[1]
+    assert _slab._KEPT[key].mapping is mapping
+    _assert_same_part(src, root / RUN / _place(6))
+    _slab.forget_all()
+
+
 def test_a_service_told_not_to_reuse_slabs_leaves_them(root: Path, tmp_path: Path) -> None:
     free = root / RUN / ".free"
     free.mkdir(parents=True)
