@@ -17,6 +17,7 @@ from jaxckpt.bench import _state as _bench_state
 FIGURE_IDS = {
     "1a",
     "1b",
+    "1c",
     "2a",
     "2b",
     "2c",
@@ -173,6 +174,21 @@ def _check_new_baselines(report, figures):
     )
     baseline = min(p["own_bytes"] / statistics.median(p["raw"]["prefaulted_copy"]) for p in procs)
     assert math.isclose(figures["4a"]["value"], value / 1e6)
+    # 1c: the no-save step plus a save's raw work: copy and checksum the own bytes, send
+    # and receive a replica over loopback and checksum it (r = 1).
+    config = report["config"]
+    assert config["replicas"] == 1
+    warmup = config["warmup"]
+
+    def floor(p):
+        loops, med = p["loops"], lambda k: statistics.median(p["raw"][k])
+        steps = loops["train"]["step_s"][warmup:] + loops["train_again"]["step_s"][warmup:]
+        work = med("prefaulted_copy") + 2 * med("checksum") + med("socket")
+        return statistics.median(steps) + work
+
+    assert math.isclose(figures["1c"]["value"], max(floor(p) for p in procs))
+    assert figures["1c"]["baseline"] == figures["1a"]["baseline"]
+    assert figures["1c"]["value"] > figures["1c"]["baseline"]
     assert math.isclose(figures["4a"]["baseline"], baseline / 1e6)
     assert figures["4a"]["target"] == ">= 0.8"
     assert figures["5a"]["target"] == "<= 0.33"

@@ -215,6 +215,7 @@ def _raw(
         "d2h": [],
         "tmpfs_write": [],
         "prefaulted_copy": [],
+        "checksum": [],
         "fsync_write": [],
         "socket": [],
     }
@@ -231,6 +232,8 @@ def _raw(
         out["tmpfs_write"].append(_baselines.write_files(host, memory_root, fsync=False))
         sync(f"raw/prefaulted/{i}")
         out["prefaulted_copy"].append(_baselines.prefaulted_copy(host, memory_root))
+        sync(f"raw/checksum/{i}")
+        out["checksum"].append(_baselines.checksum(host))
         sync(f"raw/fsync/{i}")
         out["fsync_write"].append(_baselines.write_files(host, persist_dir, fsync=True))
     shutil.rmtree(persist_dir, ignore_errors=True)

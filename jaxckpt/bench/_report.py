@@ -211,15 +211,26 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
     def restore(name: str) -> float | None:
         return t(lambda p: p["restores"].get(name, {}).get("seconds"))
 
+    def train_of(p: dict[str, Any]) -> float | None:
+        return _median(
+            p["loops"]["train"]["step_s"][warmup:] + p["loops"]["train_again"]["step_s"][warmup:]
+        )
+
+    def save_work(p: dict[str, Any]) -> float | None:
+        """The least CPU time a save every step adds here: copy the own bytes into
+        pre-faulted tmpfs and checksum them; with replicas, also send and receive
+        them over loopback and checksum what was received (old runs: no checksum)."""
+        crc = (raw(p, "checksum") if p["raw"].get("checksum") else None) or 0.0
+        work = _sum(raw(p, "prefaulted_copy"), crc)
+        if replicas:
+            work = _sum(work, raw(p, "socket"), crc * replicas)
+        return work
+
     d2h = t(lambda p: raw(p, "d2h"))
     tmpfs = t(lambda p: raw(p, "tmpfs_write"))
     sock = t(lambda p: raw(p, "socket"))
     # The no-save loop ran first and last; its steps from both runs make the baseline.
-    train = t(
-        lambda p: _median(
-            p["loops"]["train"]["step_s"][warmup:] + p["loops"]["train_again"]["step_s"][warmup:]
-        )
-    )
+    train = t(train_of)
     orbax_restore = restore("orbax")
     state = procs[0]["state_bytes"]
     rss_delta = sum(
@@ -242,6 +253,14 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             "1b",
             "step time, Orbax async save every step",
             t(lambda p: loop(p, "orbax")),
+            "s",
+            train,
+            "step time without saving",
+        ),
+        Figure(
+            "1c",
+            "step time floor: no-save step + a save's raw work",
+            t(lambda p: _sum(train_of(p), save_work(p))),
             "s",
             train,
             "step time without saving",
