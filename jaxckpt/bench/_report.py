@@ -217,7 +217,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         )
 
     def save_work(p: dict[str, Any]) -> float | None:
-        """The least CPU time a save every step adds here: copy the own bytes into
+        """The raw work of a save every step here, done alone: copy the own bytes into
         pre-faulted tmpfs and checksum them; with replicas, also send and receive
         them over loopback and checksum what was received (old runs: no checksum)."""
         crc = (raw(p, "checksum") if p["raw"].get("checksum") else None) or 0.0
@@ -259,7 +259,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         ),
         Figure(
             "1c",
-            "step time floor: no-save step + a save's raw work",
+            "no-save step + a save's raw work, not overlapped",
             t(lambda p: _sum(train_of(p), save_work(p))),
             "s",
             train,
