@@ -138,3 +138,49 @@ def test_wait_for_persistence_waits_for_a_commit_still_running(memory_root, ckpt
         h.wait_for_persistence()
         assert h.last_persist_metrics.get("step") == 1
         assert (ckpt_dir / "1" / "train" / "part_00000").is_dir()
+
+
+class _SlowPeers:
+    """Stands in for the peer service of a one-process test: a push that takes a while."""
+
+    holders: dict[int, list[int]] = {}
+    run_id = None
+
+    def __init__(self, writing: list[int]):
+        self.writing, self.during_push, self.pushed = writing, None, []
+
+    async def push_replicas(self, part: Path, step: int, pi: int) -> int:
+        import asyncio
+
+        await asyncio.sleep(0.5)
+        self.during_push = list(self.writing)
+        self.pushed.append(step)
+        return 0
+
+    def redact(self, text: str) -> str:
+        return text
+
+    def close(self) -> None:
+        pass
+
+
+def test_persistence_starts_once_the_part_is_on_its_peers(memory_root, ckpt_dir, monkeypatch):
+    """A step due for persistence is pushed to its peers first: persisting beside the
+    push would share the cores and the network with it."""
+    writing: list[int] = []
+    write = _persister.Persister._write_arrays
+
+    async def spy(self, manifest, *args, **kwargs):
+        writing.append(manifest.step)
+        return await write(self, manifest, *args, **kwargs)
+
+    monkeypatch.setattr(_persister.Persister, "_write_arrays", spy)
+    peers = _SlowPeers(writing)
+    h = handler(memory_root, persist_every=1, replicas=1)
+    monkeypatch.setattr(h, "_connect", lambda memory: setattr(h, "_peers", peers) or peers)
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        save(mngr, 1, sharded_state(mesh_1d()))
+        h.wait_for_persistence()
+    assert peers.pushed == [1] and peers.during_push == []  # nothing persisted meanwhile
+    assert writing == [1]
+    assert (ckpt_dir / "1" / "train" / "part_00000").is_dir()
