@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +19,9 @@ from orbax.checkpoint import checkpoint_args
 from jaxckpt import (
     _agreement,
     _aio,
+    _commit,
     _faults,
     _format,
-    _fs,
     _memory_tier,
     _multihost,
     _paths,
@@ -56,8 +54,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             train=jaxckpt.TieredRestore(abstract_state))).train
 
     `async_save` copies this process's shards to host and returns; writing the
-    memory tier, the index manifest and (every `persist_every` steps, on a
-    background queue) the persistent copy happen after it returns.
+    memory tier, the push to peers and the index manifest happen in its commit
+    future (`_commit`), the persistent copy (every `persist_every` steps) on a
+    background queue.
     """
 
     def __init__(
@@ -151,7 +150,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         if refused is not None or memory is None:
             refused = refused or RuntimeError("no memory tier")
             log.error("jaxckpt: [process %d] save into %s refused: %s", pi, directory, refused)
-            commit = self._refuse(tag, step, refused)
+            commit = _commit.refused(tag, step, refused, self._services())
         else:
             assert step is not None  # set when nothing was refused
             _faults.maybe_crash("snapshot", step, pi)
@@ -160,10 +159,10 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             metrics["host_staging"] = "slab" if staged else snapshot.staging
             if staged is not None:
                 metrics["slab_copy_s"] = staged.seconds
-            save = _Save(
+            save = _commit.Save(
                 _storage.as_path(directory), step, snapshot, memory, pi, metrics, started, staged
             )
-            commit = self._commit_agreed(tag, save)
+            commit = _commit.commit(tag, save, self._services())
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
                 self._counted(commit),
@@ -171,6 +170,21 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 timeout_secs=int(self._options.timeout_s),
             )
         ]
+
+    def _services(self) -> _commit.Services:
+        """What the commit of a save started now uses of this handler."""
+
+        def committed(memory: _memory_tier.MemoryTier, directory: Path, step: int) -> None:
+            self._retainer.submit(self._retain, memory, directory, step)
+
+        return _commit.Services(
+            self._options,
+            self._peers,
+            self._persister,
+            self._publish,
+            self._publish_failure,
+            committed,
+        )
 
     def _counted(self, commit: Awaitable[None]) -> Awaitable[None]:
         """`commit`, counted as in flight from now until it ends (`wait_for_persistence`
@@ -196,161 +210,6 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f.result()
 
         _aio.run_sync(run())  # also from a thread that runs an event loop (Jupyter)
-
-    async def _refuse(self, tag: str, step: int | None, error: BaseException) -> None:
-        """The commit of a save this process refused: every process raises with it."""
-        self._publish_failure("save", step, error)
-        if not _agreement.is_agreed(error):
-            await asyncio.to_thread(
-                _agreement.agree_on_save,
-                None,
-                error,
-                tag=tag,
-                step=step,
-                timeout_s=self._options.timeout_s,
-            )
-        raise error
-
-    async def _commit_agreed(self, tag: str, save: _Save) -> None:
-        """`_commit`, agreed on: every process fails it if one fails before its index
-        manifest or saved another tree (see `_agreement`)."""
-        agreed = False
-
-        async def agree(error: BaseException | None) -> None:
-            nonlocal agreed
-            agreed = True
-            start = time.perf_counter()
-            await asyncio.to_thread(
-                _agreement.agree_on_save,
-                save.snapshot.leaves,
-                error,
-                tag=tag,
-                step=save.step,
-                timeout_s=self._options.timeout_s,
-            )
-            save.metrics["agree_s"] = time.perf_counter() - start
-
-        try:
-            await self._commit(save, agree)
-        except Exception as error:
-            self._publish_failure("save", save.step, error)
-            if not agreed:
-                await agree(error)
-            raise
-
-    async def _commit(
-        self, save: _Save, agree: Callable[[BaseException | None], Awaitable[None]]
-    ) -> None:
-        directory, step, snapshot, memory = save.directory, save.step, save.snapshot, save.memory
-        pi, metrics, started = save.process, save.metrics, save.started
-        start = time.perf_counter()
-        staged = save.staged
-        if staged is None:
-            chunks_data = [s.release() for s in snapshot.shards]
-            staged = await asyncio.to_thread(memory.stage_slab, step, pi, chunks_data)
-        staging = staged.staging
-        try:
-            crcs = staged.crcs
-            if crcs is None:  # copied by `save()`: checksummed here, in place
-                sizes = [s.nbytes for s in snapshot.shards]
-                slab = staging / _slab.SLAB_FILE
-                crcs = await asyncio.to_thread(_slab.checksums, slab, staged.offsets, sizes)
-            chunks: dict[int, list[_format.ChunkRecord]] = {}
-            for s, crc, offset in zip(snapshot.shards, crcs, staged.offsets, strict=True):
-                chunks.setdefault(s.leaf, []).append(
-                    _format.ChunkRecord(s.index, s.nbytes, crc32c=crc, offset=offset)
-                )
-            memory_s = time.perf_counter() - start + (save.staged.seconds if save.staged else 0.0)
-            metrics["memory_write_s"] = memory_s
-            metrics["memory_write_bytes_per_s"] = snapshot.nbytes / max(memory_s, 1e-9)
-            manifest = _format.PartManifest(
-                step=step,
-                run_id=memory.run_id,
-                save_id=uuid.uuid4().hex,
-                owner=pi,
-                process_count=_multihost.process_count(),
-                failure_domain=self._options.resolved_failure_domain,
-                leaves=snapshot.leaves,
-                chunks={leaf: tuple(cs) for leaf, cs in chunks.items()},
-                iterator_states=snapshot.iterator_states,
-                scalars=snapshot.scalars,
-                shardings=snapshot.shardings,
-                created=time.time(),
-                metrics=dict(metrics),
-            )
-            (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
-            _faults.maybe_crash("memory_write", step, pi)
-            part = memory.commit(staging, step, pi)
-            _faults.maybe_crash("memory_commit", step, pi)
-        except BaseException as e:
-            _fs.remove_entry(staging)
-            if _fs.is_out_of_space(e):
-                raise memory.full_error(e, step, pi) from e
-            raise
-        metrics["safe_in_memory_s"] = time.perf_counter() - started
-        # Set once the commit has ended: a persist job (queued after the push) makes
-        # nothing durable before it is True and the manager has finalized the step.
-        committed: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        try:
-            await self._replicate_agree_index(save, manifest, part, agree, committed)
-        except BaseException:
-            committed.set_result(False)
-            raise
-        committed.set_result(True)
-        # IMPORTANT: older steps leave memory only once this one is finalized, so that
-        # a crash at any moment leaves a finalized step in memory.
-        self._retainer.submit(self._retain, memory, directory, step)
-
-    async def _replicate_agree_index(
-        self,
-        save: _Save,
-        manifest: _format.PartManifest,
-        part: Path,
-        agree: Callable[[BaseException | None], Awaitable[None]],
-        committed: concurrent.futures.Future[bool],
-    ) -> None:
-        """The rest of a commit once the part is in memory: push it to its holders,
-        queue its persistence if the step is due, agree with the other processes,
-        write the index manifest."""
-        directory, step, pi, metrics, started = (
-            save.directory,
-            save.step,
-            save.process,
-            save.metrics,
-            save.started,
-        )
-        if self._peers is not None and self._options.replicas:
-            push_start = time.perf_counter()
-            sent = await self._peers.push_replicas(part, step, pi)
-            metrics["replicate_s"] = push_s = time.perf_counter() - push_start
-            metrics["replicate_bytes"] = sent
-            metrics["replicate_bytes_per_s"] = sent / max(push_s, 1e-9)
-            metrics["safe_on_peers_s"] = time.perf_counter() - started
-            _faults.maybe_crash("replicated", step, pi)
-        # Persistence starts once the part is on its peers, beside the agreement and the
-        # index: the fast tiers first (a node is lost more often than a rack), and a
-        # persist beside the push would share the cores and the network with it
-        # (measured on 2 cores: the push 5x slower, and the persist no faster).
-        if step % self._options.persist_every == 0:
-            self._persister.submit(
-                _persister.PersistJob(
-                    manifest,
-                    part,
-                    directory,
-                    _paths.final_item_dir(directory),
-                    pin=save.memory.pin(step),
-                    committed=committed,
-                )
-            )
-        # IMPORTANT: every process agrees that all committed the same tree before any writes
-        # its index manifest: a step is indexed by every process or by none.
-        await agree(None)
-        # IMPORTANT: the index manifest is written only after the memory part is committed
-        # (and replicated), so an index never points at copies that do not exist yet.
-        manifest = dataclasses.replace(manifest, metrics=dict(metrics))
-        _storage.write_file(directory / _format.index_file(pi), manifest.to_json())
-        _faults.maybe_crash("index", step, pi)
-        self._publish(metrics)
 
     # ---- restore --------------------------------------------------------------
 
@@ -829,22 +688,6 @@ def _step_of(directory: epath.Path | Path, explicit: int | None) -> int:
             "TieredSave(state, step=...) to a bare Checkpointer."
         )
     return step
-
-
-@dataclasses.dataclass(frozen=True)
-class _Save:
-    """One save of this process, from its snapshot to its index manifest."""
-
-    directory: Path
-    step: int
-    snapshot: _snapshot.Snapshot
-    memory: _memory_tier.MemoryTier
-    process: int
-    metrics: dict[str, Any]
-    started: float
-    # The shards' bytes, copied into the part's slab before `save()` returned (on CPU,
-    # unless `TierOptions.hold_cpu_arrays`); else the commit copies them.
-    staged: _memory_tier.StagedSlab | None = None
 
 
 @checkpoint_args.register_with_handler(TieredCheckpointHandler, for_save=True)
