@@ -25,7 +25,7 @@ def test_the_gpu_check_runs_on_cpu_and_reports_every_figure(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     figures = {f["id"]: f for f in report["figures"]}
-    assert sorted(figures) == ["g1", "g2", "g3", "g4", "g5"]
+    assert sorted(figures) == ["g1", "g2", "g3", "g4", "g5", "g6"]
     for f in figures.values():
         assert f["value"] > 0 and f["baseline"] > 0 and f["ratio"] > 0, f
     raw = report["raw"]

@@ -12,6 +12,10 @@ orbax-checkpoint, tensorstore, optax and `crc32c`. It trains the benchmark's MLP
 - g2 the same for Orbax's async `StandardSave` (for reference);
 - g3 restoring the latest step from jaxckpt's memory tier, against Orbax
   restoring it from its directory (both checked bitwise against the state);
+- g6 the host->device copy that ends a restore, through `pinned_host` memory
+  against straight from pageable host buffers as the restore does now (the JSON
+  also has the first, cold-pool time): whether staging restores through pinned
+  memory would pay;
 - g4 the training loop saving with jaxckpt every `--save-every` steps, against
   the same loop without saves; g5 the same with Orbax.
 
@@ -114,6 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             _TARGETS["g3"],
         ),
         _report.Figure(
+            "g6",
+            "host->device through pinned_host (warm)",
+            raw["h2d_via_pinned_s"],
+            "s",
+            raw["h2d_direct_s"],
+            "host->device from pageable buffers",
+        ),
+        _report.Figure(
             "g4",
             f"step time, jaxckpt save every {args.save_every}",
             raw["jaxckpt_loop_step_s"],
@@ -175,6 +187,7 @@ def _measure(
     ]
     raw["pinned_floor_first_s"] = floor[0]
     raw["pinned_floor_s"] = _median(floor[1:])
+    raw.update(_host_to_device(shards, pinned))
 
     # Isolated saves: how long mngr.save() blocks (the commit runs on after it).
     ours = _managers.Jaxckpt(work / "jaxckpt", memory_root, cfg, persist_every=10**9)
@@ -234,6 +247,28 @@ def _measure(
     ours.close()
     theirs.close()
     return raw
+
+
+def _host_to_device(shards: Sequence[jax.Array], pinned: Sequence[Any]) -> dict[str, Any]:
+    """The restore's last step, two ways: host buffers (pageable, as a restore maps them
+    from the memory tier) put on their devices directly, and through `pinned_host`
+    memory first (a host copy into the pinned pool, then DMA); the first of these also
+    finds the pool cold, as a restore after a restart does."""
+    host = [np.array(s, copy=True) for s in shards]  # own buffers, not views of the devices
+    devices = [jax.sharding.SingleDeviceSharding(next(iter(s.devices()))) for s in shards]
+
+    def via_pinned() -> Any:
+        return jax.device_put(jax.device_put(host, pinned), devices)
+
+    direct = [
+        _timed(lambda: jax.block_until_ready(jax.device_put(host, devices))) for _ in range(3)
+    ]
+    staged = [_timed(lambda: jax.block_until_ready(via_pinned())) for _ in range(3)]
+    return {
+        "h2d_direct_s": _median(direct),
+        "h2d_via_pinned_first_s": staged[0],
+        "h2d_via_pinned_s": _median(staged[1:]),
+    }
 
 
 def _equal(a: Any, b: Any) -> bool:
