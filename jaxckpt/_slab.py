@@ -72,15 +72,15 @@ def write(
     """
     reuse = path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    mapped: mmap.mmap | None = None
+    dest: np.ndarray | None = None
     try:
         os.ftruncate(fd, size)
         if reuse and size:
             allocate(fd, size)
-            mapped = kept_mapping(fd, size)
-            dest = np.frombuffer(mapped, np.uint8)
+            dest = kept_view(fd, size)
 
             def put(block: np.ndarray, offset: int) -> None:
+                assert dest is not None
                 dest[offset : offset + block.nbytes] = block
         else:
 
@@ -105,12 +105,11 @@ def write(
         # IMPORTANT: every copy is done (or failed) before the file is closed or unmapped:
         # a copy still running would write through a closed (maybe reused) descriptor.
         concurrent.futures.wait(futures)
-        if mapped is not None:
-            del dest
+        dest = None
         crcs = [crc for f in futures for crc in f.result()]
         return crcs if checksum else []
     finally:
-        os.close(fd)  # a mapping is kept (`kept_mapping`)
+        os.close(fd)  # a mapping is kept (`kept_view`)
 
 
 def checksums(path: Path, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
@@ -120,9 +119,9 @@ def checksums(path: Path, offsets: Sequence[int], sizes: Sequence[int]) -> list[
         total = os.fstat(f.fileno()).st_size
         if not total:
             return [0] * len(sizes)
-        kept = kept_mapping(f.fileno(), total, keep=False)
+        kept = kept_view(f.fileno(), total, keep=False)
         if kept is not None:  # the one `write` filled it through: no mapping to set up
-            return _checksums_of(np.frombuffer(kept, np.uint8), offsets, sizes)
+            return _checksums_of(kept, offsets, sizes)
         mapped = mmap.mmap(
             f.fileno(), total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
         )
@@ -154,20 +153,24 @@ class _Kept:
 # Slab files this process fills, kept mapped across saves by inode (the file moves
 # from a part to `.free/` to a staging directory and back by rename): setting up the
 # page tables of a mapping and tearing them down costs as much as a third of the copy.
-# A file that is unlinked is unmapped at the next `kept_mapping` or `forget_unlinked`.
+# A file that is unlinked is unmapped at the next `kept_view` or `forget_unlinked`.
 _KEPT: dict[tuple[int, int], _Kept] = {}
 _KEPT_LOCK = threading.Lock()
 _MAX_KEPT: Final = 8
 
 
 @overload
-def kept_mapping(fd: int, size: int) -> mmap.mmap: ...
+def kept_view(fd: int, size: int) -> np.ndarray: ...
 @overload
-def kept_mapping(fd: int, size: int, keep: Literal[False]) -> mmap.mmap | None: ...
-def kept_mapping(fd: int, size: int, keep: bool = True) -> mmap.mmap | None:
-    """A shared mapping of the `size` bytes of the slab open (read-write if `keep`) at
-    `fd`, whose pages all exist: the one kept for its file, else (if `keep`) a new
-    one, populated and kept; else None."""
+def kept_view(fd: int, size: int, keep: Literal[False]) -> np.ndarray | None: ...
+def kept_view(fd: int, size: int, keep: bool = True) -> np.ndarray | None:
+    """A uint8 view of a shared mapping of the `size` bytes of the slab open (read-write
+    if `keep`) at `fd`, whose pages all exist: of the mapping kept for its file, else
+    (if `keep`) of a new one, populated and kept; else None.
+
+    The view is made under the lock: a mapping forgotten meanwhile (`forget_all`, or
+    more than `_MAX_KEPT` kept) stays mapped as long as a view of it lives.
+    """
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino)
     with _KEPT_LOCK:
@@ -182,9 +185,10 @@ def kept_mapping(fd: int, size: int, keep: bool = True) -> mmap.mmap | None:
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             kept = _Kept(os.dup(fd), mapping, size)
         _KEPT[key] = kept  # the newest last
+        view = np.frombuffer(kept.mapping, np.uint8)
         while len(_KEPT) > _MAX_KEPT:
             _close(_KEPT.pop(next(iter(_KEPT))))
-        return kept.mapping
+        return view
 
 
 def forget_unlinked() -> None:

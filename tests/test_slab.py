@@ -142,3 +142,16 @@ def test_at_most_a_few_slabs_stay_mapped(tmp_path):
     assert len(_slab._KEPT) == _slab._MAX_KEPT
     _slab.forget_all()
     assert not _slab._KEPT
+
+
+def test_a_view_outlives_its_forgotten_mapping(tmp_path):
+    """A mapping forgotten while a copy uses it (another handler closed, or more than
+    `_MAX_KEPT` kept) stays mapped until the copy's view is gone."""
+    path = tmp_path / "slab"
+    path.write_bytes(b"\x00" * 4096)
+    with open(path, "r+b") as f:
+        view = _slab.kept_view(f.fileno(), 4096)
+    _slab.forget_all()
+    assert not _slab._KEPT
+    view[:4] = [1, 2, 3, 4]  # still mapped, shared with the file
+    assert path.read_bytes()[:4] == b"\x01\x02\x03\x04"

@@ -31,7 +31,7 @@ from jaxckpt._checksum import matches
 from jaxckpt._format import MANIFEST_FILE, ChunkRecord, PartManifest, part_dir_name
 from jaxckpt._fs import remove_entry
 from jaxckpt._memory_tier import MemoryTier
-from jaxckpt._slab import SLAB_FILE, allocate, kept_mapping
+from jaxckpt._slab import SLAB_FILE, allocate, kept_view
 from jaxckpt.peer._wire import (
     TEMP_PREFIX,
     TOKEN_HEADER,
@@ -449,7 +449,7 @@ class _IncomingSlab:
     The file is a free slab of the memory tier when there is one: its pages are
     allocated already, so the socket's bytes are received straight into a
     mapping of it, at memory speed (the mapping is kept across pushes and
-    saves: `_slab.kept_mapping`). A new file is written with ``pwrite`` from a
+    saves: `_slab.kept_view`). A new file is written with ``pwrite`` from a
     small buffer instead (on tmpfs, a first write through a mapping costs a page
     fault and a zeroing per page, twice the time). Either way `view` maps the
     file for the checks. Close it (or use it as a context manager) after the
@@ -468,8 +468,8 @@ class _IncomingSlab:
                 # IMPORTANT: every page exists before the body is read (ENOSPC here,
                 # never a SIGBUS on a mapped page later).
                 allocate(self._fd, size)
-                if reused:  # mapped once across pushes (`kept_mapping`): never closed here
-                    self.view = memoryview(kept_mapping(self._fd, size))
+                if reused:  # mapped once across pushes (`kept_view`): never closed here
+                    self.view = kept_view(self._fd, size).data
                 else:
                     # Read only and not populated: touching a page before it is
                     # written would zero it for nothing.
