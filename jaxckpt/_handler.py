@@ -242,6 +242,10 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def _restore_locally(self, directory: epath.Path, args: TieredRestore | None) -> Any:
         """`restore` on this process; a failing process still takes part in the exchanges."""
         start = time.perf_counter()
+        # Slabs removed since the last save (a lost memory tier, another process's
+        # retention) are still mapped here, their pages held: let them go before the
+        # restore allocates the target's buffers.
+        _slab.forget_unlinked()
         args = args if args is not None else TieredRestore()
         item_dir = _storage.as_path(directory)
         step = _step_of(directory, None)

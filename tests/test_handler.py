@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 
@@ -27,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _persister
+from jaxckpt import _persister, _slab
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -186,7 +187,13 @@ def test_restore_from_persistent_after_memory_is_lost(memory_root, ckpt_dir):
         mngr.wait_until_finished()
         h.wait_for_persistence()
         shutil.rmtree(memory_root)
+
+        def unlinked() -> int:  # slabs still mapped (kept across saves) whose files are gone
+            return sum(os.fstat(k.fd).st_nlink == 0 for k in _slab._KEPT.values())
+
+        assert unlinked()
         restored = restore(mngr, 4, abstract(state))
+        assert not unlinked()  # let go before the restore allocated its buffers
         assert h.last_restore_metrics["tier"] == "persistent"
         assert_tree_equal(restored, state)
         with pytest.raises(
