@@ -151,8 +151,8 @@ class _Kept:
 
 
 # Slab files this process fills, kept mapped across saves by inode (the file moves
-# from a part to `.free/` to a staging directory and back by rename): setting up the
-# page tables of a mapping and tearing them down costs as much as a third of the copy.
+# from a part to `.free/` to a staging directory and back by rename): mapping 0.5 GiB
+# with MAP_POPULATE and unmapping it took 23-32 ms here, against 47-62 ms to copy it.
 # A file that is unlinked is unmapped at the next `kept_view` or `forget_unlinked`.
 _KEPT: dict[tuple[int, int], _Kept] = {}
 _KEPT_LOCK = threading.Lock()

@@ -144,7 +144,6 @@ class _SlowPeers:
     """Stands in for the peer service of a one-process test: a push that takes a while."""
 
     holders: dict[int, list[int]] = {}
-    run_id = None
 
     def __init__(self, writing: list[int]):
         self.writing, self.during_push, self.pushed = writing, None, []

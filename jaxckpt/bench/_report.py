@@ -220,7 +220,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         """The raw work of a save every step here, done alone: copy the own bytes into
         pre-faulted tmpfs and checksum them; with replicas, also send and receive
         them over loopback and checksum what was received (old runs: no checksum)."""
-        crc = (raw(p, "checksum") if p["raw"].get("checksum") else None) or 0.0
+        crc = _median(p["raw"].get("checksum", [])) or 0.0
         work = _sum(raw(p, "prefaulted_copy"), crc)
         if replicas:
             work = _sum(work, raw(p, "socket"), crc * replicas)
