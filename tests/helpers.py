@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -14,6 +13,7 @@ import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import patience
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -130,10 +130,8 @@ def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float =
         "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
         **(env or {}),
     }
-    proc = subprocess.run(
+    proc = patience.run(
         [sys.executable, "-c", prelude + textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
         timeout=timeout,
         env=full_env,
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import patience
 import portpicker
 
 from jaxckpt.launch._supervise import port_in_use
@@ -83,17 +84,8 @@ def _run_once(worker, scenario, roots, domains, args, timeout, env) -> list[Proc
                 start_new_session=True,
             )
         )
-    deadline = time.monotonic() + timeout
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            out += "\n[multiproc] TIMEOUT: killed"
-        outputs.append(out)
+    collected, timed_out = patience.communicate(procs, timeout)
+    outputs = [out + ("\n[multiproc] TIMEOUT: killed" if timed_out else "") for out, _ in collected]
     results = []
     for p, out in zip(procs, outputs, strict=True):
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]

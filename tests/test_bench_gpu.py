@@ -4,22 +4,20 @@ where its figures mean nothing: this keeps the code working between GPU runs).""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
+import patience
 from helpers import REPO
 
 
 def test_the_gpu_check_runs_on_cpu_and_reports_every_figure(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run(
+    proc = patience.run(
         [
             *(sys.executable, "-m", "jaxckpt.bench", "--gpu", "--platform", "cpu"),
             *("--state-gib", "0.01", "--loop-steps", "20", "--saves", "3", "--json", str(out)),
         ],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

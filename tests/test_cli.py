@@ -8,11 +8,11 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import types
 from pathlib import Path
 
+import patience
 import pytest
 from helpers import REPO, flip_slab_byte, fresh_iterator, manager, mesh_1d, save, sharded_state
 
@@ -311,10 +311,8 @@ def test_bench_is_delegated_with_its_arguments(capsys, monkeypatch):
 
 
 def test_console_script_runs_in_a_fresh_interpreter(saved):
-    proc = subprocess.run(
+    proc = patience.run(
         [sys.executable, "-m", "jaxckpt.cli", "ls", str(saved[0]), "--json"],
-        capture_output=True,
-        text=True,
         timeout=120,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)},
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import grain
 import jax
 import numpy as np
+import patience
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -34,10 +34,8 @@ EXAMPLES = ("lm", "classifier")
 def run_example(name: str, *flags: str, timeout: float = 120) -> list[dict[str, Any]]:
     """Runs ``examples/<name>.py --quick`` in one process (2 CPU devices); returns its events."""
     env = {**os.environ, "JAXCKPT_CPU_DEVICES": "2"}
-    proc = subprocess.run(
+    proc = patience.run(
         [sys.executable, str(REPO / "examples" / f"{name}.py"), "--quick", *flags],
-        capture_output=True,
-        text=True,
         timeout=timeout,
         env=env,
     )
@@ -238,10 +236,8 @@ def test_classifier_killed_process_recovers_bitwise(tmp_path: Path, capsys) -> N
 @pytest.mark.slow
 def test_demo_quick(tmp_path: Path) -> None:
     """The demo (LM): node loss -> bitwise identical losses; shrink -> data order preserved."""
-    proc = subprocess.run(
+    proc = patience.run(
         [sys.executable, str(REPO / "examples" / "demo.py"), "--quick", "--workdir", str(tmp_path)],
-        capture_output=True,
-        text=True,
         timeout=280,
     )
     out = proc.stdout

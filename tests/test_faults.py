@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orbax.checkpoint as ocp
+import patience
 import pytest
 from helpers import REPO, abstract, manager, mesh_1d, restore, save, sharded_state
 from test_bad_peers import Outcome, bounded, tally
@@ -119,11 +120,9 @@ def run_crashing(phase: str, memory_root: str, ckpt: str) -> subprocess.Complete
         "JAXCKPT_FAULT": "" if orbax_fault else f"{phase}@{CRASH_STEP}",
     }
     prelude = "import jax\njax.config.update('jax_num_cpu_devices', 8)\n"
-    return subprocess.run(
+    return patience.run(
         [sys.executable, "-c", prelude + textwrap.dedent(SAVE_AND_CRASH)],
         env=env,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 import uuid
 from pathlib import Path
 
+import patience
 import pytest
 from helpers import REPO
 
@@ -96,11 +96,9 @@ def run_soak(memory_root: str, ckpt: str) -> list[dict]:
         "EVERY": str(EVERY),
     }
     prelude = "import jax\njax.config.update('jax_num_cpu_devices', 8)\n"
-    proc = subprocess.run(
+    proc = patience.run(
         [sys.executable, "-c", prelude + textwrap.dedent(SOAK)],
         env=env,
-        capture_output=True,
-        text=True,
         timeout=60 + SAVES,
     )
     assert proc.returncode == 0 and "SOAK DONE" in proc.stdout, (

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
+import patience
 from helpers import REPO
 
 GUIDE = REPO / "docs" / "switching.md"
@@ -18,12 +18,10 @@ def test_the_switching_guide_runs(tmp_path):
     code = "\n".join(blocks).replace('"/dev/shm/jaxckpt"', repr(str(tmp_path / "memory")))
     script = tmp_path / "guide.py"
     script.write_text(code)
-    proc = subprocess.run(
+    proc = patience.run(
         [sys.executable, str(script)],
         cwd=tmp_path,
         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
