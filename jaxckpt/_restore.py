@@ -361,9 +361,9 @@ class GlobalView:
         steps = self.restorable_steps(exclude)
         if steps:
             return (
-                f"The newest restorable step is {steps[0]}: restore that step instead, and "
-                "delete the newer ones (mngr.delete(step)) before training saves them again, "
-                "since the CheckpointManager skips saving a step that exists."
+                f"The newest restorable step is {steps[0]}: resume with "
+                "jaxckpt.latest_restorable_step(mngr), which returns it and deletes the newer "
+                "steps (the CheckpointManager skips saving a step that exists), then restore it."
             )
         return "No other step is restorable from any tier."
 

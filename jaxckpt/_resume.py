@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from jaxckpt import _multihost, _storage
 from jaxckpt._handler import TieredCheckpointHandler
+
+log = logging.getLogger(__name__)
 
 
 def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | None:
@@ -59,6 +62,17 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
     if delete_newer:
         for step in steps:
             if newest is None or step > newest:
+                log.warning(
+                    "jaxckpt: [process %d] deleting step %d of %s: no tier holds a complete "
+                    "verified copy of it (own memory, peers' memory, persistent storage), and "
+                    "the next saves must be able to write that step number again; %s",
+                    _multihost.process_index(),
+                    step,
+                    mngr.directory,
+                    "nothing is restorable"
+                    if newest is None
+                    else f"the newest restorable step is {newest}",
+                )
                 mngr.delete(step)
     return newest
 

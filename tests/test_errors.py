@@ -94,7 +94,8 @@ def test_unknown_step_names_newest_restorable(saved, ckpt_dir):
     (ckpt_dir / "9" / "train").mkdir(parents=True)
     with pytest.raises(
         FileNotFoundError,
-        match=r"Step 9 cannot be restored: .* holds no jaxckpt index manifest. The newest restorable step is 3",
+        match=r"Step 9 cannot be restored: .* holds no jaxckpt index manifest. The newest "
+        r"restorable step is 3: resume with jaxckpt\.latest_restorable_step\(mngr\)",
     ):
         mngr.restore(
             9,

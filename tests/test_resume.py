@@ -43,7 +43,7 @@ def test_memory_intact_returns_the_newest_step_and_deletes_nothing(memory_root, 
 
 @pytest.mark.parametrize("registry", [True, False], ids=["handler_registry", "item_handlers"])
 def test_memory_loss_returns_the_newest_persisted_step_and_frees_newer(
-    memory_root, ckpt_dir, registry
+    memory_root, ckpt_dir, registry, caplog
 ):
     mngr, _ = _saved(memory_root, ckpt_dir, [1, 2, 3, 4, 5], registry=registry)
     mngr.close()
@@ -54,8 +54,12 @@ def test_memory_loss_returns_the_newest_persisted_step_and_frees_newer(
     assert mngr.latest_step() == 5  # what Orbax alone would try, and fail to restore
     assert jaxckpt.latest_restorable_step(mngr, delete_newer=False) == 4
     assert mngr.all_steps() == [1, 2, 3, 4, 5]
-    assert jaxckpt.latest_restorable_step(mngr) == 4
+    with caplog.at_level("WARNING", logger="jaxckpt"):
+        assert jaxckpt.latest_restorable_step(mngr) == 4
     assert mngr.all_steps() == [1, 2, 3, 4]
+    deleted = [r.getMessage() for r in caplog.records if "deleting step" in r.getMessage()]
+    assert len(deleted) == 1 and "deleting step 5" in deleted[0]
+    assert "no tier holds" in deleted[0] and "newest restorable step is 4" in deleted[0]
     assert_tree_equal(restore(mngr, 4, abstract(_state(4))), _state(4))
 
     # The resumed job saves step 5 again, and it is really saved.
