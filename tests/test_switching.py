@@ -18,7 +18,7 @@ GUIDE = REPO / "docs" / "switching.md"
 def test_the_switching_guide_runs(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
     assert len(blocks) >= 5, "the guide lost its code"
-    assert "jax_num_cpu_devices\", 2" in blocks[0], "the guide no longer runs on a 2-device mesh"
+    assert 'jax_num_cpu_devices", 2' in blocks[0], "the guide no longer runs on a 2-device mesh"
     # The guide's memory root is /dev/shm/jaxckpt; this run keeps its own.
     code = "\n".join(blocks).replace('"/dev/shm/jaxckpt"', repr(str(tmp_path / "memory")))
     script = tmp_path / "guide.py"
@@ -26,7 +26,8 @@ def test_the_switching_guide_runs(tmp_path):
     proc = patience.run(
         [sys.executable, str(script)],
         cwd=tmp_path,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        # PYTHONPATH: this checkout's jaxckpt, whichever one the environment has installed.
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
