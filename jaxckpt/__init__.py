@@ -1,5 +1,6 @@
 """jaxckpt: checkpoint every step to host memory and peers; persist lazily with tensorstore."""
 
+from jaxckpt._existing import restore_existing as restore_existing
 from jaxckpt._format import JAXCKPT_VERSION as __version__
 from jaxckpt._handler import TieredCheckpointHandler as TieredCheckpointHandler
 from jaxckpt._handler import TieredRestore as TieredRestore
@@ -18,4 +19,5 @@ __all__ = [
     "__version__",
     "latest_restorable_step",
     "manager_options",
+    "restore_existing",
 ]

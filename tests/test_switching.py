@@ -26,7 +26,8 @@ def test_the_switching_guide_runs(tmp_path):
     proc = patience.run(
         [sys.executable, str(script)],
         cwd=tmp_path,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        # PYTHONPATH: this checkout's jaxckpt, whichever one the environment has installed.
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
