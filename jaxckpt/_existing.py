@@ -23,12 +23,20 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from flax.training import checkpoints as flax_checkpoints
 
 from jaxckpt import _format, _storage
 
 # flax.training.checkpoints' default name prefix (`checkpoint_<N>`).
 _FLAX_PREFIX = "checkpoint_"
+
+
+def _flax_checkpoints() -> Any:
+    """`flax.training.checkpoints`, or None: flax is an extra, not a dependency of jaxckpt."""
+    try:
+        from flax.training import checkpoints
+    except ImportError:
+        return None
+    return checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +153,11 @@ def _steps(root: epath.Path) -> dict[int, epath.Path]:
         ocp.path.step.step_from_checkpoint_name(p.name): p
         for p in ocp.path.step.checkpoint_steps_paths(root)
     }
-    # flax's legacy msgpack checkpoints are files, which Orbax's helper does not list.
+    # flax's legacy msgpack checkpoints are files, which Orbax's helper does not list (and
+    # which only flax reads: without flax installed there are none to find).
+    flax_checkpoints = _flax_checkpoints()
+    if flax_checkpoints is None:
+        return steps
     for number in flax_checkpoints.available_steps(os.fspath(root), _FLAX_PREFIX):
         path = root / f"{_FLAX_PREFIX}{number}"
         if path.is_file():
@@ -283,7 +295,7 @@ def _names(flat: dict[tuple[str, ...], Any]) -> str:
 def _restore_msgpack(found: _Found, target: Any) -> Any:
     """A legacy flax msgpack checkpoint, read by flax, placed as `target` asks."""
     try:
-        restored = flax_checkpoints.restore_checkpoint(os.fspath(found.path), target=target)
+        restored = _flax_checkpoints().restore_checkpoint(os.fspath(found.path), target=target)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"Step {found.step} at {found.path} (a flax msgpack checkpoint) does not match "
