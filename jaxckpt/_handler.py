@@ -264,8 +264,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             self._persister.close()
         finally:
             self._closing.clear()
-            self._runs.close()
-            _slab.forget_all()  # the slabs stay in the tier, unmapped
+            self._runs.close()  # the last handler's close unmaps the kept slabs too
         self._raise_background_errors()
 
     def wait_for_persistence(self, timeout_s: float | None = None) -> None:

@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import jax
 import numpy as np
@@ -29,6 +29,7 @@ from jaxckpt import (
     _memory_tier,
     _plan,
     _readers,
+    _resources,
     _sharding,
     _storage,
 )
@@ -38,9 +39,7 @@ ReaderFor = Callable[[_plan.Source, int], _readers.ChunkReader]  # (source, owne
 # Chunks of one leaf are read in parallel from this many bytes on (below, the
 # hand-off to a thread costs more than it saves).
 _PARALLEL_BYTES = 4 << 20
-_POOL = concurrent.futures.ThreadPoolExecutor(
-    min(8, os.cpu_count() or 1), thread_name_prefix="jaxckpt-restore"
-)
+_POOL: Final = _resources.SHARED.pool(min(8, os.cpu_count() or 1), "jaxckpt-restore")
 
 
 class ChunkUnavailableError(OSError):
@@ -243,7 +242,7 @@ class Restorer:
         nbytes = itemsize * sum(math.prod(s.stop - s.start for s in r) for r in unique.values())
         reading: concurrent.futures.Future[list[np.ndarray]]
         if nbytes >= _BACKGROUND_LEAF_BYTES:
-            reading = _LEAF_POOL.submit(read)  # while the next leaves are asked for
+            reading = LEAF_POOL.submit(read)  # while the next leaves are asked for
         else:
             reading = concurrent.futures.Future()
             reading.set_result(read())
@@ -306,10 +305,8 @@ class Deferred:
 
 
 _PLACE_BATCH_BYTES = 1 << 30
-# Leaves of this many bytes on are read on `_LEAF_POOL`, several at once (a peer's
+# Leaves of this many bytes on are read on `LEAF_POOL`, several at once (a peer's
 # byte ranges overlap their round trips and checks); smaller ones inline, where a
 # hand-off would cost more than the read.
 _BACKGROUND_LEAF_BYTES = 1 << 20
-_LEAF_POOL = concurrent.futures.ThreadPoolExecutor(
-    min(4, os.cpu_count() or 1), thread_name_prefix="jaxckpt-restore-leaf"
-)
+LEAF_POOL: Final = _resources.SHARED.pool(min(4, os.cpu_count() or 1), "jaxckpt-restore-leaf")

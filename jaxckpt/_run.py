@@ -31,6 +31,7 @@ from jaxckpt import (
     _paths,
     _persister,
     _placement,
+    _resources,
     _retention,
 )
 from jaxckpt._options import TierOptions
@@ -53,6 +54,7 @@ class Run:
         self._keeper = keeper  # told of every checkpoint directory and item used
         self.memory: _memory_tier.MemoryTier | None = None
         self.peers: _peers.Peers | None = None
+        _resources.SHARED.acquire(self)
 
     # ---- the run's tiers ----------------------------------------------------
 
@@ -67,6 +69,7 @@ class Run:
         real path (so a symlink to it finds the same tier).
         """
         self._keeper.note(item)
+        _resources.SHARED.acquire(self)  # again, if used after `close`
         run_id = item.run_id(self._options.run_id, recorded.run_id if recorded else None)
         if self.memory is None or self.memory.run_id != run_id:
             memory = _memory_tier.MemoryTier(
@@ -227,7 +230,12 @@ class Run:
         return self.peers.redact(text) if self.peers is not None else text
 
     def close(self) -> None:
-        """Stops the peer service; the memory tier stays as it is."""
-        if self.peers is not None:
-            self.peers.close()
-            self.peers = None
+        """Stops the peer service and lets go of the process's shared resources (the
+        last user's release shuts their pools and unmaps the kept slabs); the memory
+        tier stays as it is."""
+        try:
+            if self.peers is not None:
+                self.peers.close()
+                self.peers = None
+        finally:
+            _resources.SHARED.release(self)

@@ -26,7 +26,7 @@ from typing import Final, Literal, overload
 
 import numpy as np
 
-from jaxckpt import _checksum
+from jaxckpt import _checksum, _resources
 
 SLAB_FILE: Final = "slab"
 ALIGN: Final = 64  # a cache line: every chunk starts aligned for vectorized copies
@@ -34,7 +34,7 @@ _MAX_WRITE: Final = 1 << 30  # Linux moves at most ~2 GiB per write call
 _WORKERS: Final = min(8, os.cpu_count() or 1)
 _MIN_TASK_BYTES: Final = 4 << 20
 _BLOCK: Final = 1 << 20  # copied, then checksummed while it is still in cache
-_pool = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="jaxckpt-slab")
+_pool: Final = _resources.SHARED.pool(_WORKERS, "jaxckpt-slab")
 
 
 def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -202,6 +202,10 @@ def forget_all() -> None:
     """Unmaps every kept mapping (at the end of a run: files stay as they are)."""
     with _KEPT_LOCK:
         _forget(lambda k: True)
+
+
+# Owned by the process's resources: unmapped once no handler is left (`_resources`).
+_resources.SHARED.cache(_KEPT, on_release=forget_all)
 
 
 def _forget(which: Callable[[_Kept], bool]) -> None:

@@ -346,7 +346,7 @@ def test_large_leaves_read_in_the_background_fail_and_fall_back_alike(memory_roo
         flip_slab_byte(h._runs.memory.part_dir(1, 0), "['big1']", (3, 0), at=-1, bit=0x01)
         with pytest.raises(FileNotFoundError, match=r"chunk \(3, 0\) of \['big1'\]"):
             restore(mngr, 1, abstract(state))
-        assert _restore._LEAF_POOL._work_queue.empty()
+        assert _restore.LEAF_POOL.queued() == 0
 
 
 def test_memory_of_another_run_is_never_used(memory_root, tmp_path):

@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_slab",
             "_internals",
             "_metrics",
+            "_resources",
         ),
     ),
     ("storage and planning", ("_zarr", "_memory_tier", "_plan", "_readers", "_index")),

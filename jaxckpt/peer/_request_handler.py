@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
+from jaxckpt import _resources
 from jaxckpt._checksum import matches
 from jaxckpt._format import MANIFEST_FILE, ChunkRecord, PartManifest, part_dir_name
 from jaxckpt._fs import remove_entry
@@ -52,9 +53,7 @@ _DRAIN_BYTES: Final = 1 << 20
 _PART_PLACE: Final = re.compile(r"step_[0-9]+/part_[0-9]+")
 _WRITE_BUFFER_BYTES: Final = 1 << 20  # small enough to stay in cache between its two copies
 # Checks chunks of received slabs (CRC-32C releases the GIL): shared by all pushes.
-_verify_pool: Final = concurrent.futures.ThreadPoolExecutor(
-    min(4, os.cpu_count() or 1), thread_name_prefix="jaxckpt-peer-verify"
-)
+_verify_pool: Final = _resources.SHARED.pool(min(4, os.cpu_count() or 1), "jaxckpt-peer-verify")
 
 
 def no_free_slab(dest: Path, nbytes: int) -> bool:
