@@ -610,8 +610,9 @@ def make_manager(
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add("train", jaxckpt.TieredSave, handler)
     registry.add("train", jaxckpt.TieredRestore, handler)
-    options = ocp.CheckpointManagerOptions(
-        save_interval_steps=1, max_to_keep=3, keep_period=persist_every
+    # With the handler, garbage collection also keeps the newest persisted step.
+    options = jaxckpt.manager_options(
+        ckpt_dir, handler=handler, save_interval_steps=1, max_to_keep=3, keep_period=persist_every
     )
     return ocp.CheckpointManager(ckpt_dir, handler_registry=registry, options=options), handler
 

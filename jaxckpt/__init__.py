@@ -1,10 +1,10 @@
 """jaxckpt: checkpoint every step to host memory and peers; persist lazily with tensorstore."""
 
+from jaxckpt._args import TieredRestore as TieredRestore
+from jaxckpt._args import TieredSave as TieredSave
 from jaxckpt._existing import restore_existing as restore_existing
 from jaxckpt._format import JAXCKPT_VERSION as __version__
 from jaxckpt._handler import TieredCheckpointHandler as TieredCheckpointHandler
-from jaxckpt._handler import TieredRestore as TieredRestore
-from jaxckpt._handler import TieredSave as TieredSave
 from jaxckpt._manager_options import manager_options as manager_options
 from jaxckpt._options import TierOptions as TierOptions
 from jaxckpt._prometheus import PrometheusMetrics as PrometheusMetrics

@@ -23,7 +23,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from jaxckpt import _format, _multihost
+from jaxckpt import _format, _multihost, _resources
 
 _SHOWN = 5  # differing leaves named in an error
 is_agreed = _multihost.is_agreed
@@ -130,7 +130,7 @@ def tree_digest(leaves: Sequence[_format.LeafRecord]) -> str:
     return digest
 
 
-_LAST_DIGEST: list[tuple[Sequence[_format.LeafRecord], str]] = []
+_LAST_DIGEST: list[tuple[Sequence[_format.LeafRecord], str]] = _resources.SHARED.cache([])
 
 
 def agree_on_save(

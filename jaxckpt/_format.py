@@ -47,7 +47,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any, Final
 
-from jaxckpt import _checksum
+from jaxckpt import _checksum, _resources
 
 FORMAT_NAME: Final = "jaxckpt"
 FORMAT_VERSION: Final = 3
@@ -388,14 +388,14 @@ def _leaves_json(leaves: tuple[LeafRecord, ...]) -> str:
     return text
 
 
-_LEAVES_JSON: dict[int, tuple[tuple[LeafRecord, ...], str]] = {}
+_LEAVES_JSON: dict[int, tuple[tuple[LeafRecord, ...], str]] = _resources.SHARED.cache({})
 
 # A version 3 manifest ends with `,"crc32c":<CRC-32C of the text before it, closed>}`:
 # written in one pass and checked without a second serialization.
 _CRC_MEMBER: Final = ',"crc32c":'
 # Parsed manifests by text: a restore reads the same manifests (index, memory, persisted
 # copies) several times, and a 4000-leaf one takes ~0.1 s to parse.
-_PARSED: dict[tuple[int, int], tuple[bytes, PartManifest]] = {}
+_PARSED: dict[tuple[int, int], tuple[bytes, PartManifest]] = _resources.SHARED.cache({})
 _PARSED_MAX: Final = 64
 
 

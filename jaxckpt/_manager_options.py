@@ -1,4 +1,5 @@
-"""`manager_options`: the CheckpointManagerOptions a checkpoint URL needs."""
+"""`manager_options`: the CheckpointManagerOptions a checkpoint directory and its
+jaxckpt handler need."""
 
 from __future__ import annotations
 
@@ -8,10 +9,24 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from jaxckpt import _storage
+from jaxckpt._handler import TieredCheckpointHandler
 
 
-def manager_options(directory: str | os.PathLike[str], **options: Any) -> Any:
-    """`ocp.CheckpointManagerOptions(**options)`, plus what `directory`'s store needs.
+def manager_options(
+    directory: str | os.PathLike[str],
+    *,
+    handler: TieredCheckpointHandler | None = None,
+    **options: Any,
+) -> Any:
+    """`ocp.CheckpointManagerOptions(**options)`, plus what `directory`'s store and
+    `handler` need.
+
+    With `handler`, garbage collection keeps the newest step every process has
+    persisted, and every newer step to be persisted, whatever `max_to_keep`,
+    `keep_period`, `keep_time_interval` or `preservation_policy` say (they become
+    the base of `handler.preservation_policy`):
+
+        options=jaxckpt.manager_options(path, handler=handler, max_to_keep=3)
 
     On S3 (and S3-compatible stores: MinIO, R2, ...) a directory cannot be
     renamed, so the manager must finalize steps with a commit file
@@ -24,6 +39,8 @@ def manager_options(directory: str | os.PathLike[str], **options: Any) -> Any:
 
     Args:
       directory: the checkpoint directory or URL the manager is given.
+      handler: the `TieredCheckpointHandler` of the manager's items; without it
+        the options delete steps as Orbax alone would.
       **options: any `ocp.CheckpointManagerOptions` field.
 
     Raises:
@@ -39,4 +56,35 @@ def manager_options(directory: str | os.PathLike[str], **options: Any) -> Any:
                 f"temporary_path_class must be {commit_file.__name__}, not {given!r}. "
                 "Leave it out and manager_options sets it."
             )
+    if handler is not None:
+        base = options.pop("preservation_policy", None) or _base_policy(options)
+        options["preservation_policy"] = handler.preservation_policy(base, directory)
     return ocp.CheckpointManagerOptions(**options)
+
+
+def _base_policy(options: dict[str, Any]) -> Any:
+    """The policy Orbax builds from the older delete options, which it refuses beside a
+    `preservation_policy`: they are taken out of `options`."""
+    policies = ocp.checkpoint_managers
+    max_to_keep = options.pop("max_to_keep", None)
+    keep_period = options.pop("keep_period", None)
+    keep_time_interval = options.pop("keep_time_interval", None)
+    chosen: list[Any] = []
+    if keep_period is not None:
+        chosen.append(policies.EveryNSteps(keep_period))
+    if keep_time_interval is not None:
+        chosen.append(policies.EveryNSeconds(int(keep_time_interval.total_seconds())))
+    if options.get("best_fn") is not None:
+        chosen.append(
+            policies.BestN(
+                get_metric_fn=options["best_fn"],
+                reverse=options.get("best_mode", "max") == "min",
+                n=max_to_keep,
+                keep_checkpoints_without_metrics=options.get(
+                    "keep_checkpoints_without_metrics", True
+                ),
+            )
+        )
+    else:
+        chosen.append(policies.LatestN(n=max_to_keep))
+    return policies.AnyPreservationPolicy(chosen)

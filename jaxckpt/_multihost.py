@@ -31,7 +31,8 @@ from typing import Any, Protocol
 
 import jax
 from absl import logging as log
-from jax._src import distributed
+
+from jaxckpt import _internals
 
 _PREFIX = "jaxckpt"
 _GAVE_UP = 1 << 20  # added to `n` by a process that stops waiting (more than any process count)
@@ -71,7 +72,7 @@ def process_count() -> int:
 
 
 def _client() -> KeyValueClient:
-    client = distributed.global_state.client
+    client = _internals.distributed_client()
     if client is None:
         raise RuntimeError(
             "jaxckpt needs jax.distributed.initialize() before it can exchange data between "
@@ -117,7 +118,7 @@ def next_key(tag: str) -> str:
 def stored_keys(client: KeyValueClient | None = None) -> list[str]:
     """The keys jaxckpt holds in the coordinator's store right now (for tests and debugging)."""
     if client is None:
-        if process_count() == 1 and distributed.global_state.client is None:
+        if process_count() == 1 and _internals.distributed_client() is None:
             return []
         client = _client()
     return [k for k, _ in client.key_value_dir_get(_PREFIX)]

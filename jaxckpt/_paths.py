@@ -1,7 +1,13 @@
-"""What an Orbax item directory tells us: the step, the final path, the run."""
+"""What an Orbax item directory tells us: the step, the final path, the run.
+
+`ItemDir.parse` reads it once, where a save or a restore enters the handler; the
+value is passed down, so nothing below derives these facts from the path again.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -11,7 +17,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-from jaxckpt import _storage
+from jaxckpt import _multihost, _storage
 
 # CheckpointManager writes into `<root>/<step>.orbax-checkpoint-tmp[-<n>]/<item>.orbax-checkpoint-tmp[-<n>]`
 # and renames both to `<root>/<step>/<item>` when the step is finalized (on object stores it
@@ -24,6 +30,85 @@ COMMIT_FILE = "commit_success.txt"
 # A run id names a directory in the memory root and a URL segment of the peer
 # service: no '/', and not '.' or '..' (the first character is a letter or digit).
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemDir:
+    """One item directory `<root>/<step>/<item>` of a CheckpointManager, parsed once.
+
+    Attributes:
+      path: the directory as the manager named it (temporary while it saves).
+      final: its name once the manager has finalized the step.
+      root: the manager's directory (the parent of the step directories).
+      item: the item's name, without Orbax's temporary suffix.
+      step: the step its parent directory names, or None.
+      remote: whether it lies on an object store.
+    """
+
+    path: Path
+    final: Path
+    root: Path
+    item: str
+    step: int | None
+    remote: bool
+
+    @classmethod
+    def parse(cls, directory: os.PathLike[str] | str) -> ItemDir:
+        path = _storage.as_path(directory)
+        final = path.parent.parent / strip_tmp(path.parent.name) / strip_tmp(path.name)
+        return cls(
+            path=path,
+            final=final,
+            root=path.parent.parent,
+            item=final.name,
+            step=step_of_name(path.parent.name),
+            remote=_storage.is_remote(path),
+        )
+
+    @functools.cached_property
+    def default_run_id(self) -> str:
+        """`default_run_id` of this item's checkpoint directory (computed once)."""
+        return default_run_id(self.path)
+
+    def run_id(self, configured: str | None, recorded: str | None = None) -> str:
+        """The run id whose memory tier holds this item's copies (see `run_id`)."""
+        if recorded and is_valid_run_id(recorded):
+            return recorded
+        return configured or self.default_run_id
+
+    def require_step(self, explicit: int | None = None) -> int:
+        """`explicit` if given, else the step the directory names.
+
+        Raises:
+          ValueError: if there is neither, saying how to save through a manager.
+        """
+        step = explicit if explicit is not None else self.step
+        if step is None:
+            raise ValueError(
+                f"[process {_multihost.process_index()}] Cannot tell the step of {self.path}: "
+                "jaxckpt saves through ocp.CheckpointManager, whose step directories are named "
+                "by step (flax.training.checkpoints.save_checkpoint(_multiprocess)(..., "
+                "orbax_checkpointer=...) is not supported). Use mngr = ocp.CheckpointManager("
+                'ckpt_dir, item_handlers={"train": handler}); mngr.save(step, args='
+                "ocp.args.Composite(train=jaxckpt.TieredSave(state))), or pass "
+                "TieredSave(state, step=...) to a bare Checkpointer."
+            )
+        return step
+
+    def tag(self, verb: str, configured_run_id: str | None) -> str:
+        """The exchange tag of a save or restore of this item: the same on every process,
+        and apart for every checkpoint directory and item (their commits run concurrently)."""
+        return f"{verb}/{configured_run_id or self.default_run_id}/{self.item}"
+
+    def finalized_steps(self) -> dict[int, Path]:
+        """step -> final item directory, for every finalized step of this item."""
+        return finalized_steps(self.root, self.item)
+
+    def wait_finalized(
+        self, step: int, timeout_s: float, given_up: threading.Event | None = None
+    ) -> None:
+        """`wait_finalized` for this item directory."""
+        wait_finalized(self.path, self.final, step, timeout_s, given_up)
 
 
 def is_valid_run_id(run_id: object) -> bool:

@@ -42,10 +42,10 @@ from jaxckpt import (
     _faults,
     _format,
     _fs,
+    _index,
     _memory_tier,
     _paths,
     _readers,
-    _restore,
     _slab,
     _storage,
     _zarr,
@@ -86,8 +86,8 @@ def unpersisted_jobs(
         if step % persist_every or step not in finalized:
             continue
         item_dir = finalized[step]
-        recorded = {o: m for o, m in _restore.read_index(item_dir).items() if o == owner}
-        if not _restore.memory_parts(memory, step, recorded) - _restore.persisted_parts(
+        recorded = {o: m for o, m in _index.read_index(item_dir).items() if o == owner}
+        if not _index.memory_parts(memory, step, recorded) - _index.persisted_parts(
             item_dir, recorded
         ):
             continue

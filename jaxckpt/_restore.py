@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Protocol
 
 import jax
 import numpy as np
@@ -29,6 +29,7 @@ from jaxckpt import (
     _memory_tier,
     _plan,
     _readers,
+    _resources,
     _sharding,
     _storage,
 )
@@ -38,62 +39,40 @@ ReaderFor = Callable[[_plan.Source, int], _readers.ChunkReader]  # (source, owne
 # Chunks of one leaf are read in parallel from this many bytes on (below, the
 # hand-off to a thread costs more than it saves).
 _PARALLEL_BYTES = 4 << 20
-_POOL = concurrent.futures.ThreadPoolExecutor(
-    min(8, os.cpu_count() or 1), thread_name_prefix="jaxckpt-restore"
-)
+_POOL: Final = _resources.SHARED.pool(min(8, os.cpu_count() or 1), "jaxckpt-restore")
 
 
 class ChunkUnavailableError(OSError):
     """No source of a chunk gave verified bytes."""
 
 
-def read_index(item_dir: Path) -> dict[int, _format.PartManifest]:
-    """owner -> index manifest, for every part recorded in an item directory."""
-    out = {}
-    if item_dir.is_dir():
-        for p in sorted(item_dir.glob("index_*.json")):
-            try:
-                m = _format.PartManifest.from_json(p.read_text())
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                log.warning("jaxckpt: ignoring unreadable index manifest %s: %s", p, e)
-                continue
-            out[m.owner] = m
-    return out
+class PeerRanges(Protocol):
+    """What the reader factory needs of a run's peers: byte ranges of a held slab."""
+
+    def slab_range_reader(
+        self, holder: int, step: int, owner: int
+    ) -> Callable[[int, memoryview, float], None]: ...
 
 
-def matches(copy: _format.PartManifest | None, index: _format.PartManifest) -> bool:
-    """Whether a stored copy of a part is the one the index describes (same save)."""
-    return (
-        copy is not None
-        and copy.save_id == index.save_id
-        and copy.run_id == index.run_id
-        and copy.step == index.step
-        and copy.owner == index.owner
-    )
+def reader_factory(
+    item_dir: Path,
+    memory: _memory_tier.MemoryTier,
+    peers: PeerRanges | None,
+    step: int,
+) -> ReaderFor:
+    """The chunk reader of each (source, owner) of one step's plan: own memory (its slab,
+    lent to the restore), a peer's memory (byte ranges), or persistent storage."""
 
+    def reader_for(source: _plan.Source, owner: int) -> _readers.ChunkReader:
+        if source.tier == _plan.MEMORY:
+            return _readers.SlabReader(memory.slab(step, owner), memory.lend(step, owner))
+        if source.tier == _plan.PEER and peers is not None and source.holder is not None:
+            return _readers.RangeReader(peers.slab_range_reader(source.holder, step, owner))
+        if source.tier == _plan.PERSISTENT:
+            return _readers.ZarrReader(_storage.kvstore(item_dir / _format.part_dir_name(owner)))
+        raise ValueError(f"No reader for {source.describe()}.")
 
-def memory_parts(
-    memory: _memory_tier.MemoryTier, step: int, index: dict[int, _format.PartManifest]
-) -> set[int]:
-    """Owners whose part of `step` this memory tier holds, from this very save."""
-    return {
-        o
-        for o in memory.parts(step)
-        if o in index and matches(memory.read_manifest(step, o), index[o])
-    }
-
-
-def persisted_parts(item_dir: Path, index: dict[int, _format.PartManifest]) -> set[int]:
-    """Owners whose part of the step is durable in the item directory."""
-    out = set()
-    for owner, m in index.items():
-        try:
-            path = item_dir / _format.part_dir_name(owner) / _format.MANIFEST_FILE
-            if matches(_format.PartManifest.from_json(_storage.read_bytes(path)), m):
-                out.add(owner)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
+    return reader_for
 
 
 class Restorer:
@@ -263,7 +242,7 @@ class Restorer:
         nbytes = itemsize * sum(math.prod(s.stop - s.start for s in r) for r in unique.values())
         reading: concurrent.futures.Future[list[np.ndarray]]
         if nbytes >= _BACKGROUND_LEAF_BYTES:
-            reading = _LEAF_POOL.submit(read)  # while the next leaves are asked for
+            reading = LEAF_POOL.submit(read)  # while the next leaves are asked for
         else:
             reading = concurrent.futures.Future()
             reading.set_result(read())
@@ -326,56 +305,8 @@ class Deferred:
 
 
 _PLACE_BATCH_BYTES = 1 << 30
-# Leaves of this many bytes on are read on `_LEAF_POOL`, several at once (a peer's
+# Leaves of this many bytes on are read on `LEAF_POOL`, several at once (a peer's
 # byte ranges overlap their round trips and checks); smaller ones inline, where a
 # hand-off would cost more than the read.
 _BACKGROUND_LEAF_BYTES = 1 << 20
-_LEAF_POOL = concurrent.futures.ThreadPoolExecutor(
-    min(4, os.cpu_count() or 1), thread_name_prefix="jaxckpt-restore-leaf"
-)
-
-
-class GlobalView:
-    """What every process holds in memory for every finalized step, plus persistence."""
-
-    def __init__(
-        self, steps: dict[int, Path], inventories: dict[int, dict[int, set[int]]], me: int
-    ):
-        self.steps = steps  # step -> item directory
-        self.inventories = inventories  # process -> step -> owners held
-        self.me = me
-
-    def plan(self, step: int, item_dir: Path | None = None) -> _plan.StepPlan:
-        item_dir = item_dir or self.steps[step]
-        index = read_index(item_dir)
-        held = {p: inv.get(step, set()) for p, inv in self.inventories.items()}
-        return _plan.plan_step(step, index, self.me, held, persisted_parts(item_dir, index))
-
-    def restorable_steps(self, exclude: int | None = None) -> list[int]:
-        """Restorable steps, newest first."""
-        return [
-            s for s in sorted(self.steps, reverse=True) if s != exclude and self.plan(s).restorable
-        ]
-
-    def newest_restorable_sentence(self, exclude: int) -> str:
-        steps = self.restorable_steps(exclude)
-        if steps:
-            return (
-                f"The newest restorable step is {steps[0]}: resume with "
-                "jaxckpt.latest_restorable_step(mngr), which returns it and deletes the newer "
-                "steps (the CheckpointManager skips saving a step that exists), then restore it."
-            )
-        return "No other step is restorable from any tier."
-
-    def not_restorable_message(self, item_dir: Path, plan: _plan.StepPlan) -> str:
-        if not plan.owners:
-            why = f"{item_dir} holds no jaxckpt index manifest"
-        else:
-            why = (
-                f"no verified copy of the part(s) of process(es) {plan.missing} exists in any "
-                "process's memory or in persistent storage"
-            )
-        return (
-            f"[process {self.me}] Step {plan.step} cannot be restored: {why}. "
-            + self.newest_restorable_sentence(exclude=plan.step)
-        )
+LEAF_POOL: Final = _resources.SHARED.pool(min(4, os.cpu_count() or 1), "jaxckpt-restore-leaf")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jaxckpt import _multihost, _storage
+from jaxckpt import _internals, _multihost, _storage
 from jaxckpt._handler import TieredCheckpointHandler
 
 log = logging.getLogger(__name__)
@@ -80,15 +80,10 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
 def tiered_handlers(mngr: Any) -> dict[str, TieredCheckpointHandler]:
     """item -> the `TieredCheckpointHandler` that handles it in `mngr`.
 
-    Orbax exposes no public accessor for a manager's handlers; this reads its
-    composite handler's registry and finds nothing (rather than failing) if a
-    future Orbax moves it.
+    Orbax exposes no public accessor for a manager's handlers (`_internals`).
     """
-    composite = getattr(getattr(mngr, "_checkpointer", None), "handler", None)
-    registry = getattr(composite, "_handler_registry", None)
-    entries = registry.get_all_entries() if registry is not None else {}
     return {
         item: handler
-        for (item, _), handler in entries.items()
-        if item is not None and isinstance(handler, TieredCheckpointHandler)
+        for item, handler in _internals.manager_handlers(mngr).items()
+        if isinstance(handler, TieredCheckpointHandler)
     }

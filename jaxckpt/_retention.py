@@ -1,46 +1,45 @@
-"""What the CheckpointManager's garbage collection must keep: the newest durable step.
+"""What stays: the steps garbage collection must keep, and the memory tier's steps.
 
-Orbax decides which steps to delete in `CheckpointManager._get_old_steps_to_remove`
-from the user's options alone (`max_to_keep`, `LatestN`, ...). Those know nothing
-of jaxckpt's tiers: with `LatestN(1)` and `persist_every=2`, step 2 is deleted as
-soon as step 3 (memory only) is saved, and a memory loss then leaves nothing to
-restore. So, whatever the options, a manager whose items are handled by a
-`TieredCheckpointHandler` never deletes:
+Orbax decides which steps to delete from the user's options alone (`max_to_keep`,
+`LatestN`, ...). Those know nothing of jaxckpt's tiers: with `LatestN(1)` and
+`persist_every=2`, step 2 is deleted as soon as step 3 (memory only) is saved,
+and a memory loss then leaves nothing to restore. So a manager set up with
+`jaxckpt.manager_options(directory, handler=handler, ...)` (or with
+`preservation_policy=handler.preservation_policy(base)`) never deletes:
 
 - the newest step whose parts are all persisted (durable), and
 - any newer step that is to be persisted (`step % persist_every == 0`): its
   persistence may still be running on some process, and it is the next durable
   step; plus any step this process is still persisting.
 
-Once a newer step is durable, the older one is deleted as the options say.
-`guard_garbage_collection` installs this as a wrapper around that one Orbax
-method, once per process (the handler's constructor calls it); managers without
-such a handler are untouched. Each handler has a `Keeper` that applies the rule;
-`Keeper.policy(base)` is the same rule as an explicit PreservationPolicy wrapper
-(`handler.preservation_policy(base)`), for an Orbax whose manager lacks the method. The rule reads only the shared checkpoint
-directory, so every process reaches the same decision once persistence has
-settled; only the primary process deletes, and it never deletes a step unless
-it saw a newer one durable. On an object store the wrapper also deletes the
-part manifests of the steps to delete first (`retire_manifests`).
+Once a newer step is durable, the older one is deleted as the options say. The
+rule is an ordinary Orbax `PreservationPolicy` (`KeepDurable`): nothing of
+Orbax is rewritten. It reads only the shared checkpoint directory (through the
+checked manifest parser, `_index`), so every process reaches the same decision
+once persistence has settled; only the primary process deletes. On an object
+store the policy also deletes the part manifests of the steps it lets go, before
+the manager deletes the steps' other objects (`retire_manifests`). A handler
+used in a checkpoint directory whose manager has no such policy logs, once, the
+one-line fix.
+
+`MemoryRetainer` bounds the memory tier: after each finalized step it keeps the
+newest `memory_keep` steps and any step still queued for persistence, on a thread
+of its own.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import functools
-import json
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence, Set
 from pathlib import Path
 from typing import Any
 
-import orbax.checkpoint as ocp
 from absl import logging as log
 
-from jaxckpt import _format, _paths, _storage
-
-# The handler attribute holding its `Keeper`.
-KEEPER_ATTR = "_keeper"
+from jaxckpt import _format, _index, _memory_tier, _multihost, _paths, _storage
 
 
 class DurableSteps:
@@ -62,11 +61,10 @@ class DurableSteps:
         key = (item_dir, first.st_ino, first.st_ctime_ns)
         if key in self._durable:
             return True
-        try:
-            count = int(json.loads((item_dir / _format.index_file(0)).read_text())["process_count"])
-        except (OSError, ValueError, KeyError, TypeError):
+        count = _index.part_count(item_dir)
+        if count is None:
             return False
-        if all((item_dir / _format.part_dir_name(p)).is_dir() for p in range(count)):
+        if all(_index.is_persisted(item_dir, p) for p in range(count)):
             self._durable.add(key)
             return True
         return False
@@ -74,13 +72,10 @@ class DurableSteps:
     def _is_durable_remote(self, item_dir: Path) -> bool:
         """On an object store a part is durable once its manifest object exists (no rename;
         objects have no inode to remember them by, so nothing is cached)."""
+        count = _index.part_count(item_dir)
         try:
-            count = int(json.loads((item_dir / _format.index_file(0)).read_text())["process_count"])
-            return all(
-                (item_dir / _format.part_dir_name(p) / _format.MANIFEST_FILE).exists()
-                for p in range(count)
-            )
-        except (OSError, ValueError, KeyError, TypeError):
+            return count is not None and all(_index.is_persisted(item_dir, p) for p in range(count))
+        except OSError:
             return False
 
     def steps_to_keep(
@@ -117,26 +112,59 @@ class Keeper:
         self._persist_every = persist_every
         self._pending = pending  # steps this process is still persisting
         self._durable = DurableSteps()
+        self._lock = threading.Lock()
         self._items: set[tuple[Path, str]] = set()  # (checkpoint dir, item) seen
+        self._guarded: set[str] = set()  # checkpoint dirs whose manager has our policy
+        self._guarded_anywhere = False  # a policy made without its directory exists
 
-    def note(self, item_dir: os.PathLike[str] | str) -> None:
-        """Remembers the checkpoint directory and item of a save or restore (for `policy`)."""
-        final = _paths.final_item_dir(item_dir)
-        self._items.add((final.parent.parent, final.name))
+    def note(self, item: _paths.ItemDir) -> None:
+        """Remembers the checkpoint directory and item of a save or restore; says once
+        per directory how to keep its durable steps if no policy of ours guards it."""
+        with self._lock:
+            first = (item.root, item.item) not in self._items
+            self._items.add((item.root, item.item))
+            guarded = self._guarded_anywhere or _storage.identity(item.root) in self._guarded
+        if first and not guarded:
+            log.warning(
+                "jaxckpt: garbage collection in %s does not know which step is durable: "
+                "if the manager's options delete steps (max_to_keep, a preservation "
+                "policy), build them with options=jaxckpt.manager_options(directory, "
+                "handler=handler, **options) so that it keeps the newest persisted step.",
+                item.root,
+            )
 
     def steps_to_keep(self, root: Path, item: str, steps: Sequence[int]) -> set[int]:
         return self._durable.steps_to_keep(root, item, steps, self._persist_every, self._pending())
 
-    def policy(self, base: Any) -> KeepDurable:
-        """`base`, plus the steps to keep in every checkpoint directory seen so far."""
+    def policy(self, base: Any, root: os.PathLike[str] | str | None = None) -> KeepDurable:
+        """`base`, plus the steps to keep of the items seen so far in the checkpoint
+        directory `root` (every directory seen, if None)."""
+        where = _storage.identity(root) if root is not None else None
+        with self._lock:
+            if where is None:
+                self._guarded_anywhere = True
+            else:
+                self._guarded.add(where)
+
+        def items() -> list[tuple[Path, str]]:
+            with self._lock:
+                seen = list(self._items)
+            return [(r, i) for r, i in seen if where is None or _storage.identity(r) == where]
 
         def keep(steps: Sequence[int]) -> set[int]:
             out = set(self._pending())
-            for root, item in list(self._items):
-                out |= self.steps_to_keep(root, item, steps)
+            for r, i in items():
+                out |= self.steps_to_keep(r, i, steps)
             return out
 
-        return KeepDurable(base, keep)
+        def retire(steps: Sequence[int]) -> None:
+            roots = {r for r, _ in items()}
+            if len(roots) != 1:  # which manager's steps these are is unknown: leave them
+                return
+            (r,) = roots
+            retire_manifests(r, sorted({i for _, i in items()}), steps)
+
+        return KeepDurable(base, keep, retire)
 
 
 def _item_dirs(root: Path, item: str) -> dict[int, Path]:
@@ -157,48 +185,23 @@ def _item_dirs(root: Path, item: str) -> dict[int, Path]:
     return out
 
 
-def keepers(mngr: Any) -> dict[str, Keeper]:
-    """item -> the `Keeper` of its handler, for the items of `mngr` jaxckpt handles.
-
-    Orbax exposes no public accessor for a manager's handlers; this reads its
-    composite handler's registry, and finds nothing if a future Orbax moves it.
-    """
-    composite = getattr(getattr(mngr, "_checkpointer", None), "handler", None)
-    registry = getattr(composite, "_handler_registry", None)
-    entries = registry.get_all_entries() if registry is not None else {}
-    found = {item: getattr(h, KEEPER_ATTR, None) for (item, _), h in entries.items()}
-    return {item: k for item, k in found.items() if item is not None and isinstance(k, Keeper)}
-
-
-def kept_by_handlers(mngr: Any, steps: Sequence[int]) -> set[int]:
-    """The steps of `mngr` that its jaxckpt handlers keep."""
-    root = _storage.as_path(mngr.directory)
-    keep: set[int] = set()
-    for item, keeper in keepers(mngr).items():
-        keep |= keeper.steps_to_keep(root, item, steps)
-    return keep
-
-
-def retire_manifests(mngr: Any, steps: Sequence[int]) -> None:
-    """On an object store, deletes the part manifests of `steps` before the manager
-    deletes the steps' other objects.
+def retire_manifests(root: Path, items: Sequence[str], steps: Sequence[int]) -> None:
+    """On an object store, deletes the part manifests of `steps` of `items` under the
+    checkpoint directory `root` before the manager deletes the steps' other objects.
 
     IMPORTANT: a part's manifest is its durability marker there, and deleting a
     prefix is one request per object in no given order: without its manifest first,
     a reader could meet a part that still looks durable while its chunks vanish.
     """
-    root = _storage.as_path(mngr.directory)
     if not _storage.is_remote(root) or not steps:
         return
-    for item in keepers(mngr):
+    for item in items:
         item_dirs = _item_dirs(root, item)
         for step in steps:
             if step not in item_dirs:
                 continue
-            try:
-                text = (item_dirs[step] / _format.index_file(0)).read_text()
-                count = int(json.loads(text)["process_count"])
-            except (OSError, ValueError, KeyError, TypeError):
+            count = _index.part_count(item_dirs[step])
+            if count is None:
                 continue  # no index: nothing of this step was ever persisted
             manifests = [
                 f"{_format.part_dir_name(p)}/{_format.MANIFEST_FILE}" for p in range(count)
@@ -206,68 +209,105 @@ def retire_manifests(mngr: Any, steps: Sequence[int]) -> None:
             _storage.delete_objects(item_dirs[step], manifests)
 
 
-def guard_garbage_collection() -> bool:
-    """Wraps `CheckpointManager._get_old_steps_to_remove`, once per process.
+@dataclasses.dataclass
+class KeepDurable:
+    """An Orbax PreservationPolicy: what `base` keeps, plus what `keep(steps)` names.
 
-    The wrapper removes from Orbax's deletion list the steps that the manager's
-    jaxckpt handlers keep; it changes nothing for other managers. Should it
-    fail, it keeps every step this time (and logs why) rather than delete one.
-
-    Returns:
-      Whether the guard is installed (False if this Orbax has no such method;
-      then only `handler.preservation_policy(base)` protects durable steps).
+    The manager deletes the steps it does not preserve; on an object store their
+    part manifests go first (`retire`). Should deciding or retiring fail, it keeps
+    every step this time (and logs why) rather than delete one.
     """
-    cls = ocp.CheckpointManager
-    original: Callable[[Any], list[int]] | None = getattr(cls, "_get_old_steps_to_remove", None)
-    if original is None:
-        log.warning(
-            "jaxckpt: this Orbax's CheckpointManager has no _get_old_steps_to_remove; wrap "
-            "your preservation policy in handler.preservation_policy(base) so that garbage "
-            "collection keeps the newest persisted step."
-        )
-        return False
-    if getattr(original, "_jaxckpt_guard", False):
-        return True
 
-    @functools.wraps(original)
-    def _get_old_steps_to_remove(self: Any) -> list[int]:
-        doomed = original(self)
-        if not doomed:
-            return doomed
+    base: Any
+    keep: Callable[[Sequence[int]], set[int]]
+    retire: Callable[[Sequence[int]], None] = lambda steps: None
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> Sequence[bool]:
+        preserved = list(self.base.should_preserve(checkpoints, context=context))
+        if all(preserved):
+            return preserved
+        steps = [c.step for c in checkpoints]
         try:
-            keep = kept_by_handlers(self, self.all_steps())
+            keep = self.keep(steps)
         except Exception:
             log.exception("jaxckpt: deciding which steps to keep failed; deleting none")
-            return []
-        if keep & set(doomed):
+            return [True] * len(checkpoints)
+        saved = sorted(s for s, p in zip(steps, preserved, strict=True) if not p and s in keep)
+        if saved:
             log.info(
                 "jaxckpt: keeping steps %s (newest durable, or to be persisted) that the "
                 "preservation policy would delete",
-                sorted(keep & set(doomed)),
+                saved,
             )
-        doomed = [s for s in doomed if s not in keep]
+        out = [p or s in keep for p, s in zip(preserved, steps, strict=True)]
+        doomed = [s for s, p in zip(steps, out, strict=True) if not p]
         try:
-            retire_manifests(self, doomed)
+            self.retire(doomed)
         except Exception:
             log.exception(
                 "jaxckpt: retiring the manifests of steps %s failed; deleting none", doomed
             )
-            return []
-        return doomed
-
-    _get_old_steps_to_remove._jaxckpt_guard = True  # type: ignore[attr-defined]
-    cls._get_old_steps_to_remove = _get_old_steps_to_remove  # type: ignore[method-assign]
-    return True
+            return [True] * len(checkpoints)
+        return out
 
 
-@dataclasses.dataclass
-class KeepDurable:
-    """An Orbax PreservationPolicy: what `base` keeps, plus what `keep(steps)` names."""
+class MemoryRetainer:
+    """Bounds the memory tier after each finalized step, on a thread of its own.
 
-    base: Any
-    keep: Callable[[Sequence[int]], set[int]]
+    Of the steps up to the one just finalized it keeps the newest `memory_keep` and
+    any step still queued for persistence. A failure is recorded and raised by
+    the handler's next `wait_for_persistence()` or `close()` (`take_errors`).
+    """
 
-    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> Sequence[bool]:
-        preserved = self.base.should_preserve(checkpoints, context=context)
-        keep = self.keep([c.step for c in checkpoints])
-        return [p or c.step in keep for p, c in zip(preserved, checkpoints, strict=True)]
+    def __init__(
+        self,
+        memory_keep: int,
+        timeout_s: float,
+        pending: Callable[[], Set[int]],
+        closing: threading.Event,
+    ):
+        self._memory_keep = memory_keep
+        self._timeout_s = timeout_s
+        self._pending = pending  # steps queued for persistence: never retired
+        self._closing = closing  # the manager has finished: finalization waits end
+        self._pool = self._new_pool()
+        self._errors: list[BaseException] = []
+
+    @staticmethod
+    def _new_pool() -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-retain")
+
+    def after(self, memory: _memory_tier.MemoryTier, item: _paths.ItemDir, step: int) -> None:
+        """Queues the retention that follows the finalization of `step` in `item`."""
+        self._pool.submit(self._retain, memory, item, step)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Waits for the retention runs queued so far."""
+        self._pool.submit(lambda: None).result(timeout=timeout_s)
+
+    def take_errors(self) -> list[BaseException]:
+        errors, self._errors = self._errors, []
+        return errors
+
+    def close(self) -> None:
+        """Waits for the queued runs; a later `after` starts a new thread."""
+        self._pool.shutdown(wait=True)
+        self._pool = self._new_pool()
+
+    def _retain(self, memory: _memory_tier.MemoryTier, item: _paths.ItemDir, step: int) -> None:
+        try:
+            item.wait_finalized(step, self._timeout_s, self._closing)
+        except OSError as e:  # not finalized: keep everything
+            log.warning("jaxckpt: memory retention skipped after step %d: %s", step, e)
+            return
+        try:
+            memory.retain(self._memory_keep, upto=step, pinned=self._pending())
+        except Exception as e:
+            log.exception("jaxckpt: memory retention after step %d failed", step)
+            error = OSError(
+                f"[process {_multihost.process_index()}] Memory retention after step {step} "
+                f"in {memory.run_dir} failed: {e}. Older steps stay in memory until it "
+                "succeeds; check that the memory root is writable and has free space."
+            )
+            error.__cause__ = e
+            self._errors.append(error)

@@ -22,11 +22,11 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Final, Literal, overload
+from typing import Any, Final, Literal, overload
 
 import numpy as np
 
-from jaxckpt import _checksum
+from jaxckpt import _checksum, _resources
 
 SLAB_FILE: Final = "slab"
 ALIGN: Final = 64  # a cache line: every chunk starts aligned for vectorized copies
@@ -34,7 +34,9 @@ _MAX_WRITE: Final = 1 << 30  # Linux moves at most ~2 GiB per write call
 _WORKERS: Final = min(8, os.cpu_count() or 1)
 _MIN_TASK_BYTES: Final = 4 << 20
 _BLOCK: Final = 1 << 20  # copied, then checksummed while it is still in cache
-_pool = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="jaxckpt-slab")
+# `Incoming`'s buffer: small enough to stay in cache between its two copies.
+INCOMING_BUFFER_BYTES: Final = 1 << 20
+_pool: Final = _resources.SHARED.pool(_WORKERS, "jaxckpt-slab")
 
 
 def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -204,6 +206,10 @@ def forget_all() -> None:
         _forget(lambda k: True)
 
 
+# Owned by the process's resources: unmapped once no handler is left (`_resources`).
+_resources.SHARED.cache(_KEPT, on_release=forget_all)
+
+
 def _forget(which: Callable[[_Kept], bool]) -> None:
     for key, kept in list(_KEPT.items()):
         if which(kept):
@@ -242,10 +248,79 @@ def _batches(sizes: Sequence[int]) -> list[range]:
     return out
 
 
-def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-    view, done = data.data, 0
+def _pwrite_all(fd: int, data: np.ndarray | memoryview, offset: int) -> None:
+    view, done = (data.data if isinstance(data, np.ndarray) else data), 0
     while done < len(view):
         done += os.pwrite(fd, view[done : done + _MAX_WRITE], offset + done)
+
+
+class Incoming:
+    """The slab file of a push being received.
+
+    The file is a free slab of the memory tier when there is one: its pages are
+    allocated already, so the socket's bytes are received straight into a
+    mapping of it, at memory speed (the mapping is kept across pushes and
+    saves: `kept_view`). A new file is written with ``pwrite`` from a
+    small buffer instead (on tmpfs, a first write through a mapping costs a page
+    fault and a zeroing per page, twice the time). Either way `view` maps the
+    file for the checks. Close it (or use it as a context manager) after the
+    last read of `view` and of any slice of it.
+    """
+
+    def __init__(self, path: str, size: int, take_free_slab: Callable[[Path, int], bool]) -> None:
+        """Opens the slab file `path` of `size` bytes: a free slab of the tier if
+        `take_free_slab(path, size)` moves one there, else a new file."""
+        reused = size > 0 and take_free_slab(Path(path), size)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if reused else os.O_EXCL), 0o644)
+        self._map: mmap.mmap | None = None
+        self._buf: memoryview | None = None
+        self.view = memoryview(b"")
+        try:
+            os.ftruncate(self._fd, size)
+            if size:
+                # IMPORTANT: every page exists before the body is read (ENOSPC here,
+                # never a SIGBUS on a mapped page later).
+                allocate(self._fd, size)
+                if reused:  # mapped once across pushes (`kept_view`): never closed here
+                    self.view = kept_view(self._fd, size).data
+                else:
+                    # Read only and not populated: touching a page before it is
+                    # written would zero it for nothing.
+                    self._map = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ)
+                    self._buf = memoryview(bytearray(min(size, INCOMING_BUFFER_BYTES)))
+                    self.view = memoryview(self._map)
+        except BaseException:
+            self.close()
+            raise
+
+    def receive(self, stream: Any, offset: int, size: int) -> int:
+        """Reads up to ``size`` bytes of ``stream`` into the file at ``offset``; how many."""
+        if self._buf is None:
+            return stream.readinto(self.view[offset : offset + size]) or 0
+        done = 0
+        while done < size:
+            got = stream.readinto(self._buf[: min(size - done, len(self._buf))]) or 0
+            if not got:
+                break
+            _pwrite_all(self._fd, self._buf[:got], offset + done)
+            done += got
+        return done
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            if self._map is not None:
+                self._map.close()
+        except BufferError:
+            pass  # A slice outlives this (held by a failed check's traceback): unmapped with it.
+        finally:
+            os.close(self._fd)
+
+    def __enter__(self) -> Incoming:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class Reader:

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _chunking, _format, _multihost, _sharding, _tree
+from jaxckpt import _chunking, _format, _multihost, _resources, _sharding, _tree
 
 
 @dataclasses.dataclass
@@ -160,7 +160,7 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
 
 # Leaf records of the last few tree structures: a training loop saves the same tree
 # every step, and its records (and their JSON, see `_format`) are derived once.
-_RECORDS: dict[Any, tuple[_format.LeafRecord, ...]] = {}
+_RECORDS: dict[Any, tuple[_format.LeafRecord, ...]] = _resources.SHARED.cache({})
 
 
 def _signature(kind: str, leaf: Any, multi_process: bool) -> Any:

@@ -95,6 +95,16 @@ class IteratorState:
         return f"IteratorState({self.state!r})"
 
 
+def metadata(index: Mapping[int, _format.PartManifest], pi: int, count: int) -> Any:
+    """What the handler's `metadata()` shows of a step whose index manifests are `index`
+    (see there), for process `pi` of `count`."""
+    same_count = {m.process_count for m in index.values()} == {count}
+    # Per-process leaves show this process's own value, which only exists on the same count.
+    manifest = index[pi] if same_count and pi in index else index[min(index)]
+    entries = [(r.keys, leaf_metadata(i, r, manifest)) for i, r in enumerate(manifest.leaves)]
+    return _tree.nest(entries)
+
+
 def leaf_metadata(i: int, record: _format.LeafRecord, manifest: _format.PartManifest) -> Any:
     """What `metadata()` shows for saved leaf `i`, as `manifest`'s owner saved it."""
     if record.kind == _format.ARRAY:

@@ -35,8 +35,11 @@ def manager(
     registry: bool = True,
     **options: Any,
 ) -> ocp.CheckpointManager:
-    """A plain CheckpointManager around `handler` for the item "train"."""
-    opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=use_async, **options)
+    """A CheckpointManager around `handler` for the item "train", whose garbage
+    collection keeps the newest durable step (`jaxckpt.manager_options`)."""
+    opts = jaxckpt.manager_options(
+        ckpt_dir, handler=handler, enable_async_checkpointing=use_async, **options
+    )
     if registry:
         reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
         reg.add("train", jaxckpt.TieredSave, handler)

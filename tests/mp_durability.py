@@ -19,7 +19,7 @@ def manager(args: dict) -> tuple[ocp.CheckpointManager, jaxckpt.TieredCheckpoint
     mngr = ocp.CheckpointManager(
         args["ckpt"],
         item_handlers={"train": h},
-        options=ocp.CheckpointManagerOptions(create=True, max_to_keep=1),
+        options=jaxckpt.manager_options(args["ckpt"], handler=h, create=True, max_to_keep=1),
     )
     return mngr, h
 

@@ -290,9 +290,9 @@ def scenario_recover(args: dict) -> dict:
             entry = {"run": r, "tier": tier, "lose": run["lose"]}
             entry["newest"] = _restore_step(mngr, h, mngr.latest_step(), follow=True)
             entry["previous"] = _restore_step(mngr, h, args["previous"], follow=False)
-            if h._peers is not None:
-                tokens.append(h._peers._token)
-                hosts.add(h._peers.addresses[pi].host)
+            if h._runs.peers is not None:
+                tokens.append(h._runs.peers._token)
+                hosts.add(h._runs.peers.addresses[pi].host)
             mngr.close()
             recovered.append(entry)
     return {"recovered": recovered, "tokens": tokens, "peer_hosts": sorted(hosts)}

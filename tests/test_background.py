@@ -176,7 +176,9 @@ def test_persistence_starts_once_the_part_is_on_its_peers(memory_root, ckpt_dir,
     monkeypatch.setattr(_persister.Persister, "_write_arrays", spy)
     peers = _SlowPeers(writing)
     h = handler(memory_root, persist_every=1, replicas=1)
-    monkeypatch.setattr(h, "_connect", lambda memory: setattr(h, "_peers", peers) or peers)
+    monkeypatch.setattr(
+        h._runs, "connect", lambda memory: setattr(h._runs, "peers", peers) or peers
+    )
     with manager(ckpt_dir, h, use_async=False) as mngr:
         save(mngr, 1, sharded_state(mesh_1d()))
         h.wait_for_persistence()

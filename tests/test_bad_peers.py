@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _format, _memory_tier, _restore
+from jaxckpt import _format, _index, _memory_tier
 from jaxckpt._options import TierOptions
 from jaxckpt.peer import _peers
 from jaxckpt.peer._client import fetch_file
@@ -174,15 +174,15 @@ class FakePeers(_peers.Peers):
         held = {s: set(o) for s, o in self.held.items()}
         if self.holder_memory is not None and self.ckpt_dir is not None:
             for s in self.holder_memory.steps():
-                index = _restore.read_index(self.ckpt_dir / str(s) / "train")
-                held[s] = _restore.memory_parts(self.holder_memory, s, index)
+                index = _index.read_index(self.ckpt_dir / str(s) / "train")
+                held[s] = _index.memory_parts(self.holder_memory, s, index)
         return {0: local, 1: held}
 
 
 def attach(h: jaxckpt.TieredCheckpointHandler, peers: _peers.Peers, monkeypatch) -> None:
     """Makes `h` use `peers` instead of meeting other processes through jax.distributed."""
-    h._peers = peers
-    monkeypatch.setattr(h, "_connect", lambda memory: peers)
+    h._runs.peers = peers
+    monkeypatch.setattr(h._runs, "connect", lambda memory: peers)
 
 
 def own_server(root: Path, run_id: str = RUN) -> PeerServer:

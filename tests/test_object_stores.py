@@ -133,7 +133,7 @@ def test_garbage_collection_deletes_manifests_first(tmp_path, memory_root, store
             mngr.wait_until_finished()
             # What the garbage-collection guard runs before Orbax deletes a step (called
             # directly: when the manager's own collection runs depends on its threads).
-            _retention.retire_manifests(mngr, [0])
+            _retention.retire_manifests(_storage.as_path(url), ["train"], [0])
             retired = [
                 (d, keys, index) for d, keys, index in seen if keys == ["part_00000/manifest.json"]
             ]

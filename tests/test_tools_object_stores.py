@@ -19,7 +19,7 @@ from helpers import mesh_1d, save, sharded_state
 from object_stores import reset_clients, running
 
 import jaxckpt
-from jaxckpt import _chunking, _format, _paths, _readers, _restore, _storage, _zarr, cli
+from jaxckpt import _chunking, _format, _index, _paths, _readers, _storage, _zarr, cli
 from jaxckpt.tools import _verify
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def save_steps(url: str, memory_root: str) -> None:
 def persisted_array(url: str, step: int, path: str) -> tuple[dict, _format.LeafRecord]:
     """The kvstore spec of a leaf's persisted zarr3 array on the store, and its record."""
     item_dir = _storage.as_path(f"{url}/{step}/train")
-    record = next(r for r in _restore.read_index(item_dir)[0].leaves if r.path == path)
+    record = next(r for r in _index.read_index(item_dir)[0].leaves if r.path == path)
     part = _storage.kvstore(item_dir / _format.part_dir_name(0))
     return _zarr.array_kvstore(part, record), record
 

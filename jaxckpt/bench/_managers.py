@@ -33,7 +33,7 @@ class Jaxckpt:
         self.mngr = ocp.CheckpointManager(
             directory,
             item_handlers={"train": self.handler},
-            options=_manager_options(directory, cfg, max_to_keep),
+            options=_manager_options(directory, cfg, max_to_keep, self.handler),
         )
 
     def save(self, step: int, state: Any) -> None:
@@ -59,10 +59,17 @@ def orbax_manager(directory: Path, cfg: dict[str, Any], max_to_keep: int) -> ocp
     )
 
 
-def _manager_options(directory: Path | str, cfg: dict[str, Any], max_to_keep: int | None) -> Any:
-    # What the directory's store needs as well (a commit file instead of a rename on S3).
+def _manager_options(
+    directory: Path | str,
+    cfg: dict[str, Any],
+    max_to_keep: int | None,
+    handler: jaxckpt.TieredCheckpointHandler | None = None,
+) -> Any:
+    # What the directory's store needs as well (a commit file instead of a rename on S3),
+    # and with jaxckpt's handler a collection that keeps the newest durable step.
     return jaxckpt.manager_options(
         directory,
+        handler=handler,
         max_to_keep=max_to_keep,
         enable_async_checkpointing=True,
         async_options=ocp.AsyncOptions(timeout_secs=int(cfg["timeout_s"])),

@@ -120,7 +120,7 @@ def run(
     finally:
         omngr.close()
         ours.close()
-    run_dir = ours.handler._memory.run_dir if ours.handler._memory else None
+    run_dir = ours.handler._runs.memory.run_dir if ours.handler._runs.memory else None
     sync("many/closed")
     if run_dir is not None:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -116,7 +116,7 @@ def _local_phases(
     finally:
         omngr.close()
         ours.close()
-    run_dir = ours.handler._memory.run_dir if ours.handler._memory else None
+    run_dir = ours.handler._runs.memory.run_dir if ours.handler._runs.memory else None
     sync("isolated/closed")
     if run_dir is not None:
         shutil.rmtree(run_dir, ignore_errors=True)  # the object-store phase has its own
@@ -182,7 +182,7 @@ def _loops(
         tmpfs_spare=sum(_baselines.tree_bytes(free) for free in memory_root.glob("*/.free")),
         rss_after=_baselines.rss_bytes(),
     )
-    run_dir = ours.handler._memory.run_dir if ours.handler._memory else None
+    run_dir = ours.handler._runs.memory.run_dir if ours.handler._runs.memory else None
     ours.close()
     sync("loop/jaxckpt/closed")
     if run_dir is not None:
@@ -274,7 +274,7 @@ def _push_alone(cfg: dict[str, Any], ours: Jaxckpt, sync: Sync) -> list[dict[str
     once and with nothing else running, as the loopback baseline sends (the product's
     push: sendfile out; the holder receives into a free slab, checks every chunk,
     renames, and recycles the copy it replaced). Seconds and bytes sent, per push."""
-    peers, memory = ours.handler._peers, ours.handler._memory
+    peers, memory = ours.handler._runs.peers, ours.handler._runs.memory
     if peers is None or memory is None or not cfg["replicas"]:
         return []
     me = jax.process_index()

@@ -17,20 +17,8 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any, BinaryIO, Final
 
-from jaxckpt._format import MANIFEST_FILE
-from jaxckpt._slab import SLAB_FILE
-from jaxckpt.peer._wire import (
-    TOKEN_HEADER,
-    PeerAddress,
-    PushHeader,
-    check_run_id,
-    check_token,
-    clean_relpath,
-    encode_push_header,
-    pack_u32,
-    push_body_length,
-    read_exact,
-)
+from jaxckpt import _format, _slab
+from jaxckpt.peer import _wire
 
 _STATUS_ERRNO: Final = {400: errno.EINVAL, 409: errno.ESTALE, 413: errno.EFBIG, 507: errno.ENOSPC}
 
@@ -45,7 +33,7 @@ def redact_token(text: str, token: str) -> str:
 
 
 @contextlib.contextmanager
-def _transport_errors(address: PeerAddress, action: str, timeout: float) -> Iterator[None]:
+def _transport_errors(address: _wire.PeerAddress, action: str, timeout: float) -> Iterator[None]:
     """Re-raises network failures as built-in errors naming the peer and path."""
     where = f"{action} on peer {address}"
     try:
@@ -68,7 +56,7 @@ class _ConnectFailed(Exception):
         self.error = error
 
 
-def _connect(address: PeerAddress, timeout: float) -> socket.socket:
+def _connect(address: _wire.PeerAddress, timeout: float) -> socket.socket:
     """Opens a TCP connection with Nagle off.
 
     Raises:
@@ -88,7 +76,7 @@ def _connect(address: PeerAddress, timeout: float) -> socket.socket:
 class _Connection(http.client.HTTPConnection):
     """An `http.client` connection that connects through `_connect`."""
 
-    def __init__(self, address: PeerAddress, timeout: float) -> None:
+    def __init__(self, address: _wire.PeerAddress, timeout: float) -> None:
         super().__init__(address.host, address.port, timeout=timeout)
         self._address, self._connect_timeout = address, timeout
 
@@ -96,7 +84,7 @@ class _Connection(http.client.HTTPConnection):
         self.sock = _connect(self._address, self._connect_timeout)
 
 
-def _raise_for_status(address: PeerAddress, action: str, status: int, body: bytes) -> None:
+def _raise_for_status(address: _wire.PeerAddress, action: str, status: int, body: bytes) -> None:
     """Raises the built-in error for an HTTP error status; returns on 2xx."""
     if 200 <= status < 300:
         return
@@ -126,11 +114,11 @@ def _read_response(reader: Any) -> tuple[int, bytes]:
         raise http.client.BadStatusLine(repr(line)) from e
     headers = http.client.parse_headers(reader)
     length = int(headers.get("Content-Length", "0"))
-    return status, read_exact(reader, length) if status >= 200 else b""
+    return status, _wire.read_exact(reader, length) if status >= 200 else b""
 
 
 def _request(
-    address: PeerAddress,
+    address: _wire.PeerAddress,
     token: str,
     run_id: str,
     method: str,
@@ -143,9 +131,9 @@ def _request(
     """Sends one body-less request to a peer; returns the body of its 2xx answer, or
     receives that body straight into ``into`` (returning b"") if given, which it
     must fill exactly (else OSError)."""
-    check_run_id(run_id)
-    check_token(token)
-    rel = clean_relpath(relpath, allow_empty=kind == "list")
+    _wire.check_run_id(run_id)
+    _wire.check_token(token)
+    rel = _wire.clean_relpath(relpath, allow_empty=kind == "list")
     action = f"{method} {relpath!r} of run {run_id!r}"
     url = f"/{kind}/{urllib.parse.quote(run_id)}/{urllib.parse.quote(rel)}"
     with _transport_errors(address, action, timeout):
@@ -154,7 +142,7 @@ def _request(
             conn.request(
                 method,
                 url,
-                headers={TOKEN_HEADER: token, "Connection": "close", **(headers or {})},
+                headers={_wire.TOKEN_HEADER: token, "Connection": "close", **(headers or {})},
             )
             try:
                 response = conn.getresponse()
@@ -189,7 +177,7 @@ def _read_into(response: http.client.HTTPResponse, out: memoryview) -> None:
 
 
 def fetch_file(
-    address: PeerAddress, *, token: str, run_id: str, relpath: str, timeout: float
+    address: _wire.PeerAddress, *, token: str, run_id: str, relpath: str, timeout: float
 ) -> bytes:
     """Returns the bytes of ``root/run_id/relpath`` on a peer.
 
@@ -211,7 +199,7 @@ def fetch_file(
 
 
 def fetch_range(
-    address: PeerAddress,
+    address: _wire.PeerAddress,
     *,
     token: str,
     run_id: str,
@@ -236,7 +224,7 @@ def fetch_range(
 
 
 def list_dir(
-    address: PeerAddress, *, token: str, run_id: str, relpath: str, timeout: float
+    address: _wire.PeerAddress, *, token: str, run_id: str, relpath: str, timeout: float
 ) -> list[str]:
     """Returns the sorted entry names of directory ``root/run_id/relpath`` on a peer.
 
@@ -248,7 +236,7 @@ def list_dir(
 
 
 def delete_path(
-    address: PeerAddress, *, token: str, run_id: str, relpath: str, timeout: float
+    address: _wire.PeerAddress, *, token: str, run_id: str, relpath: str, timeout: float
 ) -> None:
     """Removes file or directory ``root/run_id/relpath`` on a peer.
 
@@ -259,7 +247,7 @@ def delete_path(
 
 
 def push_part(
-    address: PeerAddress,
+    address: _wire.PeerAddress,
     *,
     token: str,
     run_id: str,
@@ -299,27 +287,29 @@ def push_part(
         the peer, ``errno.ENOSPC`` when its memory tier is full.
       TimeoutError, ConnectionError: If the peer is unreachable or stalls.
     """
-    check_run_id(run_id)
-    check_token(token)
-    rel = clean_relpath(dest_relpath, allow_empty=False)
+    _wire.check_run_id(run_id)
+    _wire.check_token(token)
+    rel = _wire.clean_relpath(dest_relpath, allow_empty=False)
     src = os.fspath(part_dir)
     action = f"push of part {src!r} to {dest_relpath!r} of run {run_id!r}"
     url = f"/push/{urllib.parse.quote(run_id)}/{urllib.parse.quote(rel)}"
     with contextlib.ExitStack() as files:
         manifest, slab = (
             files.enter_context(open(os.path.join(src, name), "rb"))
-            for name in (MANIFEST_FILE, SLAB_FILE)
+            for name in (_format.MANIFEST_FILE, _slab.SLAB_FILE)
         )
-        sizes = PushHeader(os.fstat(manifest.fileno()).st_size, os.fstat(slab.fileno()).st_size)
-        header = encode_push_header(sizes)
-        total = push_body_length(len(header), sizes)
+        sizes = _wire.PushHeader(
+            os.fstat(manifest.fileno()).st_size, os.fstat(slab.fileno()).st_size
+        )
+        header = _wire.encode_push_header(sizes)
+        total = _wire.push_body_length(len(header), sizes)
         # A raw socket, because http.client cannot speak this exchange: it sends a
         # request's body right after its headers and skips interim answers, so it
         # cannot wait for "100 Continue" before streaming (the server's chance to
         # refuse a push before any body byte moves) nor read the refusal that comes
         # instead. The raw socket also lets `_send_file` use zero-copy sendfile.
         request = (
-            f"POST {url} HTTP/1.1\r\nHost: {address}\r\n{TOKEN_HEADER}: {token}\r\n"
+            f"POST {url} HTTP/1.1\r\nHost: {address}\r\n{_wire.TOKEN_HEADER}: {token}\r\n"
             f"Content-Type: application/octet-stream\r\nContent-Length: {total}\r\n"
             "Expect: 100-continue\r\nConnection: close\r\n\r\n"
         ).encode()
@@ -330,7 +320,7 @@ def push_part(
                 status, body = _read_response(reader)
                 if status == 100:
                     try:
-                        sock.sendall(pack_u32(len(header)) + header)
+                        sock.sendall(_wire.pack_u32(len(header)) + header)
                         _send_file(sock, manifest, sizes.manifest_bytes)
                         _send_file(sock, slab, sizes.slab_bytes)
                     except (BrokenPipeError, ConnectionResetError):

@@ -14,13 +14,17 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxckpt import _agreement, _faults, _format, _multihost, _placement
-from jaxckpt._memory_tier import MemoryTier
-from jaxckpt._options import TierOptions
-from jaxckpt._slab import SLAB_FILE
-from jaxckpt.peer._client import fetch_range, push_part, redact_token
-from jaxckpt.peer._server import PeerServer
-from jaxckpt.peer._wire import PeerAddress
+from jaxckpt import (
+    _agreement,
+    _faults,
+    _format,
+    _memory_tier,
+    _multihost,
+    _options,
+    _placement,
+    _slab,
+)
+from jaxckpt.peer import _client, _server, _wire
 
 Inventory = dict[int, set[int]]  # step -> owners whose verified part a process holds
 
@@ -30,10 +34,10 @@ class Peers:
 
     def __init__(
         self,
-        server: PeerServer,
+        server: _server.PeerServer,
         token: str,
         run_id: str,
-        addresses: list[PeerAddress],
+        addresses: list[_wire.PeerAddress],
         domains: list[str],
         replicas: int,
         timeout_s: float,
@@ -48,7 +52,7 @@ class Peers:
         self._timeout_s = timeout_s
 
     @classmethod
-    def connect(cls, memory: MemoryTier, options: TierOptions) -> Peers:
+    def connect(cls, memory: _memory_tier.MemoryTier, options: _options.TierOptions) -> Peers:
         """Starts this process's peer service and meets the others (collective).
 
         Raises:
@@ -60,7 +64,7 @@ class Peers:
         return cls._meet(memory.run_id, memory, options, None)
 
     @classmethod
-    def decline(cls, run_id: str, options: TierOptions, error: BaseException) -> None:
+    def decline(cls, run_id: str, options: _options.TierOptions, error: BaseException) -> None:
         """Takes part in meeting the others without a memory tier to serve (collective).
 
         A process whose memory tier failed calls this where the others call
@@ -77,8 +81,8 @@ class Peers:
     def _meet(
         cls,
         run_id: str,
-        memory: MemoryTier | None,
-        options: TierOptions,
+        memory: _memory_tier.MemoryTier | None,
+        options: _options.TierOptions,
         error: BaseException | None,
     ) -> Peers:
         tag = f"peers/{run_id}"
@@ -90,7 +94,7 @@ class Peers:
         server = None
         if error is None and memory is not None:
             try:
-                server = PeerServer(
+                server = _server.PeerServer(
                     memory.run_dir.parent,
                     run_id=run_id,
                     token=token,
@@ -123,7 +127,7 @@ class Peers:
                 server.close()
             raise
         assert server is not None  # no process failed, this one included
-        addresses = [PeerAddress.from_dict(p["address"]) for p in everyone]
+        addresses = [_wire.PeerAddress.from_dict(p["address"]) for p in everyone]
         domains = [str(p["domain"]) for p in everyone]
         return cls(server, token, run_id, addresses, domains, options.replicas, options.timeout_s)
 
@@ -144,7 +148,7 @@ class Peers:
 
     def redact(self, text: str) -> str:
         """`text` without the run's token (kept out of every error and log)."""
-        return redact_token(text, self._token)
+        return _client.redact_token(text, self._token)
 
     def slab_range_reader(
         self, holder: int, step: int, owner: int
@@ -152,11 +156,12 @@ class Peers:
         """(offset, into, timeout_s): receives len(into) bytes of `owner`'s slab of
         `step` from `offset` into `into`, as `holder`'s memory tier holds it (a range
         request to its peer service)."""
-        relpath = f"{MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}/{SLAB_FILE}"
+        step_dir = _memory_tier.MemoryTier.step_name(step)
+        relpath = f"{step_dir}/{_format.part_dir_name(owner)}/{_slab.SLAB_FILE}"
         address = self.addresses[holder]
 
         def read(offset: int, into: memoryview, timeout_s: float) -> None:
-            fetch_range(
+            _client.fetch_range(
                 address,
                 token=self._token,
                 run_id=self.run_id,
@@ -174,12 +179,12 @@ class Peers:
         This process only sends (`push_part`: sendfile, no checksum); each holder
         verifies every chunk against the part's manifest before keeping it.
         """
-        dest = f"{MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
+        dest = f"{_memory_tier.MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
 
         def push(holder: int) -> int:
             _faults.maybe_crash("replicate", step, owner)
             try:
-                return push_part(
+                return _client.push_part(
                     self.addresses[holder],
                     token=self._token,
                     run_id=self.run_id,

@@ -17,7 +17,6 @@ import hmac
 import http.server
 import json
 import logging
-import mmap
 import os
 import re
 import socketserver
@@ -27,21 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from jaxckpt._checksum import matches
-from jaxckpt._format import MANIFEST_FILE, ChunkRecord, PartManifest, part_dir_name
-from jaxckpt._fs import remove_entry
-from jaxckpt._memory_tier import MemoryTier
-from jaxckpt._slab import SLAB_FILE, allocate, kept_view
-from jaxckpt.peer._wire import (
-    TEMP_PREFIX,
-    TOKEN_HEADER,
-    PushHeader,
-    clean_relpath,
-    decode_push_header,
-    push_body_length,
-    read_exact,
-    read_u32,
-)
+from jaxckpt import _checksum, _format, _fs, _memory_tier, _resources, _slab
+from jaxckpt.peer import _wire
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +36,8 @@ _MAX_MANIFEST_BYTES: Final = 1 << 30  # read into memory whole
 _RECV_STEP: Final = 8 << 20  # bytes received between hand-offs of complete chunks to checks
 _DRAIN_BYTES: Final = 1 << 20
 _PART_PLACE: Final = re.compile(r"step_[0-9]+/part_[0-9]+")
-_WRITE_BUFFER_BYTES: Final = 1 << 20  # small enough to stay in cache between its two copies
 # Checks chunks of received slabs (CRC-32C releases the GIL): shared by all pushes.
-_verify_pool: Final = concurrent.futures.ThreadPoolExecutor(
-    min(4, os.cpu_count() or 1), thread_name_prefix="jaxckpt-peer-verify"
-)
+_verify_pool: Final = _resources.SHARED.pool(min(4, os.cpu_count() or 1), "jaxckpt-peer-verify")
 
 
 def no_free_slab(dest: Path, nbytes: int) -> bool:
@@ -94,7 +77,7 @@ class ServiceConfig:
         default_factory=threading.Lock, compare=False, repr=False
     )
     take_free_slab: Callable[[Path, int], bool] = no_free_slab
-    retire_part: Callable[[str], None] = remove_entry
+    retire_part: Callable[[str], None] = _fs.remove_entry
 
 
 class _HTTPError(Exception):
@@ -174,7 +157,7 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
                 self._send_file(rel)
             elif kind == "list" and self.command == "GET":
                 names = sorted(
-                    n for n in os.listdir(self._resolve(rel)) if not n.startswith(TEMP_PREFIX)
+                    n for n in os.listdir(self._resolve(rel)) if not n.startswith(_wire.TEMP_PREFIX)
                 )
                 self._reply(200, json.dumps({"names": names}).encode(), "application/json")
             elif kind == "files" and self.command == "DELETE":
@@ -200,9 +183,9 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def _route(self, method: str, kind: str) -> str:
         """Authenticates the request and returns its cleaned relative path."""
-        sent = (self.headers.get(TOKEN_HEADER) or "").encode("utf-8", "surrogateescape")
+        sent = (self.headers.get(_wire.TOKEN_HEADER) or "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(sent, self.config.token):
-            raise _HTTPError(403, f"Missing or wrong {TOKEN_HEADER} header.")
+            raise _HTTPError(403, f"Missing or wrong {_wire.TOKEN_HEADER} header.")
         try:
             path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path, errors="strict")
         except UnicodeDecodeError as e:
@@ -215,7 +198,7 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
                 409, f"This peer serves run {self.config.run_id!r}, not run {parts[2]!r}."
             )
         try:
-            return clean_relpath(parts[3] if len(parts) > 3 else "", allow_empty=True)
+            return _wire.clean_relpath(parts[3] if len(parts) > 3 else "", allow_empty=True)
         except ValueError as e:
             raise _HTTPError(400, str(e)) from e
 
@@ -287,7 +270,7 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
         trash = self._temp_path("delete")
         with self.config.commit_lock:
             os.rename(path, trash)  # FileNotFoundError -> 404
-        remove_entry(trash)
+        _fs.remove_entry(trash)
         self._reply(204, b"", "application/json")
 
     def _push_length(self) -> int:
@@ -320,8 +303,8 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
             os.mkdir(tmp)
             try:
                 manifest = self._receive_manifest(rel, sizes, tmp)
-                slab = _IncomingSlab(
-                    os.path.join(tmp, SLAB_FILE), sizes.slab_bytes, self.config.take_free_slab
+                slab = _slab.Incoming(
+                    os.path.join(tmp, _slab.SLAB_FILE), sizes.slab_bytes, self.config.take_free_slab
                 )
             except (_HTTPError, OSError) as e:
                 if isinstance(e, (ConnectionError, TimeoutError)):
@@ -333,7 +316,7 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
             with slab:
                 check = _SlabCheck(manifest, slab.view, sizes.slab_bytes)
                 try:
-                    self._receive_file(SLAB_FILE, sizes.slab_bytes, slab, check, _RECV_STEP)
+                    self._receive_file(_slab.SLAB_FILE, sizes.slab_bytes, slab, check, _RECV_STEP)
                 finally:
                     # IMPORTANT: no check may still read the mapping when it is closed.
                     check.wait()
@@ -353,27 +336,30 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
                 committed = True
         finally:
             if not committed:
-                remove_entry(tmp)
+                _fs.remove_entry(tmp)
         body = json.dumps({"bytes": sizes.payload_bytes}).encode()
         self._reply(200, body, "application/json")
         if had_old:
             self.config.retire_part(old)  # After answering: this need not delay the pusher.
 
-    def _receive_manifest(self, rel: str, sizes: PushHeader, tmp: str) -> PartManifest:
+    def _receive_manifest(
+        self, rel: str, sizes: _wire.PushHeader, tmp: str
+    ) -> _format.PartManifest:
         """Receives the pushed part's manifest into ``tmp`` and checks it.
 
         Raises:
           _HTTPError: 400 unless the manifest is a part manifest of this run whose
             place is ``rel`` and whose chunks all lie inside the announced slab.
         """
-        data = read_exact(self.rfile, sizes.manifest_bytes)
+        data = _wire.read_exact(self.rfile, sizes.manifest_bytes)
         try:
-            manifest = PartManifest.from_json(data)
+            manifest = _format.PartManifest.from_json(data)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise _HTTPError(
-                400, f"The pushed {MANIFEST_FILE} is not a valid part manifest: {e}"
+                400, f"The pushed {_format.MANIFEST_FILE} is not a valid part manifest: {e}"
             ) from e
-        place = f"{MemoryTier.step_name(manifest.step)}/{part_dir_name(manifest.owner)}"
+        step_dir = _memory_tier.MemoryTier.step_name(manifest.step)
+        place = f"{step_dir}/{_format.part_dir_name(manifest.owner)}"
         if manifest.run_id != self.config.run_id or place != rel:
             raise _HTTPError(
                 400,
@@ -390,12 +376,12 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
                     f"{_describe(manifest, leaf, chunk)} lies outside the pushed "
                     f"{sizes.slab_bytes}-byte slab.",
                 )
-        with open(os.path.join(tmp, MANIFEST_FILE), "xb") as out:
+        with open(os.path.join(tmp, _format.MANIFEST_FILE), "xb") as out:
             out.write(data)
         return manifest
 
     def _receive_file(
-        self, name: str, size: int, slab: "_IncomingSlab", check: "_SlabCheck", step: int
+        self, name: str, size: int, slab: _slab.Incoming, check: "_SlabCheck", step: int
     ) -> None:
         """Receives the next ``size`` body bytes into ``slab``.
 
@@ -426,90 +412,21 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
                 raise ConnectionResetError("Client disconnected during a refused push.")
             size -= got
 
-    def _read_push_header(self, total: int) -> PushHeader:
-        size = read_u32(self.rfile) if total >= 4 else -1
+    def _read_push_header(self, total: int) -> _wire.PushHeader:
+        size = _wire.read_u32(self.rfile) if total >= 4 else -1
         if not 0 <= size <= min(_MAX_PUSH_HEADER_BYTES, total - 4):
             raise _HTTPError(400, f"Bad push header length {size} for a {total}-byte body.")
         try:
-            header = decode_push_header(read_exact(self.rfile, size))
+            header = _wire.decode_push_header(_wire.read_exact(self.rfile, size))
         except ValueError as e:
             raise _HTTPError(400, str(e)) from e
-        if push_body_length(size, header) != total:
+        if _wire.push_body_length(size, header) != total:
             raise _HTTPError(400, "Content-Length does not match the sizes in the push header.")
         if header.manifest_bytes > _MAX_MANIFEST_BYTES:
             raise _HTTPError(
                 400, f"A pushed manifest of {header.manifest_bytes} bytes is implausibly large."
             )
         return header
-
-
-class _IncomingSlab:
-    """The slab file of a push being received.
-
-    The file is a free slab of the memory tier when there is one: its pages are
-    allocated already, so the socket's bytes are received straight into a
-    mapping of it, at memory speed (the mapping is kept across pushes and
-    saves: `_slab.kept_view`). A new file is written with ``pwrite`` from a
-    small buffer instead (on tmpfs, a first write through a mapping costs a page
-    fault and a zeroing per page, twice the time). Either way `view` maps the
-    file for the checks. Close it (or use it as a context manager) after the
-    last read of `view` and of any slice of it.
-    """
-
-    def __init__(self, path: str, size: int, take_free_slab: Callable[[Path, int], bool]) -> None:
-        reused = size > 0 and take_free_slab(Path(path), size)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if reused else os.O_EXCL), 0o644)
-        self._map: mmap.mmap | None = None
-        self._buf: memoryview | None = None
-        self.view = memoryview(b"")
-        try:
-            os.ftruncate(self._fd, size)
-            if size:
-                # IMPORTANT: every page exists before the body is read (ENOSPC here,
-                # never a SIGBUS on a mapped page later).
-                allocate(self._fd, size)
-                if reused:  # mapped once across pushes (`kept_view`): never closed here
-                    self.view = kept_view(self._fd, size).data
-                else:
-                    # Read only and not populated: touching a page before it is
-                    # written would zero it for nothing.
-                    self._map = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ)
-                    self._buf = memoryview(bytearray(min(size, _WRITE_BUFFER_BYTES)))
-                    self.view = memoryview(self._map)
-        except BaseException:
-            self.close()
-            raise
-
-    def receive(self, stream: Any, offset: int, size: int) -> int:
-        """Reads up to ``size`` bytes of ``stream`` into the file at ``offset``; how many."""
-        if self._buf is None:
-            return stream.readinto(self.view[offset : offset + size]) or 0
-        done = 0
-        while done < size:
-            got = stream.readinto(self._buf[: min(size - done, len(self._buf))]) or 0
-            if not got:
-                break
-            written = 0
-            while written < got:
-                written += os.pwrite(self._fd, self._buf[written:got], offset + done + written)
-            done += got
-        return done
-
-    def close(self) -> None:
-        self.view.release()
-        try:
-            if self._map is not None:
-                self._map.close()
-        except BufferError:
-            pass  # A slice outlives this (held by a failed check's traceback): unmapped with it.
-        finally:
-            os.close(self._fd)
-
-    def __enter__(self) -> "_IncomingSlab":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 class _SlabCheck:
@@ -519,11 +436,11 @@ class _SlabCheck:
     bytes are in, on a shared pool, while later chunks still arrive.
     """
 
-    def __init__(self, manifest: PartManifest, data: memoryview, size: int) -> None:
+    def __init__(self, manifest: _format.PartManifest, data: memoryview, size: int) -> None:
         self._manifest, self._data, self._size = manifest, data, size
         self._chunks = sorted(_chunks(manifest), key=lambda lc: _end(lc[1]))
         self._next = 0
-        self._jobs: list[concurrent.futures.Future[list[tuple[int, ChunkRecord]]]] = []
+        self._jobs: list[concurrent.futures.Future[list[tuple[int, _format.ChunkRecord]]]] = []
 
     def received(self, upto: int) -> None:
         """Queues the checks of the chunks that lie wholly before byte ``upto``."""
@@ -533,11 +450,11 @@ class _SlabCheck:
         if self._next > first:
             self._jobs.append(_verify_pool.submit(self._verify, first, self._next))
 
-    def _verify(self, first: int, stop: int) -> list[tuple[int, ChunkRecord]]:
+    def _verify(self, first: int, stop: int) -> list[tuple[int, _format.ChunkRecord]]:
         return [
             (leaf, c)
             for leaf, c in self._chunks[first:stop]
-            if not matches(c.crc32c, c.crc32, self._data[_end(c) - c.nbytes : _end(c)])
+            if not _checksum.matches(c.crc32c, c.crc32, self._data[_end(c) - c.nbytes : _end(c)])
         ]
 
     def wait(self) -> None:
@@ -558,17 +475,17 @@ class _SlabCheck:
         )
 
 
-def _chunks(manifest: PartManifest) -> list[tuple[int, ChunkRecord]]:
+def _chunks(manifest: _format.PartManifest) -> list[tuple[int, _format.ChunkRecord]]:
     """(leaf index, chunk) for every chunk of a part."""
     return [(leaf, c) for leaf, cs in sorted(manifest.chunks.items()) for c in cs]
 
 
-def _end(chunk: ChunkRecord) -> int:
+def _end(chunk: _format.ChunkRecord) -> int:
     """Where a chunk ends in its slab (checked to have an offset before any use)."""
     return (chunk.offset or 0) + chunk.nbytes
 
 
-def _describe(manifest: PartManifest, leaf: int, chunk: ChunkRecord) -> str:
+def _describe(manifest: _format.PartManifest, leaf: int, chunk: _format.ChunkRecord) -> str:
     path = manifest.leaves[leaf].path if 0 <= leaf < len(manifest.leaves) else f"#{leaf}"
     where = (
         f", bytes [{chunk.offset}, {_end(chunk)}) of the slab" if chunk.offset is not None else ""

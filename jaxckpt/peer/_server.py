@@ -21,10 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _fs, _liveness
-from jaxckpt._memory_tier import MemoryTier
-from jaxckpt.peer._request_handler import PeerRequestHandler, ServiceConfig
-from jaxckpt.peer._wire import TEMP_PREFIX, PeerAddress, check_run_id, check_token
+from jaxckpt import _fs, _liveness, _memory_tier
+from jaxckpt.peer import _request_handler, _wire
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +40,16 @@ class PeerHTTPServer(http.server.ThreadingHTTPServer):
     block_on_close = False
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], config: ServiceConfig) -> None:
+    def __init__(self, address: tuple[str, int], config: _request_handler.ServiceConfig) -> None:
         """Binds and listens on ``address`` (host, port; port 0 picks a free one)."""
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.config = config
         self._live_lock = threading.Lock()
         self._live: dict[threading.Thread, socket.socket] = {}
         self.handled = 0  # connections served to their end
-        super().__init__(address, functools.partial(PeerRequestHandler, config=config))
+        super().__init__(
+            address, functools.partial(_request_handler.PeerRequestHandler, config=config)
+        )
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind calls getfqdn(), which can block on DNS.
@@ -129,8 +129,8 @@ class PeerServer:
           ValueError: If an argument is invalid.
           OSError: If the socket cannot be bound.
         """
-        check_run_id(run_id)
-        check_token(token)
+        _wire.check_run_id(run_id)
+        _wire.check_token(token)
         if isinstance(max_push_bytes, bool) or not isinstance(max_push_bytes, int):
             raise ValueError(f"max_push_bytes must be an int, got {max_push_bytes!r}.")
         if max_push_bytes <= 0 or not io_timeout > 0:
@@ -140,7 +140,7 @@ class PeerServer:
             )
         run_dir = os.path.realpath(os.path.join(os.fspath(root), run_id))
         os.makedirs(run_dir, exist_ok=True)
-        config = ServiceConfig(
+        config = _request_handler.ServiceConfig(
             run_dir=run_dir,
             run_id=run_id,
             token=token.encode(),
@@ -149,7 +149,7 @@ class PeerServer:
             temp_name=_temp_name,
         )
         if reuse_free_slabs:
-            memory = MemoryTier(os.fspath(root), run_id)
+            memory = _memory_tier.MemoryTier(os.fspath(root), run_id)
             config = dataclasses.replace(
                 config,
                 take_free_slab=memory.take_free_slab,
@@ -157,13 +157,13 @@ class PeerServer:
             )
         self._httpd = PeerHTTPServer((host, port), config)
         advertised = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
-        self._address = PeerAddress(advertised, self._httpd.server_address[1])
+        self._address = _wire.PeerAddress(advertised, self._httpd.server_address[1])
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
 
     @property
-    def address(self) -> PeerAddress:
+    def address(self) -> _wire.PeerAddress:
         """Where peers reach this server."""
         return self._address
 
@@ -222,11 +222,11 @@ class PeerServer:
 
 def _temp_name(purpose: str) -> str:
     """Returns a fresh temporary entry name that records this process (`_liveness.record`)."""
-    return f"{TEMP_PREFIX}{_liveness.record()}-{purpose}-{uuid.uuid4().hex}"
+    return f"{_wire.TEMP_PREFIX}{_liveness.record()}-{purpose}-{uuid.uuid4().hex}"
 
 
 def _is_stale_temp(entry: Path) -> bool:
     """Whether ``entry`` is a `_temp_name` of a process that certainly no longer runs."""
-    if not entry.name.startswith(TEMP_PREFIX):
+    if not entry.name.startswith(_wire.TEMP_PREFIX):
         return False
-    return _liveness.is_gone(entry.name.removeprefix(TEMP_PREFIX).split("-", 1)[0])
+    return _liveness.is_gone(entry.name.removeprefix(_wire.TEMP_PREFIX).split("-", 1)[0])

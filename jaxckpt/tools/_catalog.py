@@ -4,7 +4,7 @@ Read only, and offline: it never talks to the processes of a job. It reads the
 `index_<p>.json` manifests of every step in the CheckpointManager's directory,
 the persisted parts next to them, and the memory tiers under the memory roots
 it is given, and decides restorability with the same rules a restore uses
-(`_restore.matches`, `_plan.plan_step`): a step is restorable from what is in
+(`_index.matches`, `_plan.plan_step`): a step is restorable from what is in
 reach when every part it needs has a copy of this very save somewhere.
 
 The checkpoint directory may be local or on an object store (`gs://`, `s3://`;
@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
-from jaxckpt import _format, _memory_tier, _paths, _placement, _plan, _restore, _storage
+from jaxckpt import _format, _index, _memory_tier, _paths, _placement, _plan, _storage
 
 UNREADABLE: Final = "unreadable manifest"
 OTHER_SAVE: Final = "another save of the step"
@@ -151,7 +151,7 @@ class Catalog:
         self.item = item or _single_item(self.directory)
         self.step_dirs = _paths.finalized_steps(self.directory, self.item)
         self.unfinalized = self._unfinalized()
-        self._index = {s: _restore.read_index(d) for s, d in self.step_dirs.items()}
+        self._index = {s: _index.read_index(d) for s, d in self.step_dirs.items()}
         self.run_id = run_id or self._run_id()
         memory_roots = list(dict.fromkeys(os.fspath(r) for r in memory_roots))  # each once
         tiers = [_memory_tier.MemoryTier(os.fspath(r), self.run_id) for r in memory_roots]
@@ -184,13 +184,13 @@ class Catalog:
             for owner, copy in held.get(step, {}).items():
                 if copy is None:
                     stale.append((root.path, owner, UNREADABLE))
-                elif item_dir is None or _restore.matches(copy, index.get(owner, copy)):
+                elif item_dir is None or _index.matches(copy, index.get(owner, copy)):
                     memory.setdefault(owner, []).append(root.path)
                 else:
                     stale.append((root.path, owner, OTHER_SAVE))
         if item_dir is None:  # memory only: describe the step from its memory copies
             index = {o: c for h in self._held for o, c in h.get(step, {}).items() if c is not None}
-        persisted = _restore.persisted_parts(item_dir, dict(index)) if item_dir else set()
+        persisted = _index.persisted_parts(item_dir, dict(index)) if item_dir else set()
         incomplete = _incomplete_parts(item_dir, index, persisted) if item_dir else ()
         held_by_root = {
             i: {o for o, roots in memory.items() if r.path in roots}

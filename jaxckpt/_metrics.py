@@ -1,0 +1,107 @@
+"""A save's measurements as a typed record, and where every measurement goes.
+
+`SaveMetrics` is filled by the save that owns it (`_save.Save`), one phase after
+another; `Publisher` hands a save's, persist's or restore's measurements (or a
+failure) to the log, the user's `on_metrics` callback and the handler's
+`last_*_metrics`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from absl import logging as log
+
+from jaxckpt import _multihost
+
+
+@dataclasses.dataclass
+class SaveMetrics:
+    """One save of one process, phase by phase (seconds from `async_save`'s start for
+    the `safe_*` fields). Fields left None were not measured (a phase that did not run)."""
+
+    step: int
+    process: int
+    bytes: int
+    stall_s: float
+    host_staging: str  # slab, cpu_view, pinned_host or pageable
+    slab_copy_s: float | None = None  # the copy into the slab before `async_save` returned
+    memory_write_s: float | None = None
+    memory_write_bytes_per_s: float | None = None
+    safe_in_memory_s: float | None = None
+    replicate_s: float | None = None
+    replicate_bytes: int | None = None
+    replicate_bytes_per_s: float | None = None
+    safe_on_peers_s: float | None = None
+    agree_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `save` event as the log, the callback and the manifest carry it."""
+        out: dict[str, Any] = {"event": "save"}
+        out.update({k: v for k, v in dataclasses.asdict(self).items() if v is not None})
+        return out
+
+
+class Publisher:
+    """Hands measurements and failures to the log and the user's callback.
+
+    Attributes:
+      last: event ("save", "restore", "persist") -> its latest measurements.
+    """
+
+    def __init__(self, on_metrics: Callable[[dict[str, Any]], None] | None = None):
+        self._on_metrics = on_metrics
+        self.last: dict[str, dict[str, Any]] = {"save": {}, "restore": {}, "persist": {}}
+
+    def publish(self, metrics: dict[str, Any]) -> None:
+        """Logs `metrics` (a dict with an "event") and hands a copy to the callback."""
+        if metrics["event"] in self.last:
+            self.last[metrics["event"]] = metrics
+        log.info("jaxckpt: %s", metrics)
+        if self._on_metrics is not None:
+            # The user's callback is no part of checkpointing: its failure must not fail
+            # a save or a restore, nor be taken for a failed persist.
+            try:
+                self._on_metrics(dict(metrics))
+            except Exception:
+                log.exception(
+                    "jaxckpt: the on_metrics callback failed on the %s event of step %s; "
+                    "checkpointing is not affected",
+                    metrics.get("event"),
+                    metrics.get("step"),
+                )
+
+    def failure(self, operation: str, step: int | None, error_text: str) -> None:
+        """Publishes a failed save or restore (`<operation>_failed`); `error_text` is
+        already redacted of secrets."""
+        self.publish(
+            {
+                "event": f"{operation}_failed",
+                "process": _multihost.process_index(),
+                "step": step,
+                "error": error_text,
+            }
+        )
+
+
+class Restored(Protocol):
+    """What a restore's measurements are made of (`_restore.Restorer`)."""
+
+    bytes_by_tier: dict[str, int]
+    failures: list[str]
+
+
+def restore_metrics(step: int, seconds: float, restorer: Restored) -> dict[str, Any]:
+    """The `restore` event of a restore of `step` that took `seconds`."""
+    by_tier = restorer.bytes_by_tier
+    return {
+        "event": "restore",
+        "process": _multihost.process_index(),
+        "step": step,
+        "seconds": seconds,
+        "bytes_by_tier": dict(by_tier),
+        "tier": max(by_tier, key=by_tier.__getitem__) if by_tier else "none",
+        "fallbacks": len(restorer.failures),
+    }

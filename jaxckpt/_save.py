@@ -1,0 +1,307 @@
+"""One save of this process, from its held shards to its index manifest.
+
+`Save` owns the whole background half of a save; the handler's `async_save`
+only takes the snapshot, meets the peers and hands over. In order:
+
+1. `stage` (before `async_save` returns, on CPU unless `hold_cpu_arrays`): the
+   held views are copied into the part's slab and let go, so that the next train
+   step may donate those buffers;
+2. `commit` (the commit future): the slab (filled now, with each block's
+   CRC-32C, or only checksummed where `stage` filled it), its manifest and the
+   atomic commit into the memory tier; the push to the replica holders; the
+   persist job of a step that is due; the agreement of every process; the index
+   manifest in the step directory; then memory retention.
+
+Any failure before the index is agreed on, so every process raises and the
+manager finalizes the step on all of them or on none. `SaveMetrics` records
+each phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+import time
+import uuid
+from collections.abc import Awaitable
+from pathlib import Path
+
+from absl import logging as log
+
+from jaxckpt import (
+    _agreement,
+    _faults,
+    _format,
+    _fs,
+    _memory_tier,
+    _metrics,
+    _multihost,
+    _paths,
+    _persister,
+    _retention,
+    _slab,
+    _snapshot,
+    _storage,
+)
+from jaxckpt._options import TierOptions
+from jaxckpt.peer import _peers
+
+
+@dataclasses.dataclass(frozen=True)
+class Services:
+    """The handler-lifetime objects a save hands its work to (objects, not callbacks)."""
+
+    options: TierOptions
+    persister: _persister.Persister
+    retainer: _retention.MemoryRetainer
+    publisher: _metrics.Publisher
+
+
+class Save:
+    """The background half of one save of this process (see the module docstring)."""
+
+    def __init__(
+        self,
+        item: _paths.ItemDir,
+        step: int,
+        snapshot: _snapshot.Snapshot,
+        memory: _memory_tier.MemoryTier,
+        peers: _peers.Peers | None,
+        services: Services,
+        started: float,
+    ):
+        self._item, self._step, self._snapshot = item, step, snapshot
+        self._memory, self._peers, self._services = memory, peers, services
+        self._options = services.options
+        self._started = started
+        self._process = _multihost.process_index()
+        self._staged: _memory_tier.StagedSlab | None = None
+        self._checksummed = False  # whether the staged slab's CRC-32Cs are computed
+        self._agreed = False
+        self.metrics = _metrics.SaveMetrics(
+            step=step,
+            process=self._process,
+            bytes=snapshot.nbytes,
+            stall_s=0.0,
+            host_staging=snapshot.staging,
+        )
+
+    def stage(self) -> None:
+        """On CPU (unless `hold_cpu_arrays`), copies the held views into the part's slab
+        now and lets go of them: JAX may then donate the arrays to the next train step
+        (a declined donation costs that step more than the copy). Ends the stall."""
+        if self._snapshot.staging == "cpu_view" and not self._options.hold_cpu_arrays:
+            release = [s.release() for s in self._snapshot.shards]
+            self._staged = self._memory.stage_slab(
+                self._step, self._process, release, checksum=False
+            )
+            self.metrics.host_staging = "slab"
+            self.metrics.slab_copy_s = self._staged.seconds
+        _faults.maybe_crash("snapshot", self._step, self._process)
+        self.metrics.stall_s = time.perf_counter() - self._started
+
+    async def commit(self) -> None:
+        """The commit of this save, agreed on: every process fails it if one fails before
+        its index manifest or saved another tree (see `_agreement`)."""
+        try:
+            await self._commit()
+        except Exception as error:
+            self._services.publisher.failure("save", self._step, self._redact(str(error)))
+            if not self._agreed:
+                await self._agree(error)
+            raise
+
+    async def _commit(self) -> None:
+        manifest, part = await self._commit_in_memory()
+        self.metrics.safe_in_memory_s = time.perf_counter() - self._started
+        # Set once the commit has ended: a persist job (queued after the push) makes
+        # nothing durable before it is True and the manager has finalized the step.
+        committed: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        try:
+            await self._replicate_agree_index(manifest, part, committed)
+        except BaseException:
+            committed.set_result(False)
+            raise
+        committed.set_result(True)
+        # IMPORTANT: older steps leave memory only once this one is finalized, so that
+        # a crash at any moment leaves a finalized step in memory.
+        self._services.retainer.after(self._memory, self._item, self._step)
+
+    async def _commit_in_memory(self) -> tuple[_format.PartManifest, Path]:
+        """The part's slab (with its CRC-32Cs) and manifest, committed into the memory tier."""
+        step, pi, snapshot, memory = self._step, self._process, self._snapshot, self._memory
+        start = time.perf_counter()
+        staged = self._staged
+        if staged is None:
+            chunks_data = [s.release() for s in snapshot.shards]
+            staged = await asyncio.to_thread(memory.stage_slab, step, pi, chunks_data)
+        staging = staged.staging
+        try:
+            crcs = staged.crcs
+            if crcs is None:  # filled by `stage`: checksummed here, in place
+                sizes = [s.nbytes for s in snapshot.shards]
+                slab = staging / _slab.SLAB_FILE
+                crcs = await asyncio.to_thread(_slab.checksums, slab, staged.offsets, sizes)
+            chunks: dict[int, list[_format.ChunkRecord]] = {}
+            for s, crc, offset in zip(snapshot.shards, crcs, staged.offsets, strict=True):
+                chunks.setdefault(s.leaf, []).append(
+                    _format.ChunkRecord(s.index, s.nbytes, crc32c=crc, offset=offset)
+                )
+            memory_s = time.perf_counter() - start + (self.metrics.slab_copy_s or 0.0)
+            self.metrics.memory_write_s = memory_s
+            self.metrics.memory_write_bytes_per_s = snapshot.nbytes / max(memory_s, 1e-9)
+            manifest = _format.PartManifest(
+                step=step,
+                run_id=memory.run_id,
+                save_id=uuid.uuid4().hex,
+                owner=pi,
+                process_count=_multihost.process_count(),
+                failure_domain=self._options.resolved_failure_domain,
+                leaves=snapshot.leaves,
+                chunks={leaf: tuple(cs) for leaf, cs in chunks.items()},
+                iterator_states=snapshot.iterator_states,
+                scalars=snapshot.scalars,
+                shardings=snapshot.shardings,
+                created=time.time(),
+                metrics=self.metrics.to_dict(),
+            )
+            (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
+            _faults.maybe_crash("memory_write", step, pi)
+            part = memory.commit(staging, step, pi)
+            _faults.maybe_crash("memory_commit", step, pi)
+        except BaseException as e:
+            _fs.remove_entry(staging)
+            if _fs.is_out_of_space(e):
+                raise memory.full_error(e, step, pi) from e
+            raise
+        return manifest, part
+
+    async def _replicate_agree_index(
+        self,
+        manifest: _format.PartManifest,
+        part: Path,
+        committed: concurrent.futures.Future[bool],
+    ) -> None:
+        """The rest of a commit once the part is in memory: push it to its holders,
+        queue its persistence if the step is due, agree with the other processes,
+        write the index manifest."""
+        step, pi, metrics, options = self._step, self._process, self.metrics, self._options
+        if self._peers is not None and options.replicas:
+            push_start = time.perf_counter()
+            sent = await self._peers.push_replicas(part, step, pi)
+            metrics.replicate_s = push_s = time.perf_counter() - push_start
+            metrics.replicate_bytes = sent
+            metrics.replicate_bytes_per_s = sent / max(push_s, 1e-9)
+            metrics.safe_on_peers_s = time.perf_counter() - self._started
+            _faults.maybe_crash("replicated", step, pi)
+        # Persistence starts once the part is on its peers, beside the agreement and the
+        # index: the fast tiers first (a node is lost more often than a rack), and a
+        # persist beside the push would share the cores and the network with it
+        # (measured on 2 cores: the push 5x slower, and the persist no faster).
+        if step % options.persist_every == 0:
+            self._services.persister.submit(
+                _persister.PersistJob(
+                    manifest,
+                    part,
+                    self._item.path,
+                    self._item.final,
+                    pin=self._memory.pin(step),
+                    committed=committed,
+                )
+            )
+        # IMPORTANT: every process agrees that all committed the same tree before any writes
+        # its index manifest: a step is indexed by every process or by none.
+        await self._agree(None)
+        # IMPORTANT: the index manifest is written only after the memory part is committed
+        # (and replicated), so an index never points at copies that do not exist yet.
+        manifest = dataclasses.replace(manifest, metrics=metrics.to_dict())
+        _storage.write_file(self._item.path / _format.index_file(pi), manifest.to_json())
+        _faults.maybe_crash("index", step, pi)
+        self._services.publisher.publish(metrics.to_dict())
+
+    async def _agree(self, error: BaseException | None) -> None:
+        self._agreed = True
+        start = time.perf_counter()
+        await asyncio.to_thread(
+            _agreement.agree_on_save,
+            self._snapshot.leaves,
+            error,
+            tag=self._item.tag("save", self._options.run_id),
+            step=self._step,
+            timeout_s=self._options.timeout_s,
+        )
+        self.metrics.agree_s = time.perf_counter() - start
+
+    def _redact(self, text: str) -> str:
+        return self._peers.redact(text) if self._peers is not None else text
+
+
+def refused(
+    item: _paths.ItemDir,
+    step: int | None,
+    error: BaseException,
+    services: Services,
+    peers: _peers.Peers | None,
+) -> Awaitable[None]:
+    """Logs a save this process refused at once; returns its commit, which raises `error`
+    on every process."""
+    pi = _multihost.process_index()
+    log.error("jaxckpt: [process %d] save into %s refused: %s", pi, item.path, error)
+    redacted = peers.redact(str(error)) if peers is not None else str(error)
+    return _refused(item, step, error, services, redacted)
+
+
+async def _refused(
+    item: _paths.ItemDir, step: int | None, error: BaseException, services: Services, said: str
+) -> None:
+    services.publisher.failure("save", step, said)
+    if not _agreement.is_agreed(error):
+        await asyncio.to_thread(
+            _agreement.agree_on_save,
+            None,
+            error,
+            tag=item.tag("save", services.options.run_id),
+            step=step,
+            timeout_s=services.options.timeout_s,
+        )
+    raise error
+
+
+class InFlight:
+    """Counts the commits of saves that have not ended yet (`wait_for_persistence` waits
+    for them: they queue the persistence)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._done = threading.Condition()
+
+    def track(self, commit: Awaitable[None]) -> Awaitable[None]:
+        """`commit`, counted as in flight from now until it ends."""
+        with self._done:
+            self._count += 1
+
+        async def run() -> None:
+            try:
+                await commit
+            finally:
+                with self._done:
+                    self._count -= 1
+                    self._done.notify_all()
+
+        return run()
+
+    def wait(self, timeout_s: float) -> None:
+        """Waits until every commit counted so far has ended.
+
+        Raises:
+          TimeoutError: if they have not within `timeout_s`.
+        """
+        with self._done:
+            if not self._done.wait_for(lambda: self._count == 0, timeout=timeout_s):
+                raise TimeoutError(
+                    f"[process {_multihost.process_index()}] {self._count} save(s) did not "
+                    f"end their commit within {timeout_s:.0f} s; see the manager's "
+                    "wait_until_finished() for why."
+                )
