@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jaxckpt import _internals, _multihost, _storage
+from jaxckpt import _internals, _multihost, _paths, _storage
 from jaxckpt._handler import TieredCheckpointHandler
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,11 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
             "TieredRestore) or use mngr.latest_step()."
         )
     mngr.reload()
-    steps = sorted(mngr.all_steps())
     root = _storage.as_path(mngr.directory)
+    # Steps holding no jaxckpt item (an old loop's Orbax steps in the same directory,
+    # which jaxckpt.restore_existing reads) are neither candidates nor deleted.
+    ours = set().union(*(_paths.finalized_steps(root, item) for item in handlers))
+    steps = sorted(s for s in mngr.all_steps() if s in ours)
     restorable = set(steps)
     for item, handler in sorted(handlers.items()):
         # Any item directory will do: the handler looks at the step directories next to it.

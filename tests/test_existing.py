@@ -259,7 +259,8 @@ def test_steps_holding_a_jaxckpt_item_are_skipped(tmp_path, memory_root):
         jaxckpt.restore_existing(directory, {"w": jnp.zeros(3)}, step=5)
 
 
-def test_an_old_orbax_checkpoint_becomes_the_first_jaxckpt_step(tmp_path, memory_root):
+@pytest.mark.parametrize("directory", ["new", "old"], ids=["own_directory", "shared_directory"])
+def test_an_old_orbax_checkpoint_becomes_the_first_jaxckpt_step(tmp_path, memory_root, directory):
     mesh = mesh_1d(2)
     model = _model(mesh, seed=0)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -269,13 +270,14 @@ def test_an_old_orbax_checkpoint_becomes_the_first_jaxckpt_step(tmp_path, memory
     _orbax_save(tmp_path / "old", [(3, ocp.args.StandardSave(old))])
     expected = _host(old)
 
-    # The new job: fresh objects, a jaxckpt manager on its own directory.
+    # The new job: fresh objects, a jaxckpt manager on a new directory or the old loop's.
     model = _model(mesh, seed=5)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=1))
-    with manager(tmp_path / "ckpt", handler) as mngr:
+    with manager(tmp_path / directory, handler) as mngr:
         step = jaxckpt.latest_restorable_step(mngr)
         assert step is None
+        assert (tmp_path / "old" / "3").is_dir()  # the old loop's step is left alone
         found = jaxckpt.restore_existing(
             tmp_path / "old", {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
         )
@@ -289,6 +291,7 @@ def test_an_old_orbax_checkpoint_becomes_the_first_jaxckpt_step(tmp_path, memory
         save(mngr, step + 1, full_state)
         mngr.wait_until_finished()
         assert jaxckpt.latest_restorable_step(mngr) == 4
+        assert (tmp_path / "old" / "3").is_dir()
         back = restore(mngr, 4, full_state)
     assert_tree_equal(back, full_state)
     _train_step(model, optimizer, jnp.ones((2, 4)))  # the job goes on, on the mesh
