@@ -20,6 +20,9 @@ class TieredSave(ocp.args.CheckpointArgs):
     Attributes:
       state: params, optimizer state, typed PRNG keys, iterators, scalars.
       step: only needed outside a CheckpointManager, whose directories name the step.
+      persist: persist this step whatever `TierOptions.persist_every` says, e.g. the
+        last step of a run (`persist=step == last_step`), so that the trained state
+        ends up in the manager's directory. Pass the same value on every process.
 
     Raises:
       TypeError: on construction, for a leaf jaxckpt cannot save and restore
@@ -30,8 +33,14 @@ class TieredSave(ocp.args.CheckpointArgs):
 
     state: Any
     step: int | None = None
+    persist: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.persist, bool):
+            raise TypeError(
+                f"[process {_multihost.process_index()}] TieredSave(persist=...) must be a "
+                f"bool, not {self.persist!r}."
+            )
         try:
             _tree.validate(self.state)
         except TypeError as e:

@@ -34,7 +34,8 @@ find a parameter with plain tensorstore; checksums chunks with CRC-32C instead
 of zlib's CRC-32; and keeps a memory or peer part in one slab file (`_slab`),
 each chunk at the `offset` its record gives.
 Versions 1 and 2 are still read (every field added since has a default; their
-arrays are named by leaf index).
+arrays are named by leaf index). A field added within a version has a default
+that older manifests get, and older readers ignore it: `persist` (in 3).
 """
 
 from __future__ import annotations
@@ -268,6 +269,9 @@ class PartManifest:
       shardings: leaf index -> `owner`'s sharding of a per-process jax.Array.
       created: wall-clock time of the snapshot.
       metrics: measurements of the save (stall, bytes, ...), informational.
+      persist: whether the save asked for the step's persistence
+        (`TieredSave(persist=True)`), whatever `TierOptions.persist_every` says.
+        Added in version 3 with a default (False).
     """
 
     step: int
@@ -283,6 +287,7 @@ class PartManifest:
     metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     scalars: Mapping[int, Any] = dataclasses.field(default_factory=dict)
     shardings: Mapping[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    persist: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -305,6 +310,7 @@ class PartManifest:
             "shardings": {str(i): s for i, s in self.shardings.items()},
             "created": self.created,
             "metrics": dict(self.metrics),
+            "persist": self.persist,
             "jaxckpt_version": JAXCKPT_VERSION,
         }
 
@@ -340,7 +346,12 @@ class PartManifest:
             metrics=dict(d.get("metrics", {})),
             scalars={int(i): v for i, v in d.get("scalars", {}).items()},
             shardings={int(i): s for i, s in d.get("shardings", {}).items()},
+            persist=bool(d.get("persist", False)),
         )
+
+    def is_due(self, persist_every: int) -> bool:
+        """Whether this step is to be persisted: asked for, or due by `persist_every`."""
+        return self.persist or self.step % persist_every == 0
 
     def to_json(self) -> str:
         """The manifest as JSON, its CRC-32C (of the text before it) as the last member.

@@ -3,7 +3,6 @@ save (`_save`), the run (`_run`) and the restore (`_index`, `_restore`)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,11 +15,11 @@ from orbax.checkpoint import checkpoint_args
 from jaxckpt import (
     _agreement,
     _aio,
+    _background,
     _index,
     _metrics,
     _multihost,
     _paths,
-    _persister,
     _restore,
     _retention,
     _run,
@@ -62,25 +61,12 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"TieredCheckpointHandler needs TierOptions, got {type(options).__name__}."
             )
         self._options = options
-        # Set while closing: the manager has finished, so background waits for a
-        # step's finalization end at once (a step not finalized by now never will be).
-        self._closing = threading.Event()
         self._publisher = _metrics.Publisher(on_metrics)
-        self._persister = _persister.Persister(
-            options.persist_compression,
-            options.timeout_s,
-            on_persisted=self._publisher.publish,
-            closing=self._closing,
-            on_failed=self._publisher.publish,
-        )
-        pending = self._persister.pending_steps
-        self._retainer = _retention.MemoryRetainer(
-            options.memory_keep, options.timeout_s, pending, self._closing
-        )
-        self._keeper = _retention.Keeper(options.persist_every, pending)
-        self._runs = _run.Run(options, self._persister, self._keeper)
-        self._services = _save.Services(options, self._persister, self._retainer, self._publisher)
-        self._in_flight = _save.InFlight()
+        self._background = _background.Background(options, self._publisher)
+        persister, retainer = self._background.persister, self._background.retainer
+        self._keeper = _retention.Keeper(options.persist_every, persister.pending_steps)
+        self._runs = _run.Run(options, persister, self._keeper)
+        self._services = _save.Services(options, persister, retainer, self._publisher)
 
     @property
     def options(self) -> TierOptions:
@@ -96,13 +82,12 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     async def async_save(self, directory: epath.Path, args: TieredSave) -> list[Any]:
         """Snapshots this process's shards to host and returns the commit future.
 
-        An unsupported leaf or dtype is refused earlier, when `TieredSave` is
-        built. Other bad input (an unwritable memory root, an iterator state
-        that is not JSON, ...) is logged at once and raised by the returned
-        future, that is by `mngr.save()` in a synchronous manager and by
-        `wait_until_finished()` or the next `save()` in an asynchronous one.
-        Raising here instead would strand Orbax's directory-creation threads;
-        the step is not finalized either way.
+        An unsupported leaf or dtype is refused when `TieredSave` is built. Other bad
+        input (an unwritable memory root, an iterator state that is not JSON, ...) is
+        logged at once and raised by the returned future: by `mngr.save()` in a
+        synchronous manager, by `wait_until_finished()` or the next `save()` in an
+        asynchronous one (raising here would strand Orbax's directory-creation
+        threads); the step is not finalized either way.
         """
         started = time.perf_counter()
         item = _paths.ItemDir.parse(directory)
@@ -125,7 +110,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             # refusal is agreed on in the commit, where every process raises it.
             peers = self._runs.meet(item, memory, refused)
             if refused is None and memory is not None and snapshot is not None:
-                save = _save.Save(item, step, snapshot, memory, peers, self._services, started)
+                save = _save.Save(
+                    item, step, snapshot, memory, peers, self._services, started, args.persist
+                )
                 save.stage()
         except Exception as error:
             refused = refused or error
@@ -136,7 +123,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             commit = save.commit()
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
-                self._in_flight.track(commit),
+                self._background.in_flight.track(commit),
                 name="jaxckpt_commit",
                 timeout_secs=int(self._options.timeout_s),
             )
@@ -249,23 +236,22 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         """No-op: parts become visible by their own atomic renames."""
 
     def close(self) -> None:
-        """Drains pending persistence (bounded by `TierOptions.timeout_s`).
+        """Drains pending persistence (bounded by `TierOptions.timeout_s`), and persists
+        nothing else: a newest step not due stays in memory only, with a warning (save
+        the last step with `TieredSave(state, persist=True)` to end with it on disk).
 
         Raises:
           OSError: if a step failed to persist, or memory retention failed.
           TimeoutError: if persistence is not done within the timeout (it goes on
             in the background; a later save reuses the same worker).
         """
-        # Orbax closes its handlers after its own finalization is done (and a user
-        # closing the handler directly has no save in flight).
-        self._closing.set()
         try:
-            self._retainer.close()
-            self._persister.close()
+            self._background.close()
         finally:
-            self._closing.clear()
             self._runs.close()  # the last handler's close unmaps the kept slabs too
-        self._raise_background_errors()
+        self._background.raise_errors()
+        if _multihost.process_index() == 0:
+            self._keeper.warn_newest_not_durable()
 
     def wait_for_persistence(self, timeout_s: float | None = None) -> None:
         """Blocks until the saves made so far have ended their commits and the
@@ -276,29 +262,8 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         Raises:
           TimeoutError: if it is not done within `timeout_s` (default: the options').
         """
-        timeout_s = self._options.timeout_s if timeout_s is None else timeout_s
-        # The commits of the saves made so far first: they queue the persistence (an
-        # asynchronous manager's save returns before its commit has run).
-        self._in_flight.wait(timeout_s)
-        self._retainer.wait(timeout_s)
-        self._persister.drain(timeout_s)
-        self._raise_background_errors()
-
-    def _raise_background_errors(self) -> None:
-        """Raises what failed on the background threads since the last call, if anything.
-
-        Raises:
-          OSError: naming the failed persists and retention runs, chained to the first.
-        """
-        persist = self._persister.take_errors()
-        retention = self._retainer.take_errors()
-        said = []
-        if persist:
-            said.append(f"{len(persist)} step(s) failed to persist; first: {persist[0]}")
-        if retention:
-            said.append(f"memory retention failed {len(retention)} time(s); first: {retention[0]}")
-        if said:
-            raise OSError("jaxckpt: " + "; ".join(said)) from (persist or retention)[0]
+        self._background.wait(self._options.timeout_s if timeout_s is None else timeout_s)
+        self._background.raise_errors()
 
     def restorable_steps(self, item_dir: epath.Path | Path) -> list[int]:
         """Every finalized step next to `item_dir` that can be restored from some tier.
@@ -324,9 +289,24 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._runs.agree("list", item, error, what="Finding the restorable steps")
         return steps
 
+    def release_memory(self, timeout_s: float | None = None) -> list[int]:
+        """Frees this host's memory tier at the end of a run, once the newest step is
+        durable: waits for persistence, then removes the run's steps (own parts and the
+        replicas held for peers) and spare slabs. Later saves fill it again.
+
+        Returns:
+          The steps removed.
+
+        Raises:
+          RuntimeError: if the newest step is in memory tiers only (save it with
+            `TieredSave(state, persist=True)` first); nothing is removed.
+        """
+        self.wait_for_persistence(timeout_s)
+        return self._runs.release_memory()
+
     def pending_persistence(self) -> set[int]:
         """Steps queued or being written to persistent storage."""
-        return self._persister.pending_steps()
+        return self._background.persister.pending_steps()
 
     def preservation_policy(self, base: Any, directory: Any = None) -> Any:
         """An Orbax PreservationPolicy that keeps what `base` keeps, the newest

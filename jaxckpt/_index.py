@@ -38,14 +38,21 @@ def read_index(item_dir: Path) -> Index:
     return out
 
 
-def part_count(item_dir: Path) -> int | None:
-    """How many processes saved the step in `item_dir` (from process 0's index
-    manifest), or None if it is missing or damaged."""
+def first_index(item_dir: Path) -> _format.PartManifest | None:
+    """Process 0's index manifest of the step in `item_dir` (what every part of a step
+    records alike: the process count, whether the step is to be persisted), or None if
+    it is missing or damaged."""
     try:
-        text = (item_dir / _format.index_file(0)).read_text()
-        return _format.PartManifest.from_json(text).process_count
+        return _format.PartManifest.from_json((item_dir / _format.index_file(0)).read_text())
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def part_count(item_dir: Path) -> int | None:
+    """How many processes saved the step in `item_dir`, or None if its index is
+    missing or damaged."""
+    first = first_index(item_dir)
+    return None if first is None else first.process_count
 
 
 def is_persisted(item_dir: Path, owner: int) -> bool:

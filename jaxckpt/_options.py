@@ -23,7 +23,8 @@ class TierOptions:
       replicas: how many other processes, each in a failure domain other than
         the owner's, hold a copy of every chunk a process owns.
       persist_every: a step is written to the CheckpointManager's directory
-        when `step % persist_every == 0`; other steps live only in memory tiers.
+        when `step % persist_every == 0`, or when its save asks for it
+        (`TieredSave(state, persist=True)`); other steps live only in memory tiers.
       failure_domain: this process's failure domain (a host, a rack); defaults
         to the `JAXCKPT_FAILURE_DOMAIN` environment variable, else the hostname.
       memory_keep: how many of the newest finalized steps each memory tier

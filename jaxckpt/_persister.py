@@ -78,15 +78,18 @@ def unpersisted_jobs(
     memory: _memory_tier.MemoryTier, root: Path, item: str, owner: int, persist_every: int
 ) -> list[PersistJob]:
     """Jobs that persist what a crash left unpersisted: `owner`'s part of every step
-    due for persistence (`step % persist_every == 0`) that the manager finalized,
-    that `memory` still holds from that very save, and that is not durable."""
+    due for persistence (by `persist_every`, or asked for by its save) that the
+    manager finalized, that `memory` still holds from that very save, and that is
+    not durable."""
     jobs = []
     finalized = _paths.finalized_steps(root, item)
     for step in memory.steps():
-        if step % persist_every or step not in finalized:
+        if step not in finalized:
             continue
         item_dir = finalized[step]
         recorded = {o: m for o, m in _index.read_index(item_dir).items() if o == owner}
+        if not any(m.is_due(persist_every) for m in recorded.values()):
+            continue
         if not _index.memory_parts(memory, step, recorded) - _index.persisted_parts(
             item_dir, recorded
         ):

@@ -8,7 +8,8 @@ and a memory loss then leaves nothing to restore. So a manager set up with
 `preservation_policy=handler.preservation_policy(base)`) never deletes:
 
 - the newest step whose parts are all persisted (durable), and
-- any newer step that is to be persisted (`step % persist_every == 0`): its
+- any newer step that is to be persisted (`step % persist_every == 0`, or its save
+  asked for it with `TieredSave(persist=True)`, as its index manifest says): its
   persistence may still be running on some process, and it is the next durable
   step; plus any step this process is still persisting.
 
@@ -97,9 +98,16 @@ class DurableSteps:
         """
         steps = sorted(set(steps), reverse=True)
         item_dirs = _item_dirs(root, item)
+
+        def _is_due(step: int) -> bool:
+            if step % persist_every == 0:
+                return True
+            first = _index.first_index(item_dirs[step]) if step in item_dirs else None
+            return first is not None and first.is_due(persist_every)
+
         newest = next((s for s in steps if s in item_dirs and self.is_durable(item_dirs[s])), None)
         keep = {s for s in steps if s in pending}
-        keep |= {s for s in steps if (newest is None or s > newest) and s % persist_every == 0}
+        keep |= {s for s in steps if (newest is None or s > newest) and _is_due(s)}
         if newest is not None:
             keep.add(newest)
         return keep
@@ -116,6 +124,7 @@ class Keeper:
         self._items: set[tuple[Path, str]] = set()  # (checkpoint dir, item) seen
         self._guarded: set[str] = set()  # checkpoint dirs whose manager has our policy
         self._guarded_anywhere = False  # a policy made without its directory exists
+        self._warned: set[tuple[Path, str, int]] = set()  # newest steps said to be in memory
 
     def note(self, item: _paths.ItemDir) -> None:
         """Remembers the checkpoint directory and item of a save or restore; says once
@@ -135,6 +144,35 @@ class Keeper:
 
     def steps_to_keep(self, root: Path, item: str, steps: Sequence[int]) -> set[int]:
         return self._durable.steps_to_keep(root, item, steps, self._persist_every, self._pending())
+
+    def newest_not_durable(self) -> list[tuple[Path, str, int]]:
+        """(checkpoint directory, item, step) for every item seen whose newest finalized
+        step is not durable: it lives in memory tiers only."""
+        with self._lock:
+            seen = sorted(self._items)
+        out = []
+        for root, item in seen:
+            finalized = _paths.finalized_steps(root, item)
+            if finalized and not self._durable.is_durable(finalized[max(finalized)]):
+                out.append((root, item, max(finalized)))
+        return out
+
+    def warn_newest_not_durable(self) -> None:
+        """Logs a warning (once a step) for every item seen whose newest finalized step
+        lives in memory tiers only: a handler's close says so."""
+        for root, item, step in self.newest_not_durable():
+            if (root, item, step) in self._warned:
+                continue
+            self._warned.add((root, item, step))
+            log.warning(
+                "jaxckpt: closing with step %d of %s (item %r) in memory tiers only: it was "
+                "not due for persistence (persist_every=%d). To end a run with the trained "
+                "state on disk, save the last step with TieredSave(state, persist=True).",
+                step,
+                root,
+                item,
+                self._persist_every,
+            )
 
     def policy(self, base: Any, root: os.PathLike[str] | str | None = None) -> KeepDurable:
         """`base`, plus the steps to keep of the items seen so far in the checkpoint
@@ -215,12 +253,14 @@ class KeepDurable:
 
     The manager deletes the steps it does not preserve; on an object store their
     part manifests go first (`retire`). Should deciding or retiring fail, it keeps
-    every step this time (and logs why) rather than delete one.
+    every step this time (and logs why) rather than delete one. Which steps it keeps
+    against `base` is logged when that changes, not at every save.
     """
 
     base: Any
     keep: Callable[[Sequence[int]], set[int]]
     retire: Callable[[Sequence[int]], None] = lambda steps: None
+    _said: list[int] = dataclasses.field(default_factory=list, init=False, repr=False)
 
     def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> Sequence[bool]:
         preserved = list(self.base.should_preserve(checkpoints, context=context))
@@ -233,12 +273,13 @@ class KeepDurable:
             log.exception("jaxckpt: deciding which steps to keep failed; deleting none")
             return [True] * len(checkpoints)
         saved = sorted(s for s, p in zip(steps, preserved, strict=True) if not p and s in keep)
-        if saved:
+        if saved and saved != self._said:
             log.info(
                 "jaxckpt: keeping steps %s (newest durable, or to be persisted) that the "
                 "preservation policy would delete",
                 saved,
             )
+        self._said = saved
         out = [p or s in keep for p, s in zip(preserved, steps, strict=True)]
         doomed = [s for s, p in zip(steps, out, strict=True) if not p]
         try:

@@ -25,6 +25,7 @@ from absl import logging as log
 from jaxckpt import (
     _agreement,
     _format,
+    _fs,
     _index,
     _memory_tier,
     _multihost,
@@ -33,6 +34,7 @@ from jaxckpt import (
     _placement,
     _resources,
     _retention,
+    _slab,
 )
 from jaxckpt._options import TierOptions
 from jaxckpt.peer import _peers
@@ -228,6 +230,35 @@ class Run:
     def redact(self, text: str) -> str:
         """`text` without the run's secrets (the peers' token)."""
         return self.peers.redact(text) if self.peers is not None else text
+
+    def release_memory(self) -> list[int]:
+        """Removes every step of the run's memory tier on this host (its own parts and
+        the replicas it holds) and the spare slabs, if the newest step of every item is
+        durable; a pinned step (a restore reading it) stays. Returns the steps removed.
+
+        Raises:
+          RuntimeError: naming the steps that are in memory only; nothing is removed.
+        """
+        memory = self.memory
+        if memory is None:
+            return []
+        in_memory_only = self._keeper.newest_not_durable()
+        if in_memory_only:
+            raise RuntimeError(
+                f"[process {_multihost.process_index()}] Not releasing the memory tier "
+                f"{memory.run_dir}: the newest step of "
+                + ", ".join(
+                    f"{root} (item {item!r}) is {step}" for root, item, step in in_memory_only
+                )
+                + ", which is in memory tiers only. Save the last step with "
+                "TieredSave(state, persist=True), wait for it (handler.wait_for_persistence()), "
+                "then release."
+            )
+        steps = memory.steps()
+        removed = memory.retain(0, max(steps)) if steps else []
+        _fs.remove_entries(memory.run_dir / ".free", which=lambda p: True)
+        _slab.forget_unlinked()
+        return removed
 
     def close(self) -> None:
         """Stops the peer service and lets go of the process's shared resources (the

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import threading
 import time
 import uuid
 from collections.abc import Awaitable
@@ -71,10 +70,15 @@ class Save:
         peers: _peers.Peers | None,
         services: Services,
         started: float,
+        persist: bool = False,
     ):
+        """Args (beside the collaborators): `persist` asks for the step's persistence
+        whatever `TierOptions.persist_every` says (`TieredSave(persist=True)`)."""
         self._item, self._step, self._snapshot = item, step, snapshot
         self._memory, self._peers, self._services = memory, peers, services
         self._options = services.options
+        self._asked_to_persist = persist
+        self._persist = persist or step % services.options.persist_every == 0
         self._started = started
         self._process = _multihost.process_index()
         self._staged: _memory_tier.StagedSlab | None = None
@@ -166,6 +170,7 @@ class Save:
                 shardings=snapshot.shardings,
                 created=time.time(),
                 metrics=self.metrics.to_dict(),
+                persist=self._asked_to_persist,
             )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
             _faults.maybe_crash("memory_write", step, pi)
@@ -200,7 +205,7 @@ class Save:
         # index: the fast tiers first (a node is lost more often than a rack), and a
         # persist beside the push would share the cores and the network with it
         # (measured on 2 cores: the push 5x slower, and the persist no faster).
-        if step % options.persist_every == 0:
+        if self._persist:
             self._services.persister.submit(
                 _persister.PersistJob(
                     manifest,
@@ -267,41 +272,3 @@ async def _refused(
             timeout_s=services.options.timeout_s,
         )
     raise error
-
-
-class InFlight:
-    """Counts the commits of saves that have not ended yet (`wait_for_persistence` waits
-    for them: they queue the persistence)."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        self._done = threading.Condition()
-
-    def track(self, commit: Awaitable[None]) -> Awaitable[None]:
-        """`commit`, counted as in flight from now until it ends."""
-        with self._done:
-            self._count += 1
-
-        async def run() -> None:
-            try:
-                await commit
-            finally:
-                with self._done:
-                    self._count -= 1
-                    self._done.notify_all()
-
-        return run()
-
-    def wait(self, timeout_s: float) -> None:
-        """Waits until every commit counted so far has ended.
-
-        Raises:
-          TimeoutError: if they have not within `timeout_s`.
-        """
-        with self._done:
-            if not self._done.wait_for(lambda: self._count == 0, timeout=timeout_s):
-                raise TimeoutError(
-                    f"[process {_multihost.process_index()}] {self._count} save(s) did not "
-                    f"end their commit within {timeout_s:.0f} s; see the manager's "
-                    "wait_until_finished() for why."
-                )

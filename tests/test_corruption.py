@@ -263,7 +263,7 @@ def test_memory_corrupted_before_persistence_is_not_persisted(
     gate.set()
     try:  # the failure may be reported here (see test_resources) or kept for close()
         h.wait_for_persistence()
-        errors = h._persister.take_errors()
+        errors = h._background.persister.take_errors()
     except OSError as e:
         errors = [e]
     assert errors, "persisting a damaged memory copy must fail"

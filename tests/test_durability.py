@@ -111,3 +111,136 @@ def test_steps_still_being_persisted_are_kept_with_the_newest_durable_one(
         h.wait_for_persistence()
         save(mngr, 7, state)
         assert mngr.all_steps() == [6, 7]
+
+
+def test_a_save_that_asks_for_persistence_is_persisted_whatever_persist_every_says(
+    memory_root, ckpt_dir, caplog
+):
+    """The last step of a run (`TieredSave(state, persist=True)`) ends up on disk: it
+    survives the memory tier's loss and garbage collection keeps it; a clean close says
+    nothing of it. Without the flag, close warns that the newest step is in memory only."""
+    state = sharded_state(mesh_1d())
+    last = 7
+    h = handler(memory_root, persist_every=100)
+    with manager(ckpt_dir, h, max_to_keep=1) as mngr:
+        for step in range(1, last + 1):
+            mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    train=jaxckpt.TieredSave(state, persist=step == last or step == 3)
+                ),
+            )
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+        assert (ckpt_dir / f"{last}/train/part_00000").is_dir()
+        assert not (ckpt_dir / f"{last - 1}").exists()  # max_to_keep=1: gone, not durable
+        with caplog.at_level("WARNING"):
+            mngr.close()
+    assert not [r for r in caplog.records if "memory tiers only" in r.getMessage()]
+    shutil.rmtree(memory_root)
+    h = handler(memory_root, persist_every=100)
+    with manager(ckpt_dir, h) as mngr:
+        assert jaxckpt.latest_restorable_step(mngr) == last
+        assert_tree_equal(restore(mngr, last, abstract(state)), state)
+        assert h.last_restore_metrics["tier"] == "persistent"
+        save(mngr, last + 1, state)  # not due, not asked for
+        mngr.wait_until_finished()
+        with caplog.at_level("WARNING"):
+            mngr.close()
+    warned = [r.getMessage() for r in caplog.records if "memory tiers only" in r.getMessage()]
+    assert len(warned) == 1 and f"step {last + 1} " in warned[0]
+    assert "TieredSave(state, persist=True)" in warned[0]
+
+
+def test_a_step_asked_to_persist_is_kept_until_durable_and_persisted_after_a_crash(
+    memory_root, ckpt_dir, monkeypatch
+):
+    """Step 3 asked for persistence, but the job died before its persist ran: garbage
+    collection keeps it (it is the next durable step), and the restarted job persists it
+    from memory, as it does for a step due by persist_every."""
+    from jaxckpt import _persister
+
+    submit = _persister.Persister.submit
+    monkeypatch.setattr(
+        _persister.Persister,
+        "submit",
+        lambda self, job: None if job.manifest.step == 3 else submit(self, job),
+    )
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=2, memory_keep=3)
+    with manager(ckpt_dir, h, use_async=False, max_to_keep=1) as mngr:
+        for step in (2, 3, 5):
+            mngr.save(
+                step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state, persist=step == 3))
+            )
+        h.wait_for_persistence()
+        assert mngr.all_steps() == [2, 3, 5]  # 2 durable; 3 to be persisted; 5 newest
+    assert not (ckpt_dir / "3/train/part_00000").exists()
+    monkeypatch.setattr(_persister.Persister, "submit", submit)
+
+    h = handler(memory_root, persist_every=2, memory_keep=3)
+    with manager(ckpt_dir, h) as mngr:
+        assert jaxckpt.latest_restorable_step(mngr) == 5
+        h.wait_for_persistence()
+        assert h.last_persist_metrics["step"] == 3
+    assert (ckpt_dir / "3/train/part_00000").is_dir()
+
+
+def test_persist_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"persist=\.\.\.\) must be a bool"):
+        jaxckpt.TieredSave({"x": np.zeros(2)}, persist="yes")
+
+
+def _slabs(memory_root: str) -> list[Path]:
+    """Every slab file in a memory root: the steps' parts and the spare slabs."""
+    return [p for p in Path(memory_root).rglob("*") if p.is_file() and "slab" in p.name]
+
+
+def test_release_memory_frees_the_tier_once_the_newest_step_is_durable(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=100)
+    with manager(ckpt_dir, h) as mngr:
+        for step in range(1, 4):
+            mngr.save(
+                step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state, persist=step == 3))
+            )
+        mngr.wait_until_finished()
+        assert len(_slabs(memory_root)) >= 2  # step 3 and a spare slab
+        assert h.release_memory() == [3]
+        assert _slabs(memory_root) == []
+        assert_tree_equal(restore(mngr, 3, abstract(state)), state)
+        assert h.last_restore_metrics["tier"] == "persistent"
+        save(mngr, 4, state)  # a later save fills the tier again
+        mngr.wait_until_finished()
+        assert_tree_equal(restore(mngr, 4, abstract(state)), state)
+        assert h.last_restore_metrics["tier"] == "memory"
+
+
+def test_release_memory_refuses_while_the_newest_step_is_in_memory_only(memory_root, ckpt_dir):
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=2)
+    with manager(ckpt_dir, h) as mngr:
+        for step in range(1, 4):
+            save(mngr, step, state)
+        mngr.wait_until_finished()
+        with pytest.raises(RuntimeError, match=r"newest step of .* is 3.*persist=True") as refused:
+            h.release_memory()
+        assert "[process 0]" in str(refused.value)
+        assert _slabs(memory_root)  # nothing removed
+        assert_tree_equal(restore(mngr, 3, abstract(state)), state)
+        assert h.last_restore_metrics["tier"] == "memory"
+
+
+def test_the_steps_kept_against_the_policy_are_logged_once_per_change(
+    memory_root, ckpt_dir, caplog
+):
+    """Saving every step with max_to_keep=1 and persist_every=4: step 4 is kept against
+    the policy from step 5 to 8, then step 8: two lines, not one per save."""
+    state = {"x": jax.device_put(np.arange(16.0), NamedSharding(mesh_1d(), P("data")))}
+    h = handler(memory_root, persist_every=4)
+    with caplog.at_level("INFO"), manager(ckpt_dir, h, use_async=False, max_to_keep=1) as mngr:
+        for step in range(1, 12):
+            save(mngr, step, state)
+            h.wait_for_persistence()
+    said = [r.getMessage() for r in caplog.records if "jaxckpt: keeping steps" in r.getMessage()]
+    assert [m.split("[")[1].split("]")[0] for m in said] == ["4", "8"]

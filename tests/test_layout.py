@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("storage and planning", ("_zarr", "_memory_tier", "_plan", "_readers", "_index")),
     ("save and restore steps", ("_persister", "_retention", "_snapshot", "_restore", "_target")),
     ("peer service", ("peer", "peer.*")),
-    ("handler", ("_args", "_run", "_save", "_handler")),
+    ("handler", ("_args", "_run", "_save", "_background", "_handler")),
     ("public API", ("_resume", "_existing", "_prometheus", "_manager_options", "__init__")),
     ("operator tools and launcher", ("tools", "tools.*", "launch", "launch.*")),
     ("benchmark", ("bench", "bench.*")),
