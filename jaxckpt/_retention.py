@@ -145,11 +145,13 @@ class Keeper:
     def steps_to_keep(self, root: Path, item: str, steps: Sequence[int]) -> set[int]:
         return self._durable.steps_to_keep(root, item, steps, self._persist_every, self._pending())
 
-    def newest_not_durable(self) -> list[tuple[Path, str, int]]:
-        """(checkpoint directory, item, step) for every item seen whose newest finalized
-        step is not durable: it lives in memory tiers only."""
+    def newest_not_durable(
+        self, items: Iterable[tuple[Path, str]] | None = None
+    ) -> list[tuple[Path, str, int]]:
+        """(checkpoint directory, item, step) for every item seen (of `items`, if given)
+        whose newest finalized step is not durable: it lives in memory tiers only."""
         with self._lock:
-            seen = sorted(self._items)
+            seen = sorted(self._items if items is None else set(items) & self._items)
         out = []
         for root, item in seen:
             finalized = _paths.finalized_steps(root, item)

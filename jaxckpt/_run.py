@@ -56,6 +56,7 @@ class Run:
         self._keeper = keeper  # told of every checkpoint directory and item used
         self.memory: _memory_tier.MemoryTier | None = None
         self.peers: _peers.Peers | None = None
+        self._items: dict[str, set[tuple[Path, str]]] = {}  # run id -> (root, item) used
         _resources.SHARED.acquire(self)
 
     # ---- the run's tiers ----------------------------------------------------
@@ -73,6 +74,7 @@ class Run:
         self._keeper.note(item)
         _resources.SHARED.acquire(self)  # again, if used after `close`
         run_id = item.run_id(self._options.run_id, recorded.run_id if recorded else None)
+        self._items.setdefault(run_id, set()).add((item.root, item.item))
         if self.memory is None or self.memory.run_id != run_id:
             memory = _memory_tier.MemoryTier(
                 self._options.memory_root, run_id, self._options.spare_slabs
@@ -233,8 +235,9 @@ class Run:
 
     def release_memory(self) -> list[int]:
         """Removes every step of the run's memory tier on this host (its own parts and
-        the replicas it holds) and the spare slabs, if the newest step of every item is
-        durable; a pinned step (a restore reading it) stays. Returns the steps removed.
+        the replicas it holds) and the spare slabs, if the newest step of every item of
+        the run is durable; a pinned step (a restore reading it) stays. Returns the steps
+        removed.
 
         Raises:
           RuntimeError: naming the steps that are in memory only; nothing is removed.
@@ -242,7 +245,7 @@ class Run:
         memory = self.memory
         if memory is None:
             return []
-        in_memory_only = self._keeper.newest_not_durable()
+        in_memory_only = self._keeper.newest_not_durable(self._items.get(memory.run_id, set()))
         if in_memory_only:
             raise RuntimeError(
                 f"[process {_multihost.process_index()}] Not releasing the memory tier "
