@@ -12,6 +12,12 @@ process here, or none. Two sound ways are used instead:
   gone only when that is certain: same boot and pid namespace, and no process
   with that pid and start time. A record of another namespace or boot is never
   judged (its owner may be alive where this process cannot look).
+
+Temporary entries are named with their maker's record (`owned_name`, `maker`):
+the peer service's receive directories and the memory tier's staging and trash
+directories, so that whoever finds one left by a crash removes it as soon as
+its maker is certainly gone, however young it is (a restarted process comes
+back within seconds), and never while its maker runs.
 """
 
 from __future__ import annotations
@@ -85,8 +91,31 @@ def record(pid: int | None = None) -> str:
     `start` is the process's start time in hundredths of a second; the pid
     namespace and boot are "0" where the system does not tell them.
     """
-    pid = os.getpid() if pid is None else pid
+    return _record(os.getpid() if pid is None else pid)
+
+
+@functools.lru_cache(maxsize=4)
+def _own_record(pid: int) -> str:
+    return _record(pid)  # this process's (keyed by pid: a forked child has its own)
+
+
+def _record(pid: int) -> str:
     return f"{pid}.{_start_cs(pid)}.{_pid_namespace()}.{_boot_id()}"
+
+
+def owned_name(what: str, prefix: str = "") -> str:
+    """A fresh entry name `<prefix><record>-<what>-<random>` that tells who made it
+    (`maker`). `what` holds no '-' or '/'."""
+    return f"{prefix}{_own_record(os.getpid())}-{what}-{uuid.uuid4().hex}"
+
+
+def maker(name: str, prefix: str = "") -> str | None:
+    """The record of the process that made an `owned_name` (with `prefix`); None for
+    any other name."""
+    if not name.startswith(prefix):
+        return None
+    text = name.removeprefix(prefix).split("-", 1)[0]
+    return text if _parse(text) is not None else None
 
 
 def is_gone(text: str) -> bool:
@@ -95,13 +124,19 @@ def is_gone(text: str) -> bool:
     False when it may still run: it does, the record is not one of `record`'s,
     or it comes from another boot or pid namespace, where its pid means nothing.
     """
-    try:
-        pid_text, start_text, namespace, boot = text.split(".")
-        pid, start = int(pid_text), int(start_text)
-    except ValueError:
-        return False
+    return judge(text) is True
+
+
+def judge(text: str) -> bool | None:
+    """Whether the process a `record` names has ended: True (certainly), False (it
+    runs), None (not for this process to tell: not a record, or one of another boot
+    or pid namespace, where its pid means nothing)."""
+    parsed = _parse(text)
+    if parsed is None:
+        return None
+    pid, start, namespace, boot = parsed
     if namespace != _pid_namespace() or boot != _boot_id():
-        return False
+        return None
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
@@ -112,6 +147,14 @@ def is_gone(text: str) -> bool:
         return True
     except psutil.AccessDenied:
         return False  # it runs, as another user
+
+
+def _parse(text: str) -> tuple[int, int, str, str] | None:
+    try:
+        pid_text, start_text, namespace, boot = text.split(".")
+        return int(pid_text), int(start_text), namespace, boot
+    except ValueError:
+        return None
 
 
 def _start_cs(pid: int) -> int:

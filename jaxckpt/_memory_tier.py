@@ -6,7 +6,8 @@ Layout under `<memory_root>/<run_id>/`:
     step_<step>/part_<owner>/     committed parts (own and replicas held for peers):
                                   manifest.json and one slab file (`_slab`)
     step_<step>/.pin-<pid>-<id>   pins: the step is in use by a live process (a held lock)
-    .staging/<unique>/            parts being written; never read
+    .staging/<maker>-<what>-<id>  parts being written, steps being removed; never read;
+                                  `<maker>` records the process (`_liveness.owned_name`)
     step_<step>/part_<owner>/.lent  the slab was lent to a restore: never reused
     .free/slab-<id>               slabs of retired steps, for the next saves to reuse
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import time
@@ -66,7 +68,7 @@ class MemoryTier:
         """
         try:
             (self.run_dir / ".staging").mkdir(parents=True, exist_ok=True)
-            probe = self.run_dir / ".staging" / f"probe-{uuid.uuid4().hex}"
+            probe = self.run_dir / ".staging" / _liveness.owned_name("probe")
             probe.write_bytes(b"")
             probe.unlink()
             run_file = self.run_dir / "RUN.json"
@@ -115,7 +117,7 @@ class MemoryTier:
         return self.step_dir(step) / _format.part_dir_name(owner)
 
     def new_staging_dir(self, step: int, owner: int) -> Path:
-        path = self.run_dir / ".staging" / f"step_{step}.part_{owner}.{uuid.uuid4().hex}"
+        path = self.run_dir / ".staging" / _liveness.owned_name(f"step_{step}.part_{owner}")
         path.mkdir(parents=True)
         return path
 
@@ -267,7 +269,7 @@ class MemoryTier:
             if s not in pinned and not self.is_pinned(s)
         ]
         for step in doomed:
-            trash = self.run_dir / ".staging" / f"trash.{step}.{uuid.uuid4().hex}"
+            trash = self.run_dir / ".staging" / _liveness.owned_name(f"trash.{step}")
             try:
                 os.rename(self.step_dir(step), trash)
             except OSError:
@@ -277,6 +279,9 @@ class MemoryTier:
             _fs.remove_entry(trash)
         if doomed:
             _slab.forget_unlinked()
+        # Leftovers of processes that died since this process started (sharing the
+        # memory root) go too, not only those found at its start.
+        self.clear_staging()
         return doomed
 
     def recycle(self, part_dir: Path) -> bool:
@@ -304,12 +309,27 @@ class MemoryTier:
         _fs.remove_entry(part_dir)
         _slab.forget_unlinked()
 
-    def clear_staging(self, older_than_s: float = 0.0) -> None:
-        """Removes leftovers of interrupted writes older than `older_than_s`."""
+    def clear_staging(self, older_than_s: float = math.inf) -> None:
+        """Removes what interrupted writes and removals left in `.staging/`.
+
+        An entry goes as soon as the process that made it has certainly ended (a
+        crash), however young it is: a restarted process finds its predecessor's
+        staging slab at once, and it is a whole part's worth of tmpfs pages. An
+        entry whose maker may still run stays. Only an entry whose maker this
+        process cannot judge (another pid namespace or boot, or a name without a
+        maker, left by an older jaxckpt) is judged by age: it goes once older
+        than `older_than_s`.
+        """
         now = time.time()
-        if _fs.remove_entries(
-            self.run_dir / ".staging", which=lambda p: now - p.stat().st_mtime >= older_than_s
-        ):
+
+        def left_over(entry: Path) -> bool:
+            made_by = _liveness.maker(entry.name)
+            gone = _liveness.judge(made_by) if made_by is not None else None
+            if gone is not None:
+                return gone
+            return now - entry.stat().st_mtime >= older_than_s
+
+        if _fs.remove_entries(self.run_dir / ".staging", which=left_over):
             _slab.forget_unlinked()
 
 
