@@ -146,12 +146,12 @@ def remove_entries(directory: Path, which: Callable[[Path], bool]) -> list[Path]
     filesystem) is skipped.
 
     Returns:
-      The entries removed (none if `directory` does not exist).
+      The entries removed (none if `directory` does not exist or cannot be listed).
     """
     removed: list[Path] = []
     try:
         entries = list(directory.iterdir())
-    except FileNotFoundError:
+    except OSError:  # absent, or not a directory
         return removed
     for entry in entries:
         try:

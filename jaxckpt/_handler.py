@@ -126,6 +126,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         try:
             step = _step_of(directory, args.step)
             memory = self._memory_for(directory)
+            memory.require_writable(step)
             # Validates every leaf first.
             snapshot = _snapshot.take(args.state, pi, self._options.pinned_host_staging)
         except Exception as error:
@@ -265,6 +266,10 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         plan = view.plan(step, item_dir)
         if not plan.restorable:
             raise FileNotFoundError(view.not_restorable_message(item_dir, plan))
+        # IMPORTANT: the step's slabs are read in place (mapped) and lent to the restored
+        # arrays; a pin keeps the step from being retired (by any process sharing the
+        # memory root) before they are marked lent, which keeps them from being reused.
+        plan, pin = _restore.pin_memory(memory, plan, pi)
         restorer = _restore.Restorer(
             plan,
             self._reader_for(item_dir, memory, step),
@@ -272,10 +277,6 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             self._redact,
             timeout_s=self._options.timeout_s,
         )
-        # IMPORTANT: the step's slabs are read in place (mapped) and lent to the restored
-        # arrays; a pin keeps the step from being retired (by any process sharing the
-        # memory root) before they are marked lent, which keeps them from being reused.
-        pin = memory.pin(step) if memory.parts(step) else None
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)
             result = _target.fill(restorer, plan.leaves, args.abstract_state, ctx)

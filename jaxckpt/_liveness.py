@@ -39,15 +39,18 @@ class HeldFile:
     def __init__(self, path: Path):
         """Creates `path`, already locked, so that no one ever sees it unlocked.
 
+        The file stays empty: writing into it would take a page of its
+        filesystem, and a full tmpfs has none to give (name it after its holder,
+        `record`, for a human looking at it).
+
         Raises:
           OSError: if the file cannot be created in its directory.
         """
         self.path = path
         tmp = path.with_name(f".lock-tmp-{uuid.uuid4().hex}")
-        self._fd: int | None = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        self._fd: int | None = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
-            os.write(self._fd, record().encode())  # for a human looking at it
             # IMPORTANT: locked before it gets its name, so `is_held` never sees it free.
             os.rename(tmp, path)
         except BaseException:

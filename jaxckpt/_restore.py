@@ -75,12 +75,47 @@ def matches(copy: _format.PartManifest | None, index: _format.PartManifest) -> b
 def memory_parts(
     memory: _memory_tier.MemoryTier, step: int, index: dict[int, _format.PartManifest]
 ) -> set[int]:
-    """Owners whose part of `step` this memory tier holds, from this very save."""
+    """Owners whose part of `step` this memory tier holds, from this very save; none
+    from a tier `prepare` could not write (its steps cannot be pinned while read)."""
+    if memory.unwritable is not None:
+        return set()
     return {
         o
         for o in memory.parts(step)
         if o in index and matches(memory.read_manifest(step, o), index[o])
     }
+
+
+def pin_memory(
+    memory: _memory_tier.MemoryTier, plan: _plan.StepPlan, process_index: int
+) -> tuple[_plan.StepPlan, _memory_tier.Pin | None]:
+    """Pins the planned step in this process's memory tier while it is restored, if
+    the tier holds parts of it.
+
+    Its slabs are read in place and lent to the restored arrays (and the peers
+    read theirs): the pin keeps the step from being retired (and its slabs
+    refilled) meanwhile. A step that cannot be pinned is not read from this
+    tier: the plan without it, logged. A tier `prepare` could not write offers
+    nothing (`memory_parts`) and is not pinned.
+
+    Returns:
+      The plan to read with, and the pin to release once read (None: no pin).
+    """
+    if memory.unwritable is not None or not memory.parts(plan.step):
+        return plan, None
+    try:
+        return plan, memory.pin(plan.step)
+    except OSError as e:
+        log.warning(
+            "jaxckpt: [process %d] the restore of step %d skips the memory tier %s: the "
+            "step cannot be pinned there while it is read (%s); reading its parts from "
+            "peers and persistent storage instead.",
+            process_index,
+            plan.step,
+            memory.run_dir,
+            e,
+        )
+        return plan.without(_plan.MEMORY), None
 
 
 def persisted_parts(item_dir: Path, index: dict[int, _format.PartManifest]) -> set[int]:
