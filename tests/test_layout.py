@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_storage",
             "_checksum",
             "_slab",
+            "_weak_type",
         ),
     ),
     ("storage and planning", ("_zarr", "_memory_tier", "_plan", "_readers")),
