@@ -94,7 +94,7 @@ def record(pid: int | None = None) -> str:
     `start` is the process's start time in hundredths of a second; the pid
     namespace and boot are "0" where the system does not tell them.
     """
-    return _record(os.getpid() if pid is None else pid)
+    return _own_record(os.getpid()) if pid is None else _record(pid)
 
 
 @functools.lru_cache(maxsize=4)
