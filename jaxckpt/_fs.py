@@ -142,15 +142,16 @@ def remove_entries(directory: Path, which: Callable[[Path], bool]) -> list[Path]
     """Removes the entries of `directory` for which `which(entry)` is true.
 
     Meant for staging directories: leftovers of writes that a crash interrupted.
-    An entry that vanishes or cannot be examined meanwhile is skipped.
+    An entry that vanishes, cannot be examined or cannot be removed (a read-only
+    filesystem) is skipped.
 
     Returns:
-      The entries removed (none if `directory` does not exist).
+      The entries removed (none if `directory` does not exist or cannot be listed).
     """
     removed: list[Path] = []
     try:
         entries = list(directory.iterdir())
-    except FileNotFoundError:
+    except OSError:  # absent, or not a directory
         return removed
     for entry in entries:
         try:
@@ -158,6 +159,9 @@ def remove_entries(directory: Path, which: Callable[[Path], bool]) -> list[Path]
         except OSError:
             continue
         if doomed:
-            remove_entry(entry)
+            try:
+                remove_entry(entry)
+            except OSError:
+                continue
             removed.append(entry)
     return removed

@@ -98,6 +98,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         refused: Exception | None = None
         try:
             memory = self._runs.memory_for(item)
+            memory.require_writable(step)
             # Validates every leaf first.
             snapshot = _snapshot.take(
                 args.state, _multihost.process_index(), self._options.pinned_host_staging
@@ -192,15 +193,15 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         plan = view.plan(step, item.path)
         if not plan.restorable:
             raise FileNotFoundError(view.not_restorable_message(item.path, plan))
+        # IMPORTANT: the step's slabs are read in place (mapped) and lent to the restored
+        # arrays; a pin keeps the step from being retired (by any process sharing the
+        # memory root) before they are marked lent, which keeps them from being reused.
+        plan, pin = _restore.pin_memory(memory, plan, pi)
         # 5. The reads, fastest source first, into the target's shardings.
         readers = _restore.reader_factory(item.path, memory, self._runs.peers, step)
         restorer = _restore.Restorer(
             plan, readers, pi, self._runs.redact, timeout_s=self._options.timeout_s
         )
-        # IMPORTANT: the step's slabs are read in place (mapped) and lent to the restored
-        # arrays; a pin keeps the step from being retired (by any process sharing the
-        # memory root) before they are marked lent, which keeps them from being reused.
-        pin = memory.pin(step) if memory.parts(step) else None
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)
             result = _target.fill(restorer, plan.leaves, args.abstract_state, ctx)

@@ -76,7 +76,10 @@ def matches(copy: _format.PartManifest | None, index: _format.PartManifest) -> b
 
 
 def memory_parts(memory: _memory_tier.MemoryTier, step: int, index: Index) -> set[int]:
-    """Owners whose part of `step` this memory tier holds, from this very save."""
+    """Owners whose part of `step` this memory tier holds, from this very save; none
+    from a tier `prepare` could not write (its steps cannot be pinned while read)."""
+    if memory.unwritable is not None:
+        return set()
     return {
         o
         for o in memory.parts(step)

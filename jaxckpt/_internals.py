@@ -1,13 +1,16 @@
 """The only place jaxckpt reaches into JAX's or Orbax's private attributes.
 
-Neither library offers a public way to do these two things:
+Neither library offers a public way to do these three things:
 
 - `distributed_client`: the key-value store client of `jax.distributed`
   (`jax._src.distributed.global_state.client`), through which processes exchange
   small control messages (`_multihost`);
 - `manager_handlers`: the handlers a `CheckpointManager` holds
   (`mngr._checkpointer.handler._handler_registry`), so that
-  `latest_restorable_step(mngr)` finds the manager's jaxckpt items.
+  `latest_restorable_step(mngr)` finds the manager's jaxckpt items;
+- `weakly_typed`: an array made weakly typed, dtype, values and sharding unchanged
+  (`jax._src.lax.lax._convert_element_type`, what `jax.numpy` itself uses), so that a
+  restored array is weakly typed where its target is (`_weak_type`).
 
 Each reach is named in `REACHED` with the versions it is known from;
 `tests/test_internals.py` checks each against the installed JAX and Orbax, so a
@@ -27,7 +30,8 @@ COMPOSITE_REGISTRY: Final = (
     "orbax-checkpoint",
     "CompositeCheckpointHandler._handler_registry",
 )
-REACHED: Final = (DISTRIBUTED_STATE, MANAGER_CHECKPOINTER, COMPOSITE_REGISTRY)
+CONVERT_ELEMENT_TYPE: Final = ("jax", "jax._src.lax.lax._convert_element_type")
+REACHED: Final = (DISTRIBUTED_STATE, MANAGER_CHECKPOINTER, COMPOSITE_REGISTRY, CONVERT_ELEMENT_TYPE)
 
 
 def version(library: str) -> str:
@@ -88,3 +92,18 @@ def manager_handlers(mngr: Any) -> dict[str, Any]:
         raise moved(COMPOSITE_REGISTRY, "the manager's checkpointer.handler has none")
     entries = registry.get_all_entries()
     return {item: handler for (item, _), handler in entries.items() if item is not None}
+
+
+def weakly_typed(value: Any) -> Any:
+    """The jax.Array `value`, weakly typed; its dtype, values, sharding and whether it is
+    committed unchanged.
+
+    Raises:
+      RuntimeError: if this JAX keeps the conversion elsewhere.
+    """
+    try:
+        lax = importlib.import_module("jax._src.lax.lax")
+        convert = lax._convert_element_type
+    except (ImportError, AttributeError) as e:
+        raise moved(CONVERT_ELEMENT_TYPE, e) from e
+    return convert(value, value.dtype, weak_type=True)

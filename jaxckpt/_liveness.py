@@ -12,6 +12,12 @@ process here, or none. Two sound ways are used instead:
   gone only when that is certain: same boot and pid namespace, and no process
   with that pid and start time. A record of another namespace or boot is never
   judged (its owner may be alive where this process cannot look).
+
+Temporary entries are named with their maker's record (`owned_name`, `maker`):
+the peer service's receive directories and the memory tier's staging and trash
+directories, so that whoever finds one left by a crash removes it as soon as
+its maker is certainly gone, however young it is (a restarted process comes
+back within seconds), and never while its maker runs.
 """
 
 from __future__ import annotations
@@ -33,15 +39,18 @@ class HeldFile:
     def __init__(self, path: Path):
         """Creates `path`, already locked, so that no one ever sees it unlocked.
 
+        The file stays empty: writing into it would take a page of its
+        filesystem, and a full tmpfs has none to give (name it after its holder,
+        `record`, for a human looking at it).
+
         Raises:
           OSError: if the file cannot be created in its directory.
         """
         self.path = path
         tmp = path.with_name(f".lock-tmp-{uuid.uuid4().hex}")
-        self._fd: int | None = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        self._fd: int | None = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
-            os.write(self._fd, record().encode())  # for a human looking at it
             # IMPORTANT: locked before it gets its name, so `is_held` never sees it free.
             os.rename(tmp, path)
         except BaseException:
@@ -85,8 +94,31 @@ def record(pid: int | None = None) -> str:
     `start` is the process's start time in hundredths of a second; the pid
     namespace and boot are "0" where the system does not tell them.
     """
-    pid = os.getpid() if pid is None else pid
+    return _own_record(os.getpid()) if pid is None else _record(pid)
+
+
+@functools.lru_cache(maxsize=4)
+def _own_record(pid: int) -> str:
+    return _record(pid)  # this process's (keyed by pid: a forked child has its own)
+
+
+def _record(pid: int) -> str:
     return f"{pid}.{_start_cs(pid)}.{_pid_namespace()}.{_boot_id()}"
+
+
+def owned_name(what: str, prefix: str = "") -> str:
+    """A fresh entry name `<prefix><record>-<what>-<random>` that tells who made it
+    (`maker`). `what` holds no '-' or '/'."""
+    return f"{prefix}{_own_record(os.getpid())}-{what}-{uuid.uuid4().hex}"
+
+
+def maker(name: str, prefix: str = "") -> str | None:
+    """The record of the process that made an `owned_name` (with `prefix`); None for
+    any other name."""
+    if not name.startswith(prefix):
+        return None
+    text = name.removeprefix(prefix).split("-", 1)[0]
+    return text if _parse(text) is not None else None
 
 
 def is_gone(text: str) -> bool:
@@ -95,13 +127,19 @@ def is_gone(text: str) -> bool:
     False when it may still run: it does, the record is not one of `record`'s,
     or it comes from another boot or pid namespace, where its pid means nothing.
     """
-    try:
-        pid_text, start_text, namespace, boot = text.split(".")
-        pid, start = int(pid_text), int(start_text)
-    except ValueError:
-        return False
+    return judge(text) is True
+
+
+def judge(text: str) -> bool | None:
+    """Whether the process a `record` names has ended: True (certainly), False (it
+    runs), None (not for this process to tell: not a record, or one of another boot
+    or pid namespace, where its pid means nothing)."""
+    parsed = _parse(text)
+    if parsed is None:
+        return None
+    pid, start, namespace, boot = parsed
     if namespace != _pid_namespace() or boot != _boot_id():
-        return False
+        return None
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
@@ -112,6 +150,14 @@ def is_gone(text: str) -> bool:
         return True
     except psutil.AccessDenied:
         return False  # it runs, as another user
+
+
+def _parse(text: str) -> tuple[int, int, str, str] | None:
+    try:
+        pid_text, start_text, namespace, boot = text.split(".")
+        return int(pid_text), int(start_text), namespace, boot
+    except ValueError:
+        return None
 
 
 def _start_cs(pid: int) -> int:

@@ -5,8 +5,9 @@ Layout under `<memory_root>/<run_id>/`:
     RUN.json                      who this run is (checkpoint directory, created)
     step_<step>/part_<owner>/     committed parts (own and replicas held for peers):
                                   manifest.json and one slab file (`_slab`)
-    step_<step>/.pin-<pid>-<id>   pins: the step is in use by a live process (a held lock)
-    .staging/<unique>/            parts being written; never read
+    step_<step>/.pin-<maker>-<id> pins: the step is in use by a live process (a held lock)
+    .staging/<maker>-<what>-<id>  parts being written, steps being removed; never read;
+                                  `<maker>` records the process (`_liveness.owned_name`)
     step_<step>/part_<owner>/.lent  the slab was lent to a restore: never reused
     .free/slab-<id>               slabs of retired steps, for the next saves to reuse
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import time
@@ -51,6 +53,10 @@ class MemoryTier:
         self.run_dir = Path(memory_root) / run_id
         self.run_id = run_id
         self.spare_slabs = spare_slabs  # False: `recycle` keeps none (TierOptions.spare_slabs)
+        # Why `prepare` could not write the tier (read-only, full, not a directory);
+        # None once it could. Restores skip such a tier, saves are refused.
+        self.unwritable: OSError | None = None
+        self._run: tuple[str, int, str] = ("", 0, "")
 
     def prepare(self, checkpoint_dir: str, process_index: int, failure_domain: str = "") -> None:
         """Creates the run directory, checks that it is writable, records the run.
@@ -61,31 +67,82 @@ class MemoryTier:
         one that declares another is logged, since replicas placed "in another
         domain" could then share this host.
 
-        Raises:
-          PermissionError: if the memory root cannot be written, naming it.
+        A tier that cannot be written (a read-only or full filesystem, a path
+        that is no directory) is no error here: a replacement host must still
+        restore from peers and persistent storage. It is logged once and marked
+        `unwritable`: restores offer nothing from it (`_restore.memory_parts`:
+        a step that cannot be pinned must not be read in place), and
+        `require_writable` refuses saves.
         """
+        self._run = (checkpoint_dir, process_index, failure_domain)
         try:
-            (self.run_dir / ".staging").mkdir(parents=True, exist_ok=True)
-            probe = self.run_dir / ".staging" / f"probe-{uuid.uuid4().hex}"
-            probe.write_bytes(b"")
-            probe.unlink()
-            run_file = self.run_dir / "RUN.json"
-            if not run_file.exists():
-                run = {
-                    "run_id": self.run_id,
-                    "checkpoint_dir": checkpoint_dir,
-                    "created": time.time(),
-                }
-                if failure_domain:
-                    run["failure_domain"] = failure_domain
-                _fs.write_atomic(run_file, json.dumps(run))
-            elif failure_domain:
-                self._check_domain(run_file, failure_domain, process_index)
+            self._record_run()
         except OSError as e:
-            raise PermissionError(
-                f"[process {process_index}] The memory tier {self.run_dir} is not writable ({e}). "
-                "Point TierOptions.memory_root at a writable tmpfs directory such as /dev/shm/jaxckpt."
-            ) from e
+            self.unwritable = e
+            log.warning(
+                "jaxckpt: [process %d] the memory tier %s cannot be written (%s): restores "
+                "skip it and read from peers and persistent storage; saves are refused until "
+                "it can be written (point TierOptions.memory_root at a writable tmpfs with "
+                "free space).",
+                process_index,
+                self.run_dir,
+                e,
+            )
+        else:
+            self.unwritable = None
+
+    def require_writable(self, step: int) -> None:
+        """Raises if `prepare` found the tier unwritable and it still is (tried again:
+        space may have been freed, a filesystem remounted).
+
+        Raises:
+          OSError: ENOSPC if the tier's filesystem is full, saying what to do.
+          PermissionError: if it cannot be written otherwise, naming it.
+        """
+        if self.unwritable is None:
+            return
+        try:
+            self._record_run()
+        except OSError as e:
+            self.unwritable = e
+        else:
+            self.unwritable = None
+            return
+        process_index = self._run[1]
+        what = f"[process {process_index}] The memory tier {self.run_dir}"
+        if _fs.is_out_of_space(self.unwritable):
+            raise _fs.out_of_space(
+                self.unwritable,
+                f"{what} is full, so step {step} cannot be saved",
+                "Give TierOptions.memory_root's filesystem more room (a tmpfs: its size= "
+                "mount option), keep fewer steps there (TierOptions.memory_keep), or point "
+                "TierOptions.memory_root at another tmpfs.",
+            ) from self.unwritable
+        raise PermissionError(
+            f"{what} is not writable ({self.unwritable}), so step {step} cannot be saved. "
+            "Point TierOptions.memory_root at a writable tmpfs directory such as "
+            "/dev/shm/jaxckpt."
+        ) from self.unwritable
+
+    def _record_run(self) -> None:
+        """Creates the run directory, writes a probe, writes RUN.json if missing."""
+        checkpoint_dir, process_index, failure_domain = self._run
+        (self.run_dir / ".staging").mkdir(parents=True, exist_ok=True)
+        probe = self.run_dir / ".staging" / _liveness.owned_name("probe")
+        probe.write_bytes(b"")
+        probe.unlink()
+        run_file = self.run_dir / "RUN.json"
+        if not run_file.exists():
+            run = {
+                "run_id": self.run_id,
+                "checkpoint_dir": checkpoint_dir,
+                "created": time.time(),
+            }
+            if failure_domain:
+                run["failure_domain"] = failure_domain
+            _fs.write_atomic(run_file, json.dumps(run))
+        elif failure_domain:
+            self._check_domain(run_file, failure_domain, process_index)
 
     def _check_domain(self, run_file: Path, failure_domain: str, process_index: int) -> None:
         try:
@@ -115,7 +172,7 @@ class MemoryTier:
         return self.step_dir(step) / _format.part_dir_name(owner)
 
     def new_staging_dir(self, step: int, owner: int) -> Path:
-        path = self.run_dir / ".staging" / f"step_{step}.part_{owner}.{uuid.uuid4().hex}"
+        path = self.run_dir / ".staging" / _liveness.owned_name(f"step_{step}.part_{owner}")
         path.mkdir(parents=True)
         return path
 
@@ -241,9 +298,14 @@ class MemoryTier:
         (several processes on one host, in one container or several) respects
         them; the lock ends with its process, so a dead process's pin is ignored
         (a pid would not do: pids are reused, and differ across containers).
+        A pin is an empty file (its holder's record in its name): it needs no
+        page of the filesystem, so a full tmpfs can still be pinned and read.
         Call `release()` on the returned pin when done.
+
+        Raises:
+          OSError: if the pin file cannot be created (a read-only filesystem).
         """
-        return Pin(self.step_dir(step) / f".pin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        return Pin(self.step_dir(step) / f".pin-{_liveness.record()}-{uuid.uuid4().hex[:8]}")
 
     def is_pinned(self, step: int) -> bool:
         """Whether a live process holds a pin on `step`."""
@@ -267,7 +329,7 @@ class MemoryTier:
             if s not in pinned and not self.is_pinned(s)
         ]
         for step in doomed:
-            trash = self.run_dir / ".staging" / f"trash.{step}.{uuid.uuid4().hex}"
+            trash = self.run_dir / ".staging" / _liveness.owned_name(f"trash.{step}")
             try:
                 os.rename(self.step_dir(step), trash)
             except OSError:
@@ -277,6 +339,9 @@ class MemoryTier:
             _fs.remove_entry(trash)
         if doomed:
             _slab.forget_unlinked()
+        # Leftovers of processes that died since this process started (sharing the
+        # memory root) go too, not only those found at its start.
+        self.clear_staging()
         return doomed
 
     def recycle(self, part_dir: Path) -> bool:
@@ -304,12 +369,27 @@ class MemoryTier:
         _fs.remove_entry(part_dir)
         _slab.forget_unlinked()
 
-    def clear_staging(self, older_than_s: float = 0.0) -> None:
-        """Removes leftovers of interrupted writes older than `older_than_s`."""
+    def clear_staging(self, older_than_s: float = math.inf) -> None:
+        """Removes what interrupted writes and removals left in `.staging/`.
+
+        An entry goes as soon as the process that made it has certainly ended (a
+        crash), however young it is: a restarted process finds its predecessor's
+        staging slab at once, and it is a whole part's worth of tmpfs pages. An
+        entry whose maker may still run stays. Only an entry whose maker this
+        process cannot judge (another pid namespace or boot, or a name without a
+        maker, left by an older jaxckpt) is judged by age: it goes once older
+        than `older_than_s`.
+        """
         now = time.time()
-        if _fs.remove_entries(
-            self.run_dir / ".staging", which=lambda p: now - p.stat().st_mtime >= older_than_s
-        ):
+
+        def left_over(entry: Path) -> bool:
+            made_by = _liveness.maker(entry.name)
+            gone = _liveness.judge(made_by) if made_by is not None else None
+            if gone is not None:
+                return gone
+            return now - entry.stat().st_mtime >= older_than_s
+
+        if _fs.remove_entries(self.run_dir / ".staging", which=left_over):
             _slab.forget_unlinked()
 
 

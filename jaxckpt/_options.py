@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import math
 import os
+import re
 import socket
 from typing import Final
 
 from jaxckpt import _paths
 
 PERSIST_COMPRESSIONS: Final = (None, "zstd", "gzip", "blosc")
+# The longest `timeout_s`: a week. Every wait it bounds (threads, sockets, the
+# coordination service) accepts it; a longer one would leave a job stuck on a dead
+# peer for longer than any job runs unattended.
+MAX_TIMEOUT_S: Final = 7 * 24 * 3600.0
+# A host name (RFC 1123 labels) or, checked apart, an IP address.
+_HOSTNAME_RE: Final = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +52,10 @@ class TierOptions:
         step's index instead. 1-255 ASCII letters, digits, '-', '_', '.',
         starting with a letter or digit.
       timeout_s: the longest any wait on another process, a peer or a
-        background queue may take before it fails with an error.
-      peer_host: interface the peer data service binds to and advertises.
+        background queue may take before it fails with an error; finite, at
+        most a week (`MAX_TIMEOUT_S`).
+      peer_host: interface the peer data service binds to and advertises (an
+        IP address or a host name).
       pinned_host_staging: copy device shards to host through the devices'
         `pinned_host` memory (one batched `device_put`; JAX reuses the pinned
         pool, so after the first save it runs at DMA speed, and the host sees
@@ -78,22 +92,38 @@ class TierOptions:
     spare_slabs: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.memory_root, (str, os.PathLike)) or not str(self.memory_root):
+        # Every field is checked here, so that a bad value fails on this line, naming
+        # the field, and never later in the first save (e.g. `int(inf)` there).
+        root = self.memory_root
+        if isinstance(root, os.PathLike):
+            root = os.fspath(root)
+        if not isinstance(root, str) or not root or "\0" in root:
             raise ValueError(
-                f"TierOptions.memory_root must be a non-empty path, got {self.memory_root!r}."
+                "TierOptions.memory_root must be a non-empty path (a str or os.PathLike naming "
+                f"a directory, such as /dev/shm/jaxckpt), got {self.memory_root!r}."
             )
-        object.__setattr__(self, "memory_root", os.fspath(self.memory_root))
+        object.__setattr__(self, "memory_root", root)
         _check_int("replicas", self.replicas, minimum=0)
         _check_int("persist_every", self.persist_every, minimum=1)
         _check_int("memory_keep", self.memory_keep, minimum=1)
-        if self.persist_compression not in PERSIST_COMPRESSIONS:
+        compression = self.persist_compression
+        if compression is not None and (
+            not isinstance(compression, str) or compression not in PERSIST_COMPRESSIONS
+        ):
             raise ValueError(
                 f"TierOptions.persist_compression must be one of {PERSIST_COMPRESSIONS}, "
                 f"got {self.persist_compression!r}."
             )
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+        timeout = self.timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or not 0 < timeout <= MAX_TIMEOUT_S
+        ):
             raise ValueError(
-                f"TierOptions.timeout_s must be a positive number of seconds, got {self.timeout_s!r}."
+                "TierOptions.timeout_s must be a positive, finite number of seconds, at most "
+                f"{MAX_TIMEOUT_S:.0f} (a week), got {timeout!r}."
             )
         if self.run_id is not None and not _paths.is_valid_run_id(self.run_id):
             raise ValueError(
@@ -101,16 +131,26 @@ class TierOptions:
                 "'.', starting with a letter or digit (it names a directory: '.' or '..' "
                 f"would name the memory root or its parent), got {self.run_id!r}."
             )
-        if self.pinned_host_staging not in (None, True, False):
+        if self.pinned_host_staging is not None and not isinstance(self.pinned_host_staging, bool):
             raise ValueError(
                 "TierOptions.pinned_host_staging must be None (automatic), True or False, "
                 f"got {self.pinned_host_staging!r}."
             )
         for name in ("hold_cpu_arrays", "spare_slabs"):
-            if getattr(self, name) not in (True, False):
+            if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TierOptions.{name} must be a bool, got {getattr(self, name)!r}.")
-        if self.failure_domain is not None and not str(self.failure_domain):
-            raise ValueError("TierOptions.failure_domain must not be empty.")
+        domain = self.failure_domain
+        if domain is not None and (not isinstance(domain, str) or not domain.strip()):
+            raise ValueError(
+                "TierOptions.failure_domain must be None (the JAXCKPT_FAILURE_DOMAIN "
+                "environment variable, else the hostname) or a non-empty str naming a host or "
+                f"rack, got {domain!r}."
+            )
+        if not _is_host(self.peer_host):
+            raise ValueError(
+                "TierOptions.peer_host must be an IP address or a host name of this host's "
+                f"network interface (such as 127.0.0.1 or 10.0.0.5), got {self.peer_host!r}."
+            )
 
     @property
     def resolved_failure_domain(self) -> str:
@@ -123,3 +163,13 @@ class TierOptions:
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"TierOptions.{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+def _is_host(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return _HOSTNAME_RE.fullmatch(value) is not None

@@ -51,6 +51,13 @@ class StepPlan:
     def leaves(self) -> tuple[_format.LeafRecord, ...]:
         return next(iter(self.manifests.values())).leaves
 
+    def without(self, tier: str) -> StepPlan:
+        """This plan with no source of `tier` (a tier the reader cannot use after all)."""
+        sources = {
+            o: tuple(s for s in found if s.tier != tier) for o, found in self.sources.items()
+        }
+        return dataclasses.replace(self, sources=sources)
+
     def chunk_owners(self) -> dict[tuple[int, tuple[int, ...]], int]:
         """(leaf, chunk index) -> the owner whose part holds the chunk.
 

@@ -75,6 +75,38 @@ def reader_factory(
     return reader_for
 
 
+def pin_memory(
+    memory: _memory_tier.MemoryTier, plan: _plan.StepPlan, process_index: int
+) -> tuple[_plan.StepPlan, _memory_tier.Pin | None]:
+    """Pins the planned step in this process's memory tier while it is restored, if
+    the tier holds parts of it.
+
+    Its slabs are read in place and lent to the restored arrays (and the peers
+    read theirs): the pin keeps the step from being retired (and its slabs
+    refilled) meanwhile. A step that cannot be pinned is not read from this
+    tier: the plan without it, logged. A tier `prepare` could not write offers
+    nothing (`memory_parts`) and is not pinned.
+
+    Returns:
+      The plan to read with, and the pin to release once read (None: no pin).
+    """
+    if memory.unwritable is not None or not memory.parts(plan.step):
+        return plan, None
+    try:
+        return plan, memory.pin(plan.step)
+    except OSError as e:
+        log.warning(
+            "jaxckpt: [process %d] the restore of step %d skips the memory tier %s: the "
+            "step cannot be pinned there while it is read (%s); reading its parts from "
+            "peers and persistent storage instead.",
+            process_index,
+            plan.step,
+            memory.run_dir,
+            e,
+        )
+        return plan.without(_plan.MEMORY), None
+
+
 class Restorer:
     """Reads the leaves of one planned step into the shapes and shardings of a target.
 

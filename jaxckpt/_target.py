@@ -30,7 +30,7 @@ from typing import Any, Final
 import jax
 import numpy as np
 
-from jaxckpt import _format, _sharding, _tree
+from jaxckpt import _format, _sharding, _tree, _weak_type
 from jaxckpt._restore import Restorer
 
 # (states saved by every process, in process order; this process; process count) -> state
@@ -369,7 +369,9 @@ def fill(
         )
     pairs, treedef = match(records, target, ctx)
     out = [_leaf(restorer, i, records[i], leaf, ctx) for i, leaf in pairs]
-    return jax.tree_util.tree_unflatten(treedef, restorer.place(out))
+    placed = restorer.place(out)
+    kept = [_weak_type.as_target(v, leaf) for v, (_, leaf) in zip(placed, pairs, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, kept)
 
 
 def _leaf(restorer: Restorer, i: int, record: _format.LeafRecord, leaf: Any, ctx: Context) -> Any:

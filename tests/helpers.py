@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import patience
+import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -167,3 +172,51 @@ def flip_slab_byte(
         byte = f.read(1)[0]
         f.seek(offset + (at % nbytes))
         f.write(bytes([byte ^ bit]))
+
+
+# ---- filesystems that cannot be written ------------------------------------------------
+
+
+def _mount(args: list[str], what: str) -> None:
+    done = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount {what} (needs root and mount rights): {done.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` at `path`, unmounted on the way out whatever happens (needs
+    root; skips the test otherwise, saying why)."""
+    path.mkdir(parents=True)
+    _mount(["-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], f"a {size} tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@contextlib.contextmanager
+def read_only(source: Path, path: Path) -> Iterator[Path]:
+    """`source` seen read-only at `path` (a read-only bind mount), unmounted on the way
+    out whatever happens (needs root; skips the test otherwise, saying why). As root,
+    permission bits would not stop a write; a read-only mount does."""
+    path.mkdir(parents=True)
+    _mount(["--bind", str(source), str(path)], f"a bind of {source}")
+    try:
+        _mount(["-o", "remount,ro,bind", str(path)], "a read-only bind")
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(directory: Path) -> None:
+    """Writes into `directory` until its filesystem is full (ENOSPC)."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        block = b"\0" * (1 << 16)
+        while True:
+            os.write(fd, block)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)

@@ -320,3 +320,40 @@ def test_refusal_lists_what_is_stored():
 def test_scalar_records_written_before_exact_scalars_still_read(scalar_type, value, expected):
     record = _format.LeafRecord("x", _format.SCALAR, value=value, scalar_type=scalar_type)
     assert_exact(_tree.scalar_value(record), expected)
+
+
+def test_a_weakly_typed_target_gets_a_weakly_typed_array(memory_root, ckpt_dir):
+    """`lr` made from a Python float is weakly typed: `lr * bf16` is bfloat16. A target
+    that keeps the weak type (`jax.eval_shape` does) gets it back, values, sharding and
+    committedness unchanged; a strongly typed target gets a strongly typed array."""
+    mesh = mesh_1d()
+    replicated = NamedSharding(mesh, P())
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=1))
+
+    def init() -> dict:
+        return {
+            "lr": jax.device_put(jnp.asarray(1e-3), replicated),  # weak float32
+            "scale": jnp.full((4,), 0.5),  # weak, uncommitted, not a scalar
+            "w": jax.device_put(jnp.ones((8, 2), jnp.bfloat16), NamedSharding(mesh, P("data"))),
+        }
+
+    state = init()
+    assert state["lr"].weak_type and state["scale"].weak_type and not state["w"].weak_type
+    with manager(ckpt_dir, h) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+        target = jax.eval_shape(init)
+        target["lr"] = target["lr"].update(sharding=replicated)
+        target["w"] = target["w"].update(sharding=state["w"].sharding)
+        target["scale"] = state["scale"]  # an uncommitted array: restored uncommitted
+        assert target["lr"].weak_type
+        got = restore(mngr, 1, target)
+        assert got["lr"].weak_type and got["scale"].weak_type and not got["w"].weak_type
+        assert (got["lr"] * got["w"]).dtype == jnp.bfloat16
+        assert got["lr"].sharding == replicated and got["lr"].committed
+        assert not got["scale"].committed
+        for k in state:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
+        strong = restore(mngr, 1, abstract(state))  # no weak type asked for
+        assert not strong["lr"].weak_type

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt import _options
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -128,6 +129,21 @@ def test_unwritable_memory_root_is_reported(tmp_path, ckpt_dir):
         ({"run_id": "a/b"}, r"run_id may only hold"),
         ({"replicas": True}, r"replicas must be an integer"),
         ({"spare_slabs": "no"}, r"spare_slabs must be a bool, got 'no'"),
+        # Values that used to be accepted and failed only in the first save.
+        ({"timeout_s": float("inf")}, r"TierOptions.timeout_s must be a positive, finite.* inf"),
+        ({"timeout_s": float("nan")}, r"TierOptions.timeout_s .* got nan"),
+        ({"timeout_s": 1e12}, r"TierOptions.timeout_s .*at most 604800"),
+        ({"timeout_s": True}, r"TierOptions.timeout_s .* got True"),
+        ({"timeout_s": "60"}, r"TierOptions.timeout_s .* got '60'"),
+        ({"failure_domain": 7}, r"TierOptions.failure_domain must be None .* got 7"),
+        ({"failure_domain": " "}, r"TierOptions.failure_domain .* got ' '"),
+        ({"peer_host": ""}, r"TierOptions.peer_host must be an IP address or a host name"),
+        ({"peer_host": 7}, r"TierOptions.peer_host .* got 7"),
+        ({"peer_host": "my host"}, r"TierOptions.peer_host .* got 'my host'"),
+        ({"pinned_host_staging": 1}, r"TierOptions.pinned_host_staging .* got 1"),
+        ({"hold_cpu_arrays": 0}, r"TierOptions.hold_cpu_arrays must be a bool, got 0"),
+        ({"persist_compression": ["zstd"]}, r"persist_compression must be one of"),
+        ({"run_id": 7}, r"TierOptions.run_id may only hold .* got 7"),
     ],
 )
 def test_options_are_validated(kw, match):
@@ -135,9 +151,34 @@ def test_options_are_validated(kw, match):
         jaxckpt.TierOptions("/dev/shm/x", **kw)
 
 
-def test_options_need_a_memory_root():
-    with pytest.raises(ValueError, match="memory_root must be a non-empty path"):
-        jaxckpt.TierOptions("")
+@pytest.mark.parametrize("root", ["", None, b"/dev/shm/x", 7, "/dev/shm/\0x"])
+def test_options_need_a_memory_root(root):
+    with pytest.raises(ValueError, match=r"TierOptions.memory_root must be a non-empty path"):
+        jaxckpt.TierOptions(root)
+
+
+def test_options_accept_what_they_document(tmp_path):
+    options = jaxckpt.TierOptions(
+        tmp_path,  # os.PathLike
+        timeout_s=_options.MAX_TIMEOUT_S,
+        failure_domain="rack-7",
+        peer_host="node-3.cluster.local",
+        persist_compression="zstd",
+        pinned_host_staging=False,
+    )
+    assert options.memory_root == str(tmp_path)
+    jaxckpt.TierOptions("/dev/shm/x", timeout_s=1, peer_host="::1")
+
+
+def test_the_longest_timeout_saves_and_restores(memory_root, ckpt_dir):
+    """The largest timeout the options accept is accepted by every wait it bounds."""
+    h = handler(memory_root, persist_every=1, timeout_s=_options.MAX_TIMEOUT_S)
+    with manager(ckpt_dir, h) as mngr:
+        state = {"w": np.arange(8.0)}
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+        assert_tree_equal(restore(mngr, 1, abstract(state)), state)
 
 
 def test_handler_needs_options():

@@ -34,7 +34,16 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 import patience
 import pytest
-from helpers import REPO, abstract, manager, mesh_1d, restore, save, sharded_state
+from helpers import (
+    REPO,
+    abstract,
+    assert_tree_equal,
+    manager,
+    mesh_1d,
+    restore,
+    save,
+    sharded_state,
+)
 from test_bad_peers import Outcome, bounded, tally
 
 import jaxckpt
@@ -210,21 +219,35 @@ def test_kill_owner_at_every_phase(phase, crashed, tmp_path):
     assert after.kind == "ok", f"{phase}: the save after the restart: {after}"
 
 
-@pytest.mark.parametrize("phase", ["memory_write", "persist_write"])
-def test_crash_leftovers_are_cleaned_after_restart(phase, crashed, tmp_path):
-    """Staging directories of a killed process are removed by the restarted job.
-
-    A kill during a memory write leaves `<memory>/<run>/.staging/...`; a kill
-    during persistence leaves `<ckpt>/.jaxckpt-staging/...`. Once they are
-    older than `timeout_s` (aged here by hand) the next job removes them.
-    """
-    memory_root, ckpt = after_crash(crashed, phase, tmp_path)
-    staging = {
-        "memory_write": Path(memory_root) / "faults" / ".staging",
-        "persist_write": ckpt / _paths.STAGING_DIR,
-    }[phase]
+def test_a_killed_saves_staging_slab_is_removed_by_the_prompt_restart(crashed, tmp_path):
+    """A kill during a memory write leaves the step's whole slab in `<memory>/<run>/.staging/`.
+    The restarted job removes it at once, young as it is (a hot spare is back within
+    seconds), because the process that wrote it is gone; it saves on without it."""
+    memory_root, ckpt = after_crash(crashed, "memory_write", tmp_path)
+    staging = Path(memory_root) / "faults" / ".staging"
     leftovers = list(staging.iterdir())
-    assert leftovers, f"the crash at {phase} left nothing in {staging} (the fault moved?)"
+    assert any(f"step_{CRASH_STEP}.part_0" in p.name for p in leftovers), (
+        f"the crash at memory_write left no step-{CRASH_STEP} slab in {staging} (the fault moved?)"
+    )
+    h = jaxckpt.TieredCheckpointHandler(options(memory_root))
+    with manager(ckpt, h) as mngr:
+        for step in (10, 11, 12):
+            save(mngr, step, state_for(step))
+            mngr.wait_until_finished()
+            h.wait_for_persistence()
+        remaining = [p.name for p in leftovers if p.exists()]
+        assert not remaining, f"left behind in {staging} by the killed process: {remaining}"
+        assert_tree_equal(restore(mngr, 12, abstract(state_for(12))), state_for(12))
+
+
+def test_a_killed_persists_staging_dirs_are_removed_once_old(crashed, tmp_path):
+    """A kill during persistence leaves `<ckpt>/.jaxckpt-staging/...`: shared storage, where
+    no process can tell whether another host's writer still runs, so the next job removes
+    what is older than `timeout_s` (aged here by hand)."""
+    memory_root, ckpt = after_crash(crashed, "persist_write", tmp_path)
+    staging = ckpt / _paths.STAGING_DIR
+    leftovers = list(staging.iterdir())
+    assert leftovers, f"the crash at persist_write left nothing in {staging} (the fault moved?)"
     for p in leftovers:
         os.utime(p, (time.time() - 3600, time.time() - 3600))
     h = jaxckpt.TieredCheckpointHandler(options(memory_root))

@@ -68,6 +68,22 @@ def test_item_handlers_are_reachable_too(tmp_path) -> None:
     assert found.get("train") is handler, _where(_internals.COMPOSITE_REGISTRY)
 
 
+def test_an_array_can_be_made_weakly_typed() -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    where = _where(_internals.CONVERT_ELEMENT_TYPE)
+    strong = jax.device_put(np.arange(4, dtype=np.float32))
+    try:
+        weak = _internals.weakly_typed(strong)
+    except RuntimeError as e:
+        pytest.fail(f"{where}: {e}")
+    assert weak.weak_type and not strong.weak_type, where
+    assert weak.dtype == strong.dtype and np.array_equal(weak, strong), where
+    assert (weak * jnp.ones(4, jnp.bfloat16)).dtype == jnp.bfloat16, where
+
+
 def test_a_moved_internal_is_named_with_the_versions() -> None:
     error = _internals.moved(_internals.DISTRIBUTED_STATE, "gone")
     text = str(error)

@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_internals",
             "_metrics",
             "_resources",
+            "_weak_type",
         ),
     ),
     ("storage and planning", ("_zarr", "_memory_tier", "_plan", "_readers", "_index")),

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import errno
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,7 +13,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import manager, mesh_1d, save
+from helpers import manager, mesh_1d, save, small_tmpfs
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -93,21 +91,6 @@ def test_failed_persistence_leaves_no_staging_dirs(memory_root, ckpt_dir, monkey
         time.sleep(0.6)
         assert leftovers(ckpt_dir / ".jaxckpt-staging") == []
         assert not (ckpt_dir / "1" / "train" / "part_00000").exists()
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str):
-    """A tmpfs of `size` at `path` (needs root; skips the test otherwise)."""
-    path.mkdir(parents=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_full_tmpfs_memory_tier_leaves_nothing(tmp_path, ckpt_dir):

@@ -17,7 +17,6 @@ import os
 import socket
 import socketserver
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -222,11 +221,10 @@ class PeerServer:
 
 def _temp_name(purpose: str) -> str:
     """Returns a fresh temporary entry name that records this process (`_liveness.record`)."""
-    return f"{_wire.TEMP_PREFIX}{_liveness.record()}-{purpose}-{uuid.uuid4().hex}"
+    return _liveness.owned_name(purpose, _wire.TEMP_PREFIX)
 
 
 def _is_stale_temp(entry: Path) -> bool:
     """Whether ``entry`` is a `_temp_name` of a process that certainly no longer runs."""
-    if not entry.name.startswith(_wire.TEMP_PREFIX):
-        return False
-    return _liveness.is_gone(entry.name.removeprefix(_wire.TEMP_PREFIX).split("-", 1)[0])
+    made_by = _liveness.maker(entry.name, _wire.TEMP_PREFIX)
+    return made_by is not None and _liveness.is_gone(made_by)
