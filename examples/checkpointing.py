@@ -1,4 +1,4 @@
-"""The examples' checkpointing: every line that uses jaxckpt and Orbax.
+"""The examples' checkpointing: the only lines that use jaxckpt's handler and Orbax.
 
 The examples checkpoint the whole training state after every step. That state is ONE
 pytree::

@@ -227,8 +227,8 @@ def compare_bitwise(reference: dict[int, Step], run: Run) -> tuple[bool, list[st
     """
     seen: dict[int, list[Step]] = {}
     for steps in run.steps:
-        for step, got in steps.items():
-            seen.setdefault(step, []).append(got)
+        for step, logged in steps.items():
+            seen.setdefault(step, []).append(logged)
     identical = sorted(seen) == sorted(reference)
     rows = [f"    {'step':>4}  {'uninterrupted':<20}{'recovered run':<20}float32 bits"]
     for step, want in sorted(reference.items()):
