@@ -10,14 +10,16 @@ Run::
     python examples/classifier.py --quick --ckpt-dir /tmp/cls-ckpt --steps 50
     python -m jaxckpt.launch -n 4 -- python examples/classifier.py --quick --ckpt-dir /tmp/c
 
-The checkpointing lines are in ``common.make_manager`` / ``common.save`` /
-``common.restore_latest``; the saved state layout is described in ``common``.
+The checkpointing lines are in ``checkpointing.py`` (``make_manager``, ``save``,
+``restore_latest``), with the layout of the saved state; the loop is ``training.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,10 +28,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-try:
-    from examples import common
-except ImportError:  # run as a script: examples/ is on sys.path
-    import common  # type: ignore[no-redef]
+if __package__ in (None, ""):  # run as a script: the repository root holds `examples`
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from examples import training
 
 SIZE = 28
 NUM_CLASSES = 10
@@ -130,17 +132,17 @@ def loss_fn(model: CNN, batch: dict[str, jax.Array], key: jax.Array) -> jax.Arra
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    """The classifier's own flags (``--batch`` and the rest are in ``common.add_common_args``)."""
+    """The classifier's own flags (``--batch`` and the rest are in ``training.add_common_args``)."""
     parser.add_argument("--examples", type=int, default=None, help="data set size")
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
 
 
-def make_task(args: argparse.Namespace) -> common.Task:
+def make_task(args: argparse.Namespace) -> training.Task:
     """The model, digits and loss that the flags ask for."""
     cfg = QUICK if args.quick else CNNConfig()
     images, labels = make_digits(args.examples or (2048 if args.quick else 16384), args.data_seed)
-    return common.Task(
+    return training.Task(
         make_model=lambda rngs: CNN(cfg, rngs=rngs),
         records=DigitRecords(images, labels),
         loss_fn=loss_fn,
@@ -149,5 +151,10 @@ def make_task(args: argparse.Namespace) -> common.Task:
     )
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """Trains the classifier; see ``--help``."""
+    return training.main(__doc__, add_args, make_task, argv)
+
+
 if __name__ == "__main__":
-    raise SystemExit(common.main(__doc__, add_args, make_task))
+    raise SystemExit(main())

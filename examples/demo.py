@@ -84,7 +84,7 @@ class Run:
     report: dict[str, Any]
     steps: list[dict[int, Step]]  # per attempt: step -> what process 0 logged
     processes: list[int]  # per attempt: process count
-    unrestorable: list[set[int]]  # per attempt: steps a restore was tried and failed for
+    unrestorable: list[set[int]]  # per attempt: steps whose restore failed
     save_seconds: list[float]
     log: Path
 
@@ -168,22 +168,22 @@ def _show(run: Run, line: str, cfg: Config, verbose: bool) -> None:
     if event is None or not run.steps:
         return
     process, kind = int(m[1]) if m else -1, event["event"]
-    if kind == "restored" and not verbose:
+    if kind == launch.RestoredEvent.kind and not verbose:
         print(
             f"  [{run.name}] p{process} restored step {event['step']} from"
             f" {event.get('tier')} in {event.get('seconds')} s",
             flush=True,
         )
-    elif kind == "replicas_lowered" and process == 0 and not verbose:
+    elif kind == launch.ReplicasLoweredEvent.kind and process == 0 and not verbose:
         print(f"  [{run.name}] peer copies lowered to {event['used']}: too few processes left")
-    elif kind == "restore_failed" and event["step"] not in run.unrestorable[-1]:
+    elif kind == launch.RestoreFailedEvent.kind and event["step"] not in run.unrestorable[-1]:
         # Every process says so for the same step; one line is enough.
         run.unrestorable[-1].add(event["step"])
         if not verbose:
             error = str(event.get("error", "")).split(". ")[0][:200]
-            print(f"  [{run.name}] step {event['step']} is not restorable, trying an older one"
-                  f" (p{process}: {error})")  # fmt: skip
-    elif kind == "step" and process == 0:
+            print(f"  [{run.name}] the restore of step {event['step']} failed, the attempt"
+                  f" fails (p{process}: {error})")  # fmt: skip
+    elif kind == launch.StepEvent.kind and process == 0:
         run.steps[-1][event["step"]] = Step(float(event["loss"]), str(event.get("data")))
         if not verbose:
             print(
@@ -191,7 +191,7 @@ def _show(run: Run, line: str, cfg: Config, verbose: bool) -> None:
                 f"  batch checksum {event.get('data')}  ({plural(run.processes[-1], 'process')})",
                 flush=True,
             )
-    elif kind == "save" and process == 0:
+    elif kind == launch.SaveEvent.kind and process == 0:
         run.save_seconds.append(float(event["seconds"]))
 
 
@@ -227,8 +227,8 @@ def compare_bitwise(reference: dict[int, Step], run: Run) -> tuple[bool, list[st
     """
     seen: dict[int, list[Step]] = {}
     for steps in run.steps:
-        for step, got in steps.items():
-            seen.setdefault(step, []).append(got)
+        for step, logged in steps.items():
+            seen.setdefault(step, []).append(logged)
     identical = sorted(seen) == sorted(reference)
     rows = [f"    {'step':>4}  {'uninterrupted':<20}{'recovered run':<20}float32 bits"]
     for step, want in sorted(reference.items()):

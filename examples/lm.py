@@ -12,8 +12,8 @@ Run::
     python examples/lm.py --quick --ckpt-dir /tmp/lm-ckpt --steps 50
     python -m jaxckpt.launch -n 4 -- python examples/lm.py --quick --ckpt-dir /tmp/lm-ckpt
 
-The checkpointing lines are in ``common.make_manager`` / ``common.save`` /
-``common.restore_latest``; the saved state layout is described in ``common``.
+The checkpointing lines are in ``checkpointing.py`` (``make_manager``, ``save``,
+``restore_latest``), with the layout of the saved state; the loop is ``training.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import sys
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +30,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-try:
-    from examples import common
-except ImportError:  # run as a script: examples/ is on sys.path
-    import common  # type: ignore[no-redef]
+if __package__ in (None, ""):  # run as a script: the repository root holds `examples`
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from examples import training
 
 VOCAB = 256  # byte-level tokens
 
@@ -122,17 +124,17 @@ def loss_fn(model: TransformerLM, tokens: jax.Array, key: jax.Array) -> jax.Arra
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    """The LM's own flags (``--batch`` and the rest are in ``common.add_common_args``)."""
+    """The LM's own flags (``--batch`` and the rest are in ``training.add_common_args``)."""
     parser.add_argument("--corpus-kb", type=int, default=None, help="corpus size in KiB")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--untied-head", action="store_true")
 
 
-def make_task(args: argparse.Namespace) -> common.Task:
+def make_task(args: argparse.Namespace) -> training.Task:
     """The model, corpus and loss that the flags ask for."""
     cfg = dataclasses.replace(QUICK if args.quick else LMConfig(), tied_head=not args.untied_head)
     corpus_kb = args.corpus_kb or (256 if args.quick else 1024)
-    return common.Task(
+    return training.Task(
         make_model=lambda rngs: TransformerLM(cfg, rngs=rngs),
         records=make_records(load_corpus(corpus_kb * 1024), cfg.seq_len),
         loss_fn=loss_fn,
@@ -141,5 +143,10 @@ def make_task(args: argparse.Namespace) -> common.Task:
     )
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """Trains the language model; see ``--help``."""
+    return training.main(__doc__, add_args, make_task, argv)
+
+
 if __name__ == "__main__":
-    raise SystemExit(common.main(__doc__, add_args, make_task))
+    raise SystemExit(main())

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `examples` is a directory of scripts, not an installed package
     sys.path.insert(0, str(REPO))
 
-from examples import common  # noqa: E402
+from examples import data  # noqa: E402
 
 EXAMPLES = ("lm", "classifier")
 
@@ -61,7 +61,7 @@ def test_global_stream_is_the_same_for_any_process_count() -> None:
     for count in (1, 2, 3, 4):
         rows = 24 // count
         parts = [
-            common.process_stream(records, 7, 24, p * rows, (p + 1) * rows) for p in range(count)
+            data.process_stream(records, 7, 24, p * rows, (p + 1) * rows) for p in range(count)
         ]
         batches[count] = [np.concatenate([part[i] for part in parts]) for i in range(10)]
     for count in (2, 3, 4):
@@ -79,7 +79,7 @@ def test_iterator_state_is_the_global_position() -> None:
         rows = 24 // count
         options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
         streams = [
-            common.process_stream(records, 0, 24, p * rows, (p + 1) * rows) for p in range(count)
+            data.process_stream(records, 0, 24, p * rows, (p + 1) * rows) for p in range(count)
         ]
         return [iter(s.to_iter_dataset(read_options=options)) for s in streams]
 
@@ -98,7 +98,7 @@ def test_iterator_state_is_the_global_position() -> None:
 
 def test_process_stream_rejects_unaligned_rows() -> None:
     with pytest.raises(ValueError, match="aligned block"):
-        common.process_stream(np.arange(10), 0, 24, 4, 10)
+        data.process_stream(np.arange(10), 0, 24, 4, 10)
 
 
 def test_fingerprint_does_not_depend_on_sharding() -> None:
@@ -108,7 +108,7 @@ def test_fingerprint_does_not_depend_on_sharding() -> None:
         "image": rng.standard_normal((16, 5, 3)).astype(np.float32),
         "label": rng.integers(0, 10, 16).astype(np.int32),
     }
-    fp = jax.jit(common.fingerprint)
+    fp = jax.jit(data.fingerprint)
     sharded = jax.device_put(batch, NamedSharding(mesh, P("b")))
     assert int(fp(sharded)) == int(fp(batch))
     swapped = {**batch, "label": batch["label"][::-1].copy()}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import pathlib
 import signal
@@ -12,8 +14,8 @@ import time
 import psutil
 import pytest
 
+from jaxckpt.launch import _events, _supervise
 from jaxckpt.launch import _launcher as launch
-from jaxckpt.launch import _supervise
 
 # A fake training process: one step event every few ms, its step kept in its memory root
 # (the "memory tier"), restored from there at start, and the launcher's kill hook. As a
@@ -274,6 +276,45 @@ def test_parsing_helpers() -> None:
         launch.main(["-n", "2"])  # no command
     with pytest.raises(SystemExit):
         launch.main(["-n", "2", "--kill", "5@1", "--", "true"])  # no such process
+
+
+def test_event_lines_round_trip_and_leave_out_unset_optional_fields() -> None:
+    restored = _events.RestoredEvent(step=3, seconds=0.5, process=1, tier="memory")
+    line = _events.format_event(restored)
+    assert json.loads(line) == {
+        "event": "restored",
+        "step": 3,
+        "seconds": 0.5,
+        "process": 1,
+        "tier": "memory",
+    }
+    assert launch.parse_event(line) == restored.to_dict()
+    counted = dataclasses.replace(restored, bytes_by_tier={"peer": 8})
+    assert launch.parse_event(_events.format_event(counted))["bytes_by_tier"] == {"peer": 8}
+    # A field without a default is always written, None included.
+    start = _events.StartEvent(0, 1, 2, {"data": 1, "fsdp": 2}, None)
+    assert json.loads(_events.format_event(start))["compilation_cache"] is None
+    # The kinds the launcher reads, and every kind named once.
+    kinds = [cls.kind for cls in _events.Event.__subclasses__()]
+    assert {"step", "restored", "timeline"} <= set(kinds) and len(kinds) == len(set(kinds))
+
+
+def test_the_launcher_imports_nothing_of_the_core_nor_jax() -> None:
+    # Read from the source: importing jaxckpt.launch imports jaxckpt itself, so
+    # sys.modules cannot tell. A launched job's processes import the schema, not the reverse.
+    package = pathlib.Path(_events.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in ("jax", "jaxlib", "orbax"), (path.name, name)
+                if name.split(".")[0] == "jaxckpt":
+                    assert name.startswith("jaxckpt.launch"), (path.name, name)
 
 
 def test_process_set_reports_the_first_failure() -> None:

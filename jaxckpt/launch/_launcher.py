@@ -12,9 +12,9 @@ Each child gets ``JAXCKPT_COORDINATOR=127.0.0.1:PORT``, ``JAXCKPT_NUM_PROCESSES`
 ``JAXCKPT_PROCESS_ID``, ``JAXCKPT_CPU_DEVICES``, ``JAXCKPT_FAILURE_DOMAIN=node<i>`` and
 ``JAXCKPT_MEMORY_ROOT=<memory-base>/node<i>``, plus ``JAXCKPT_KILL_AT_STEP`` /
 ``JAXCKPT_KILL_PROCESS`` in the first attempt when a failure is injected. Its output lines
-are echoed with a ``[p<i>]`` prefix; lines holding a JSON object with an ``event`` key
-(``step``, ``restored``, ``timeline``) feed the report, which gives every restart's
-recovery timeline (`_timeline`). The launcher does not import jax.
+are echoed with a ``[p<i>]`` prefix; its event lines (`_events`: ``step``, ``restored``,
+``timeline``) feed the report, which gives every restart's recovery timeline
+(`_timeline`). The launcher does not import jax.
 
 Two things shorten a restart:
 
@@ -54,6 +54,7 @@ from jaxckpt.launch._children import (
     compilation_cache_env,
     start_spares,
 )
+from jaxckpt.launch._events import RestoredEvent, StepEvent, TimelineEvent, parse_event
 from jaxckpt.launch._supervise import PortRetries, free_port, port_in_use
 from jaxckpt.launch._timeline import format_timeline, restart_timeline
 
@@ -116,15 +117,6 @@ def next_nodes(nodes: list[int], lost: int | None, count: int | None) -> list[in
     survivors = [k for k in nodes if k != lost]
     fresh = range(max(nodes) + 1, max(nodes) + 1 + max(0, count - len(survivors)))
     return (survivors + list(fresh))[:count]
-
-
-def parse_event(line: str) -> dict[str, Any] | None:
-    """Returns the JSON event of an output line, or None if it is not one."""
-    try:
-        event = json.loads(line) if line.lstrip().startswith("{") else None
-    except ValueError:
-        return None
-    return event if isinstance(event, dict) and "event" in event else None
 
 
 def parse_injection(spec: str) -> tuple[int, int]:
@@ -223,15 +215,15 @@ def run_attempt(
         print(f"[p{i}] {line}", flush=True)
         port_taken = port_taken or port_in_use(line)
         event = parse_event(line) or {"event": None}
-        if event["event"] == "step" and isinstance(event.get("step"), int):
+        if event["event"] == StepEvent.kind and isinstance(event.get("step"), int):
             attempt.last_step = max(attempt.last_step, event["step"])
             if attempt.first_step_s is None:
                 attempt.first_step_s = round(time.monotonic() - start, 3)
                 if on_training is not None:
                     on_training()
-        elif event["event"] == "restored":
+        elif event["event"] == RestoredEvent.kind:
             attempt.restored[i] = event
-        elif event["event"] == "timeline":
+        elif event["event"] == TimelineEvent.kind:
             attempt.timelines[i] = event
         return True
 

@@ -1,40 +1,20 @@
 """The recovery timeline: from a failure to the restarted job's first trained step.
 
 Each process of a launched job may print one ``timeline`` event after its first trained
-step (``examples/common.py`` does)::
-
-    {"event": "timeline", "process": p, "phases": {"jax_init": [start, end], ...},
-     "compile": {"cache_hits": h, "cache_misses": m, ...}}
-
-with wall-clock (``time.time()``) times. Usual phases, in order: ``startup`` (process
-creation to ``main``: interpreter and imports), ``jax_init`` (``jax.distributed`` and the
-backend), ``task``, ``setup``, ``compile`` (may overlap ``restore``), ``warm_up`` and
-``standby`` (a hot spare running its train step once, then waiting for its go),
-``manager``, ``restore`` (or ``init``) and ``first_step``; any other name is kept as
-well. This module turns them into offsets from the start of the attempt (when the
-launcher started, or woke, its processes) and names the slowest process of each phase:
-a JAX job moves at the pace of its slowest process. Imports neither jax nor the rest of
-jaxckpt.
+step (`_events.TimelineEvent`; the examples do), with the wall-clock (``time.time()``)
+start and end of each phase of its start: the usual phases (`_events.PHASES`) in their
+order, then any other name. This module turns them into offsets from the start of the
+attempt (when the launcher started, or woke, its processes) and names the slowest process
+of each phase: a JAX job moves at the pace of its slowest process. Imports neither jax nor
+the rest of jaxckpt.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any
 
-PHASES: Final = (
-    "startup",
-    "jax_init",
-    "task",
-    "setup",
-    "compile",
-    "warm_up",
-    "standby",
-    "manager",
-    "restore",
-    "init",
-    "first_step",
-)
+from jaxckpt.launch._events import PHASES
 
 
 def _ordered(names: set[str]) -> list[str]:
