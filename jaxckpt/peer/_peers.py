@@ -13,6 +13,7 @@ import asyncio
 import secrets
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from jaxckpt import _agreement, _faults, _format, _multihost, _placement
 from jaxckpt._memory_tier import MemoryTier
@@ -25,12 +26,20 @@ from jaxckpt.peer._wire import PeerAddress
 Inventory = dict[int, set[int]]  # step -> owners whose verified part a process holds
 
 
+class Service(Protocol):
+    """What `Peers` needs of this process's peer data service (a `PeerServer`)."""
+
+    @property
+    def address(self) -> PeerAddress: ...
+    def close(self) -> None: ...
+
+
 class Peers:
     """This process's connection to every other process's memory tier."""
 
     def __init__(
         self,
-        server: PeerServer,
+        server: Service,
         token: str,
         run_id: str,
         addresses: list[PeerAddress],
@@ -57,7 +66,24 @@ class Peers:
           Any error another process met starting its peer service (the same
             built-in type, naming it), on every process.
         """
-        return cls._meet(memory.run_id, memory, options, None)
+
+        def serve(token: str) -> PeerServer:
+            server = PeerServer(
+                memory.run_dir.parent,
+                run_id=memory.run_id,
+                token=token,
+                host=options.peer_host,
+                io_timeout=options.timeout_s,
+                reuse_free_slabs=options.spare_slabs,
+            )
+            try:
+                server.start()
+            except BaseException:
+                server.close()
+                raise
+            return server
+
+        return cls.meet(memory.run_id, serve, options)
 
     @classmethod
     def decline(cls, run_id: str, options: TierOptions, error: BaseException) -> None:
@@ -70,17 +96,20 @@ class Peers:
         Raises:
           `error` (marked as agreed), always.
         """
-        cls._meet(run_id, None, options, error)
-        raise _agreement.mark_agreed(error)  # _meet raised it already; for the type checker
+        cls.meet(run_id, None, options, error)
+        raise _agreement.mark_agreed(error)  # meet raised it already; for the type checker
 
     @classmethod
-    def _meet(
+    def meet(
         cls,
         run_id: str,
-        memory: MemoryTier | None,
+        serve: Callable[[str], Service] | None,
         options: TierOptions,
-        error: BaseException | None,
+        error: BaseException | None = None,
     ) -> Peers:
+        """The exchanges of `connect` (collective): the token, then every process's address
+        and failure domain. `serve(token)` starts this process's service; None (or
+        `error`) takes part without one, and every process raises the error."""
         tag = f"peers/{run_id}"
         token = _multihost.broadcast(
             secrets.token_hex(32) if _multihost.process_index() == 0 else None,
@@ -88,20 +117,10 @@ class Peers:
             timeout_s=options.timeout_s,
         )
         server = None
-        if error is None and memory is not None:
+        if error is None and serve is not None:
             try:
-                server = PeerServer(
-                    memory.run_dir.parent,
-                    run_id=run_id,
-                    token=token,
-                    host=options.peer_host,
-                    io_timeout=options.timeout_s,
-                    reuse_free_slabs=options.spare_slabs,
-                )
-                server.start()
+                server = serve(token)
             except Exception as e:  # agreed on below, so every process raises it
-                if server is not None:
-                    server.close()
                 server, error = None, e
         me = (
             {"address": server.address.to_dict(), "domain": options.resolved_failure_domain}
@@ -197,9 +216,19 @@ class Peers:
         return sum(sent)
 
     def exchange_inventories(self, local: Inventory) -> dict[int, Inventory]:
-        """process -> its inventory, for every process (collective)."""
-        wire = {str(step): sorted(owners) for step, owners in local.items()}
+        """process -> its inventory, for every process (collective).
+
+        Every process reads every inventory, so the table goes through the
+        coordinator compressed: owners are sent as offsets from their holder,
+        which makes the usual layout (each process holds its own part and its
+        ring neighbours') the same few bytes on every process.
+        """
+        me = _multihost.process_index()
+        wire = {str(step): sorted(o - me for o in owners) for step, owners in local.items()}
         everyone = _multihost.allgather(
             wire, tag=f"inventory/{self.run_id}", timeout_s=self._timeout_s
         )
-        return {p: {int(s): set(o) for s, o in inv.items()} for p, inv in enumerate(everyone)}
+        return {
+            p: {int(s): {p + o for o in offsets} for s, offsets in inv.items()}
+            for p, inv in enumerate(everyone)
+        }
