@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: the one-process accelerator check (`jaxckpt bench --gpu --help`)",
     )
+    p.add_argument(
+        "--scale",
+        action="store_true",
+        help="instead: coordination at thousands of processes, simulated "
+        "(`jaxckpt bench --scale --help`)",
+    )
     p.add_argument("--processes", type=int, default=2, help="JAX processes on loopback")
     p.add_argument("--state-gib", type=float, help="params + adam state, GiB (quick: 1/8, else 1)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
@@ -300,6 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jaxckpt.bench import _gpu  # imports JAX: only this mode runs it in the driver
 
         return _gpu.main(argv)
+    if "--scale" in argv:
+        from jaxckpt.bench import _scale  # no JAX devices, no processes: a simulation
+
+        return _scale.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
