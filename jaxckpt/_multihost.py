@@ -17,9 +17,9 @@ process reads only that outcome. One exchange `<prefix>/<tag>/<round>`:
 
     v/<p>    process p's value (text, often empty)
     n        arrivals; a process that gives up adds `_GAVE_UP` to it
-    all      the outcome: {"ok": combined}, {"failed": why} or {"gave_up": p},
-             set by the last arrival or by the one who gave up (compressed
-             when long)
+    all      the outcome: "ok:" and the combined value (compressed when long),
+             or {"failed": why} or {"gave_up": p}; set by the last arrival or by
+             the one who gave up
     done     processes finished with the exchange; the last one deletes it all
 
 A process makes four calls (set, increment, blocking get, increment); the
@@ -51,7 +51,8 @@ from jax._src import distributed
 _PREFIX: Final = "jaxckpt"
 _GAVE_UP: Final = 1 << 20  # added to `n` by a process that stops waiting (more than any count)
 _GRACE_S: Final = 5.0  # how long past its deadline a process waits for an outcome being decided
-_PACKED: Final = "z:"  # prefix of a compressed outcome (an outcome's JSON starts with "{")
+_OK: Final = "ok:"  # prefix of a combined outcome (a failure is a JSON object)
+_PACKED: Final = "z:"  # prefix of a compressed one (JSON never starts with "z")
 _PACK_FROM: Final = 256  # outcomes from this many characters on are compressed
 _AGREED: Final = "_jaxckpt_agreed"  # attribute of an exception that every process raises
 _lock = threading.Lock()
@@ -229,6 +230,7 @@ def exchange(
     """
     deadline = clock() + timeout_s
     what = key.removeprefix(f"{_PREFIX}/")
+    finished = False
     try:
         try:
             client.key_value_set(f"{key}/v/{me}", text)
@@ -241,10 +243,11 @@ def exchange(
                 outcome = _get(client, f"{key}/all", deadline, clock) or _give_up(
                     client, key, me, count, clock
                 )
-            decided = _unpack(outcome)
-            if "ok" in decided:
-                return decided["ok"]
-            posted = set() if "failed" in decided else _posted(client, key)
+            ok = bool(outcome) and outcome.startswith(_OK)
+            decided = {} if ok else _failure(outcome)
+            posted = _posted(client, key) if not ok and "failed" not in decided else set()
+            finished = True
+            _finish(client, key, count, me)
         except Exception as e:  # the runtime raises its own error types
             raise mark_agreed(
                 ConnectionError(
@@ -253,26 +256,29 @@ def exchange(
                     "running?"
                 )
             ) from e
-        if "failed" in decided:
-            raise mark_agreed(
-                RuntimeError(
-                    f"[process {me}] The exchange '{what}' could not combine the processes' "
-                    f"values: {decided['failed']}"
-                )
-            )
-        raise mark_agreed(_timeout(me, what, timeout_s, count, posted, decided.get("gave_up")))
     finally:
-        _finish(client, key, count, me)
+        if not finished:
+            _finish(client, key, count, me)
+    # Decoded only now, out of the exchange: a big outcome is held no longer than needed.
+    if ok:
+        return _unpack(outcome[len(_OK) :])
+    if "failed" in decided:
+        raise mark_agreed(
+            RuntimeError(
+                f"[process {me}] The exchange '{what}' could not combine the processes' "
+                f"values: {decided['failed']}"
+            )
+        )
+    raise mark_agreed(_timeout(me, what, timeout_s, count, posted, decided.get("gave_up")))
 
 
 def _decide(client: KeyValueClient, key: str, combine: Combine) -> str:
     """Reads every value once, combines them and publishes the outcome (the last arrival)."""
     texts = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{key}/v")}
     try:
-        decided: dict[str, Any] = {"ok": combine(texts)}
+        outcome = _OK + _pack(json.dumps(combine(texts), separators=(",", ":")))
     except Exception as e:  # every process raises it (see `exchange`)
-        decided = {"failed": f"{type(e).__name__}: {e}"}
-    outcome = _pack(json.dumps(decided, separators=(",", ":")))
+        outcome = json.dumps({"failed": f"{type(e).__name__}: {e}"})
     client.key_value_set(f"{key}/all", outcome)
     return outcome
 
@@ -283,12 +289,18 @@ def _pack(text: str) -> str:
     return _PACKED + base64.b64encode(zlib.compress(text.encode(), 6)).decode()
 
 
-def _unpack(outcome: str | None) -> dict[str, Any]:
-    if not outcome:
-        return {"gave_up": None}
-    if outcome.startswith(_PACKED):
-        outcome = zlib.decompress(base64.b64decode(outcome[len(_PACKED) :])).decode()
-    decided = json.loads(outcome)
+def _unpack(text: str) -> Any:
+    if text.startswith(_PACKED):
+        text = zlib.decompress(base64.b64decode(text[len(_PACKED) :])).decode()
+    return json.loads(text)
+
+
+def _failure(outcome: str | None) -> dict[str, Any]:
+    """{"failed": why} or {"gave_up": process or None}, from an outcome that is not ok."""
+    try:
+        decided = json.loads(outcome or "null")
+    except ValueError:
+        decided = None
     return decided if isinstance(decided, dict) else {"gave_up": None}
 
 

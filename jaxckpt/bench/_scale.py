@@ -106,8 +106,8 @@ def _domain(p: int, count: int) -> str:
     return f"host{p // per_host}"
 
 
-def setup_fn(count: int) -> Callable[[int], Peers]:
-    def setup(p: int) -> Peers:
+def setup_fn(count: int) -> Callable[[int], None]:
+    def setup(p: int) -> None:
         opts = TierOptions(
             memory_root="/nonexistent",
             replicas=1,
@@ -116,7 +116,7 @@ def setup_fn(count: int) -> Callable[[int], Peers]:
         )
         peers = Peers.meet(RUN_ID, lambda token: _Service(p), opts)
         peers.holders  # noqa: B018 -- placement, as the first save computes it
-        return peers
+        # Nothing kept: the simulation holds N processes, each with its N addresses.
 
     return setup
 
@@ -146,10 +146,12 @@ class Restore:
             STEP, self.manifests, p, {q: h[STEP] for q, h in held.items()}, set()
         )
         self.planned[p] = self.clock(p)
-        error = None if plan.restorable else FileNotFoundError(f"step {STEP}: {plan.missing}")
+        restorable, own = plan.restorable, plan.sources[p]
+        error = None if restorable else FileNotFoundError(f"step {STEP}: {plan.missing}")
+        # Let go of the plan before the verdict: the simulation holds N processes at once.
+        del held, plan, peers
         _agreement.agree(error, tag=f"restore/{RUN_ID}/{STEP}", what="restore", timeout_s=TIMEOUT_S)
-        own = plan.sources[p]
-        return plan.restorable and bool(own) and (p != self.lost or own[0].tier == _plan.PEER)
+        return restorable and bool(own) and (p != self.lost or own[0].tier == _plan.PEER)
 
 
 def save_fn(count: int) -> Callable[[int], None]:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from absl import logging as log
+
 from jaxckpt import _agreement, _faults, _format, _multihost, _placement
 from jaxckpt._memory_tier import MemoryTier
 from jaxckpt._options import TierOptions
@@ -54,7 +56,13 @@ class Peers:
         self.domains = domains
         self.replicas = replicas
         self._holders: tuple[tuple[int, ...], ...] | None = None
+        self.skipped: list[tuple[int, int]] = []  # (step, holder) of pushes that failed
         self._timeout_s = timeout_s
+        # IMPORTANT: a peer that stalls for half the timeout is given up (its copy skipped,
+        # or the next source read), so that a process that met one still reaches the
+        # agreement after its push or restore in time: the others wait there for at most
+        # the whole timeout from their own arrival.
+        self._peer_timeout_s = timeout_s / 2
 
     @classmethod
     def connect(cls, memory: MemoryTier, options: TierOptions) -> Peers:
@@ -182,7 +190,7 @@ class Peers:
                 relpath=relpath,
                 offset=offset,
                 into=into,
-                timeout=min(timeout_s, self._timeout_s),
+                timeout=min(timeout_s, self._peer_timeout_s),
             )
 
         return read
@@ -191,7 +199,11 @@ class Peers:
         """Copies a committed part to every holder of `owner`'s replicas at once; bytes sent.
 
         This process only sends (`push_part`: sendfile, no checksum); each holder
-        verifies every chunk against the part's manifest before keeping it.
+        verifies every chunk against the part's manifest before keeping it. A
+        holder that cannot be reached or refuses the copy within the timeout is
+        skipped, with a warning: the save goes on with the copies that arrived
+        (the owner's own stays in its memory tier), and a restore plans from the
+        copies the processes actually hold. `skipped` lists (step, holder).
         """
         dest = f"{MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
 
@@ -204,13 +216,20 @@ class Peers:
                     run_id=self.run_id,
                     part_dir=part_dir,
                     dest_relpath=dest,
-                    timeout=self._timeout_s,
+                    timeout=self._peer_timeout_s,
                 )
             except OSError as e:
-                raise OSError(
-                    f"[process {owner}] Pushing the replica of step {step} to process {holder} "
-                    f"({self.addresses[holder]}) failed: {self.redact(str(e))}"
-                ) from e
+                log.warning(
+                    "jaxckpt: [process %d] pushing the replica of step %d to process %d (%s) "
+                    "failed, so that copy is skipped: %s",
+                    owner,
+                    step,
+                    holder,
+                    self.addresses[holder],
+                    self.redact(str(e)),
+                )
+                self.skipped.append((step, holder))
+                return 0
 
         sent = await asyncio.gather(*(asyncio.to_thread(push, h) for h in self.holders[owner]))
         return sum(sent)
