@@ -27,6 +27,7 @@ import jaxckpt
 
 def phase(sync: str, name: str, timeout_s: float = 60) -> None:
     """Waits until the test lets phase `name` start (after every process reached it)."""
+    print(f"[netns] reached {name}", flush=True)
     Path(sync, f"{name}.{jax.process_index()}").touch()
     go = Path(sync, f"{name}.go")
     deadline = time.monotonic() + timeout_s
@@ -72,6 +73,7 @@ def scenario_network(args: dict) -> dict:
     def save(step: int) -> None:
         mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state(step, m))))
         mngr.wait_until_finished()
+        h.wait_for_persistence()  # a restore below may fall back to it
 
     def restore(step: int) -> dict:
         restored = mngr.restore(

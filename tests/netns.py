@@ -1,9 +1,14 @@
-"""Test hosts in their own network namespaces: one address each, joined by a bridge.
+"""Test hosts in their own network namespaces, joined by two bridges.
 
-`Hosts(n)` makes n namespaces `<id>h<i>`, each with a veth whose other end is on
-a bridge in a hub namespace `<id>hub`, so nothing of it touches this machine's
-own network: the addresses (10.213.0.0/24, host i at 10.213.0.(10 + i)) exist
-only there. `<id>` is new for every run, so a leftover of a crashed run never
+`Hosts(n)` makes n namespaces `<id>h<i>`, each with two veths whose other ends
+are on two bridges in a hub namespace `<id>hub`, so nothing of it touches this
+machine's own network: the addresses exist only there. Like a GPU cluster's
+two fabrics, one network carries the job's control and collectives (the
+jax.distributed coordinator, gloo; 10.213.0.0/24, host i at 10.213.0.(10 + i),
+`eth0`, which is also the host's name) and the other the host network the peer
+data service uses (10.213.1.0/24, `eth1`, `data_addresses`): a partition of a
+host's data link leaves the job alive, as a partition of the collective fabric
+would not (gloo and the coordinator's heartbeats would stop it). `<id>` is new for every run, so a leftover of a crashed run never
 collides, and `close()` deletes every namespace (with its veths, bridge and
 qdiscs) even after a failure. `reason()` says why namespaces cannot be made
 here (not root, no `ip`, a kernel without them), `netem_reason()` why
@@ -17,7 +22,8 @@ import secrets
 import shutil
 import subprocess
 
-SUBNET = "10.213.0"
+SUBNET = "10.213.0"  # control: the coordinator and gloo
+DATA_SUBNET = "10.213.1"  # the peer data service
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -28,8 +34,9 @@ def reason() -> str | None:
     """Why test hosts in network namespaces cannot be made here, or None."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "`ip` (iproute2) is not installed"
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("hostname", "hostname")):
+        if shutil.which(tool) is None:
+            return f"`{tool}` ({package}) is not installed"
     try:
         with Hosts(1):
             pass
@@ -60,6 +67,7 @@ class Hosts:
         self.hub = f"{self.id}hub"
         self.names = [f"{self.id}h{i}" for i in range(n)]
         self.addresses = [f"{SUBNET}.{10 + i}" for i in range(n)]
+        self.data_addresses = [f"{DATA_SUBNET}.{10 + i}" for i in range(n)]
         self._made: list[str] = []
 
     def __enter__(self) -> Hosts:
@@ -78,39 +86,40 @@ class Hosts:
             _ip("netns", "add", ns)
             self._made.append(ns)
             _ip("-n", ns, "link", "set", "dev", "lo", "up")
-        _ip("-n", self.hub, "link", "add", "name", "bridge0", "type", "bridge")
-        _ip("-n", self.hub, "link", "set", "dev", "bridge0", "up")
+        for bridge in ("bridge0", "bridge1"):
+            _ip("-n", self.hub, "link", "add", "name", bridge, "type", "bridge")
+            _ip("-n", self.hub, "link", "set", "dev", bridge, "up")
         for i, ns in enumerate(self.names):
-            # Both ends are made in the hub, then one end moves into the host.
-            _ip(
-                "-n",
-                self.hub,
-                "link",
-                "add",
-                "name",
-                self._hub_end(i),
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
+            nets = (
+                ("eth0", "bridge0", self.addresses[i]),
+                ("eth1", "bridge1", self.data_addresses[i]),
             )
-            _ip("-n", self.hub, "link", "set", "dev", "eth0", "netns", ns)
-            _ip("-n", self.hub, "link", "set", "dev", self._hub_end(i), "master", "bridge0", "up")
-            _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "dev", "eth0", "up")
+            for dev, bridge, address in nets:
+                # Both ends are made in the hub, then one end moves into the host.
+                end = self._hub_end(i, dev)
+                _ip("-n", self.hub, "link", "add", "name", end, "type", "veth", "peer", "name", dev)
+                _ip("-n", self.hub, "link", "set", "dev", dev, "netns", ns)
+                _ip("-n", self.hub, "link", "set", "dev", end, "master", bridge, "up")
+                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+                _ip("-n", ns, "link", "set", "dev", dev, "up")
 
-    def _hub_end(self, i: int) -> str:
-        return f"host{i}"
+    def _hub_end(self, i: int, dev: str) -> str:
+        return f"h{i}{dev}"
 
     def prefix(self, i: int) -> list[str]:
-        """The command prefix that runs a program on host i."""
+        """The command prefix that runs a program on host i, whose host name is then its
+        address (gloo, JAX's CPU collectives, listens on what the host name resolves to)."""
+        rename = 'hostname "$0" && exec "$@"'
+        return [*self.exec(i), "unshare", "--uts", "--", "sh", "-c", rename, self.addresses[i]]
+
+    def exec(self, i: int) -> list[str]:
+        """The command prefix that runs a program in host i's namespace."""
         return ["ip", "netns", "exec", self.names[i]]
 
-    def shape(self, i: int, *qdisc: str) -> None:
-        """Puts a root qdisc (`"netem", "delay", "20ms"`) on host i's interface."""
+    def shape(self, i: int, *qdisc: str, dev: str = "eth1") -> None:
+        """Puts a root qdisc (`"netem", "delay", "20ms"`) on host i's data interface."""
         subprocess.run(
-            [*self.prefix(i), "tc", "qdisc", "replace", "dev", "eth0", "root", *qdisc],
+            [*self.exec(i), "tc", "qdisc", "replace", "dev", dev, "root", *qdisc],
             capture_output=True,
             text=True,
             check=True,
@@ -118,19 +127,11 @@ class Hosts:
         )
 
     def partition(self, i: int, cut: bool = True) -> None:
-        """Cuts host i off from every other host (its end on the bridge goes down), or
-        heals it."""
-        _ip("-n", self.hub, "link", "set", "dev", self._hub_end(i), "down" if cut else "up")
-
-    def cut(self, i: int, j: int, cut: bool = True) -> None:
-        """Drops every packet between hosts i and j (both still reach the others), or
-        heals it: each sends to the other's address at a MAC address nobody has."""
-        for a, b in ((i, j), (j, i)):
-            if cut:
-                _ip("-n", self.names[a], "neigh", "replace", self.addresses[b], "lladdr",
-                    "02:00:00:00:00:01", "nud", "permanent", "dev", "eth0")  # fmt: skip
-            else:
-                _ip("-n", self.names[a], "neigh", "del", self.addresses[b], "dev", "eth0")
+        """Cuts host i's data link (its end on the data bridge goes down), or heals it."""
+        _ip("-n", self.hub, "link", "set", "dev", self._hub_end(i, "eth1"), "down" if cut else "up")
+        if not cut:  # forget the neighbours that failed to answer meanwhile
+            for ns in self.names:
+                _ip("-n", ns, "neigh", "flush", "dev", "eth1")
 
     def close(self) -> None:
         """Deletes every namespace made (their veths, the bridge and qdiscs go with them)."""

@@ -106,19 +106,26 @@ def _domain(p: int, count: int) -> str:
     return f"host{p // per_host}"
 
 
-def setup_fn(count: int) -> Callable[[int], None]:
-    def setup(p: int) -> None:
+class Setup:
+    """The peer set-up of every process, and the placement computed from it."""
+
+    def __init__(self, count: int):
+        self.count = count
+        # Placement is pure CPU, the same on every process: in the simulation only process
+        # 0 computes it (on its clock), lest one core run it N times; replays all do.
+        self.placing: Callable[[int], bool] = lambda p: p == 0
+
+    def __call__(self, p: int) -> None:
         opts = TierOptions(
             memory_root="/nonexistent",
             replicas=1,
             timeout_s=TIMEOUT_S,
-            failure_domain=_domain(p, count),
+            failure_domain=_domain(p, self.count),
         )
         peers = Peers.meet(RUN_ID, lambda token: _Service(p), opts)
-        peers.holders  # noqa: B018 -- placement, as the first save computes it
+        if self.placing(p):
+            peers.holders  # noqa: B018 -- placement, as the first save computes it
         # Nothing kept: the simulation holds N processes, each with its N addresses.
-
-    return setup
 
 
 class Restore:
@@ -178,7 +185,7 @@ def measure(
       RuntimeError: if a simulated process failed (the operation itself is broken).
     """
     fn: Callable[[int], Any] = (
-        setup_fn(count) if op == "setup" else save_fn(count) if op == "save" else Restore(count)
+        Setup(count) if op == "setup" else save_fn(count) if op == "save" else Restore(count)
     )
     sim = _coordinator.Simulation(count, _coordinator.Coordinator(latency_s, bandwidth))
     if isinstance(fn, Restore):
@@ -196,6 +203,8 @@ def measure(
     # Per-process CPU and memory: the busiest process (the one that combined the values)
     # and an ordinary one, each run again alone against its recorded replies.
     busiest = max(sim.processes, key=lambda proc: proc.counts.bytes).index
+    if isinstance(fn, Setup):
+        fn.placing = lambda p: True
     cpu, peak = 0.0, 0
     for p in sorted({busiest, 0, count - 1}):
         c, m = _replay(fn, p, count, sim.processes[p].calls)
