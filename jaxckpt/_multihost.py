@@ -231,6 +231,7 @@ def exchange(
     deadline = clock() + timeout_s
     what = key.removeprefix(f"{_PREFIX}/")
     finished = False
+    outcome: str | None = None
     try:
         try:
             client.key_value_set(f"{key}/v/{me}", text)
@@ -243,7 +244,7 @@ def exchange(
                 outcome = _get(client, f"{key}/all", deadline, clock) or _give_up(
                     client, key, me, count, clock
                 )
-            ok = bool(outcome) and outcome.startswith(_OK)
+            ok = outcome is not None and outcome.startswith(_OK)
             decided = {} if ok else _failure(outcome)
             posted = _posted(client, key) if not ok and "failed" not in decided else set()
             finished = True
@@ -260,7 +261,7 @@ def exchange(
         if not finished:
             _finish(client, key, count, me)
     # Decoded only now, out of the exchange: a big outcome is held no longer than needed.
-    if ok:
+    if ok and outcome is not None:
         return _unpack(outcome[len(_OK) :])
     if "failed" in decided:
         raise mark_agreed(

@@ -22,6 +22,7 @@ key or fails with DEADLINE_EXCEEDED, `dir_get(k)` returns every key under
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import heapq
 import itertools
@@ -136,7 +137,7 @@ class Simulation:
         finally:
             threading.stack_size(old)
         for proc in self.processes:
-            self._at(0.0, lambda proc=proc: self._resume(proc, True, None))
+            self._at(0.0, functools.partial(self._resume, proc, True, None))
         while self._events:
             when, _, action = heapq.heappop(self._events)
             self.now = max(self.now, when)
