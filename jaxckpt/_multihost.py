@@ -21,6 +21,8 @@ process reads only that outcome. One exchange `<prefix>/<tag>/<round>`:
              or {"failed": why} or {"gave_up": p}; set by the last arrival or by
              the one who gave up
     done     processes finished with the exchange; the last one deletes it all
+             (or, for an exchange every process follows with another, that
+             one's decider: `converge(retire_later=True)`)
 
 A process makes four calls (set, increment, blocking get, increment); the
 last arrival two or three more (one directory read, a set, the delete).
@@ -57,6 +59,8 @@ _PACK_FROM: Final = 256  # outcomes from this many characters on are compressed
 _AGREED: Final = "_jaxckpt_agreed"  # attribute of an exception that every process raises
 _lock = threading.Lock()
 _rounds: dict[str, int] = {}  # tag -> next round; every process calls a tag's rounds in order
+_retiring: list[str] = []  # exchanges this process is done with, left to a later one to delete
+_RETIRING: Final = "r:"  # prefix of a posted value that carries the retiring exchanges
 
 Combine = Callable[[dict[int, str]], Any]  # every process's posted text -> the JSON outcome
 
@@ -81,6 +85,7 @@ class Member:
     count: int
     clock: Callable[[], float] = time.monotonic
     rounds: dict[str, int] = dataclasses.field(default_factory=dict)
+    retiring: list[str] = dataclasses.field(default_factory=list)
 
 
 _member: contextvars.ContextVar[Member | None] = contextvars.ContextVar(
@@ -137,7 +142,9 @@ def _session() -> tuple[KeyValueClient, int, int, Callable[[], float]]:
     return _client(), process_index(), process_count(), time.monotonic
 
 
-def converge(text: str, combine: Combine, *, tag: str, timeout_s: float) -> Any:
+def converge(
+    text: str, combine: Combine, *, tag: str, timeout_s: float, retire_later: bool = False
+) -> Any:
     """Every process posts `text`; one of them combines all texts; all get the result.
 
     `combine(texts)` gets every process's text by process index and returns a
@@ -148,6 +155,13 @@ def converge(text: str, combine: Combine, *, tag: str, timeout_s: float) -> Any:
     All processes must call this in the same order for the same `tag`; calls
     with different tags may interleave differently on each process.
 
+    With `retire_later`, a process that got the outcome does not count itself
+    out (one call fewer, on the critical path of what follows): the exchange
+    is deleted by the first later exchange that every process enters after
+    this one (each posts the exchanges it is done with). For an exchange that
+    every process always follows with another, such as a restore's inventory
+    with its verdict.
+
     Raises:
       TimeoutError: on every process that takes part, if some process did not
         contribute within `timeout_s` (one deadline for all of them), naming
@@ -157,12 +171,21 @@ def converge(text: str, combine: Combine, *, tag: str, timeout_s: float) -> Any:
     if process_count() == 1:
         return json.loads(json.dumps(combine({0: text})))  # the same types as through the store
     client, me, count, clock = _session()
+    key = next_key(tag)
     return exchange(
-        client, me, count, next_key(tag), text, combine, timeout_s=timeout_s, clock=clock
+        client,
+        me,
+        count,
+        key,
+        text,
+        combine,
+        timeout_s=timeout_s,
+        clock=clock,
+        retire_later=retire_later,
     )
 
 
-def allgather(value: Any, *, tag: str, timeout_s: float) -> list[Any]:
+def allgather(value: Any, *, tag: str, timeout_s: float, retire_later: bool = False) -> list[Any]:
     """Every process's JSON-serializable `value`, in process order.
 
     Moves O(N^2) bytes through the coordinator (every process reads every
@@ -180,6 +203,7 @@ def allgather(value: Any, *, tag: str, timeout_s: float) -> list[Any]:
         lambda texts: [json.loads(texts[p]) for p in range(count)],
         tag=tag,
         timeout_s=timeout_s,
+        retire_later=retire_later,
     )
 
 
@@ -189,6 +213,11 @@ def broadcast(value: Any, *, tag: str, timeout_s: float) -> Any:
         return value
     text = json.dumps(value) if process_index() == 0 else ""
     return converge(text, lambda texts: json.loads(texts[0]), tag=tag, timeout_s=timeout_s)
+
+
+def _retiring_list() -> list[str]:
+    member = _member.get()
+    return member.retiring if member is not None else _retiring
 
 
 def next_key(tag: str) -> str:
@@ -220,6 +249,7 @@ def exchange(
     *,
     timeout_s: float,
     clock: Callable[[], float] = time.monotonic,
+    retire_later: bool = False,
 ) -> Any:
     """One round of `converge` through `client` under `key` (see the module docstring).
 
@@ -232,9 +262,13 @@ def exchange(
     what = key.removeprefix(f"{_PREFIX}/")
     finished = False
     outcome: str | None = None
+    retiring = _retiring_list()
+    with _lock:
+        done_with = list(retiring)
+    posted_text = f"{_RETIRING}{json.dumps(done_with)}\n{text}" if done_with else text
     try:
         try:
-            client.key_value_set(f"{key}/v/{me}", text)
+            client.key_value_set(f"{key}/v/{me}", posted_text)
             arrived = client.key_value_increment(f"{key}/n", 1)
             if arrived == count:  # the last to arrive decides, and tells the others
                 outcome = _decide(client, key, combine)
@@ -248,7 +282,11 @@ def exchange(
             decided = {} if ok else _failure(outcome)
             posted = _posted(client, key) if not ok and "failed" not in decided else set()
             finished = True
-            _finish(client, key, count, me)
+            if ok and retire_later:
+                with _lock:
+                    retiring.append(key)
+            else:
+                _finish(client, key, count, me)
         except Exception as e:  # the runtime raises its own error types
             raise mark_agreed(
                 ConnectionError(
@@ -262,7 +300,13 @@ def exchange(
             _finish(client, key, count, me)
     # Decoded only now, out of the exchange: a big outcome is held no longer than needed.
     if ok and outcome is not None:
-        return _unpack(outcome[len(_OK) :])
+        body = outcome[len(_OK) :]
+        if body.startswith(_RETIRING):  # exchanges deleted by this one's decider
+            line, body = body[len(_RETIRING) :].split("\n", 1)
+            gone = set(json.loads(line))
+            with _lock:
+                retiring[:] = [k for k in retiring if k not in gone]
+        return _unpack(body)
     if "failed" in decided:
         raise mark_agreed(
             RuntimeError(
@@ -276,8 +320,20 @@ def exchange(
 def _decide(client: KeyValueClient, key: str, combine: Combine) -> str:
     """Reads every value once, combines them and publishes the outcome (the last arrival)."""
     texts = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{key}/v")}
+    # Exchanges every process is done with (it posted so), deleted now.
+    done_with: list[set[str]] = []
+    for p, t in texts.items():
+        if t.startswith(_RETIRING):
+            line, texts[p] = t[len(_RETIRING) :].split("\n", 1)
+            done_with.append(set(json.loads(line)))
+        else:
+            done_with.append(set())
+    retired = sorted(set.intersection(*done_with)) if done_with else []
+    for old in retired:
+        client.key_value_delete(old)
+    prefix = f"{_RETIRING}{json.dumps(retired)}\n" if retired else ""
     try:
-        outcome = _OK + _pack(json.dumps(combine(texts), separators=(",", ":")))
+        outcome = _OK + prefix + _pack(json.dumps(combine(texts), separators=(",", ":")))
     except Exception as e:  # every process raises it (see `exchange`)
         outcome = json.dumps({"failed": f"{type(e).__name__}: {e}"})
     client.key_value_set(f"{key}/all", outcome)

@@ -227,3 +227,28 @@ def test_a_failing_combine_raises_on_every_process(job):
         assert kind == "error" and isinstance(error, RuntimeError), error
         assert "could not combine" in str(error) and "no such process" in str(error)
         assert _multihost.is_agreed(error)
+
+
+def test_an_exchange_retired_later_is_deleted_by_the_next_one(job):
+    """A restore's inventory skips counting itself out; its verdict's decider deletes it."""
+    store, run = job
+    counted: list[str] = []
+    increment = store.key_value_increment
+
+    def recording(key: str, by: int) -> int:
+        counted.append(key)
+        return increment(key, by)
+
+    store.key_value_increment = recording  # type: ignore[method-assign]
+
+    def restore(p: int) -> list[Any]:
+        held = _multihost.allgather({"held": [p]}, tag="inv", timeout_s=5, retire_later=True)
+        _multihost.allgather(None, tag="verdict", timeout_s=5)
+        return held
+
+    results = run(4, restore)
+    for kind, held, _ in results.values():
+        assert kind == "ok" and held == [{"held": [p]} for p in range(4)]
+    assert "jaxckpt/inv/0/done" not in counted, counted
+    assert "jaxckpt/verdict/0/done" in counted
+    assert store.data == {}, sorted(store.data)
