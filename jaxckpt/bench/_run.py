@@ -4,6 +4,7 @@
     python -m jaxckpt.bench --state-gib 4 --json bench.json
     python -m jaxckpt.bench --store-only --store-emulator s3   # object-store persistence only
     PYTHONPATH=. python -m jaxckpt.bench --gpu     # one process on this machine's accelerator
+    python -m jaxckpt.bench --scale                # coordination at N = 8 ... 4096, simulated
 
 Runs N JAX processes on this machine (loopback, one memory root and failure
 domain each, like `jaxckpt.launch`) that train an MLP with optax adam, save
