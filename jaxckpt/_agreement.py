@@ -5,7 +5,7 @@ handler's commit (`async_write_complete`) and after `restore`
 (`Checkpointer:restore`). A process that raises while the others return would
 leave them waiting there for Orbax's own barrier timeout. So before a commit
 writes its index manifest, and before `restore` returns, every process says
-whether it failed, through one bounded exchange (`_multihost.allgather`), and
+whether it failed, through one bounded exchange (`_multihost.converge`), and
 then all raise or none does. A process's own error is raised as it is; the
 others raise the same built-in type with its message, naming the process.
 
@@ -13,6 +13,11 @@ A save also compares a digest of the tree each process saved: paths, kinds,
 global shapes, dtypes and shardings (never values, which may differ per
 process). Only when the digests differ are the leaves themselves exchanged,
 to name the leaves that differ and the processes that saved them.
+
+No process reads the others' verdicts or digests: each posts its own (nothing
+but the digest when it did not fail), the last to arrive compares them and
+publishes one small outcome (the first failure, or which processes differ),
+so a save moves O(N) bytes through the coordinator, a few hundred a process.
 """
 
 from __future__ import annotations
@@ -41,14 +46,16 @@ def agree(
     """Tells every process whether this one failed `what`; raises on all if any did.
 
     Collective: every process calls it once per save or restore, with the same
-    `tag`, whether or not it failed.
+    `tag`, whether or not it failed. Through the coordinator it moves O(N)
+    bytes when no process gives a payload (see `_multihost.converge`).
 
     Args:
       error: this process's error, or None.
-      tag: the exchange's tag (see `_multihost.allgather`).
+      tag: the exchange's tag (see `_multihost.converge`).
       what: what failed, for messages ("The restore of step 5").
       timeout_s: bound on the wait for the other processes.
-      payload: a small JSON value to hand to every process.
+      payload: a small JSON value to hand to every process (every process
+        then reads every payload: O(N^2) bytes, compressed).
 
     Returns:
       Every process's payload, in process order, when no process failed.
@@ -58,37 +65,83 @@ def agree(
       type as the first failing process's, naming it. If a process does not
       take part in time, this process's error or the exchange's TimeoutError.
     """
+    count = _multihost.process_count()
+    decided = _converge(error, tag=tag, what=what, timeout_s=timeout_s, payload=payload)
+    return decided.get("payloads") or [None] * count
+
+
+def _converge(
+    error: BaseException | None,
+    *,
+    tag: str,
+    what: str,
+    timeout_s: float,
+    payload: Any = None,
+    digest: str | None = None,
+) -> dict[str, Any]:
+    """`agree`, returning the combined outcome: "payloads" (if any process gave one) and,
+    if the digests differ, "ref" (the lowest process of the most common digest) and "odd"
+    (the processes with another digest)."""
     if _multihost.process_count() == 1:
         if error is not None:
             raise error
-        return [payload]
-    mine = {"error": _describe(error) if error is not None else None, "payload": payload}
+        return {"payloads": [payload]} if payload is not None else {}
+    mine: dict[str, Any] = {}
+    if error is not None:
+        mine["e"] = _describe(error)
+    if payload is not None:
+        mine["p"] = payload
+    if digest is not None:
+        mine["d"] = digest
+    text = json.dumps(mine, separators=(",", ":")) if mine else ""
     try:
-        everyone = _multihost.allgather(mine, tag=tag, timeout_s=timeout_s)
-    except (TimeoutError, ConnectionError) as failed:
+        decided = _multihost.converge(text, _combine, tag=tag, timeout_s=timeout_s)
+    except (TimeoutError, ConnectionError, RuntimeError) as failed:
         # Every process that took part gets this error too (see _multihost), so all raise.
         if error is not None:
             raise mark_agreed(error) from failed
         raise mark_agreed(failed) from None
     if error is not None:
         raise mark_agreed(error)
-    failures = {p: v["error"] for p, v in enumerate(everyone) if v["error"] is not None}
-    if failures:
-        raise mark_agreed(_rebuild(failures, what))
-    return [v["payload"] for v in everyone]
+    if "first" in decided:
+        raise mark_agreed(_rebuild(decided, what))
+    return decided
+
+
+def _combine(texts: dict[int, str]) -> dict[str, Any]:
+    """The outcome of an agreement, from every process's posted text (run by one process)."""
+    values = {p: json.loads(t) for p, t in texts.items() if t}
+    failed = sorted(p for p, v in values.items() if v.get("e") is not None)
+    if failed:
+        first = failed[0]
+        return {"first": first, "error": values[first]["e"], "others": failed[1:]}
+    out: dict[str, Any] = {}
+    count = len(texts)
+    if any("p" in v for v in values.values()):
+        out["payloads"] = [values.get(p, {}).get("p") for p in range(count)]
+    groups: dict[str, list[int]] = {}
+    for p in range(count):
+        groups.setdefault(str(values.get(p, {}).get("d")), []).append(p)
+    if len(groups) > 1:
+        # The reference is the most common tree (ties: the lowest process's).
+        reference = max(groups.values(), key=lambda ps: (len(ps), -ps[0]))
+        out["ref"] = reference[0]
+        out["odd"] = [p for p in range(count) if p not in set(reference)]
+    return out
 
 
 def _describe(error: BaseException) -> dict[str, str]:
     return {"type": type(error).__name__, "message": str(error)}
 
 
-def _rebuild(failures: dict[int, dict[str, str]], what: str) -> Exception:
+def _rebuild(decided: dict[str, Any], what: str) -> Exception:
     """The first failing process's error, as a built-in exception raised here."""
     me = _multihost.process_index()
-    first = min(failures)
-    described = failures[first]
-    others = sorted(failures)[1:]
-    also = f" (and on processes {others})" if others else ""
+    first, described, others = decided["first"], decided["error"], decided["others"]
+    if len(others) > 16:
+        also = f" (and on {len(others)} other processes, {others[:16]} first)"
+    else:
+        also = f" (and on processes {others})" if others else ""
     message = (
         f"[process {me}] {what} failed on process {first}{also}, so it fails on every process: "
         f"{described['type']}: {described['message']}"
@@ -152,26 +205,38 @@ def agree_on_save(
     """
     what = f"The save of step {step}"
     digest = tree_digest(leaves) if leaves is not None else None
-    digests = agree(error, tag=tag, what=what, timeout_s=timeout_s, payload=digest)
-    if len(set(digests)) == 1:
+    decided = _converge(error, tag=tag, what=what, timeout_s=timeout_s, digest=digest)
+    if "odd" not in decided:
         return
     assert leaves is not None  # no process failed, so every process has its leaves
-    # Rare: find the leaves that differ. The reference is the most common tree (ties: the
-    # lowest process's); only it and the processes that differ send their leaves.
-    groups: dict[str, list[int]] = {}
-    for p, d in enumerate(digests):
-        groups.setdefault(d, []).append(p)
-    reference = max(groups.values(), key=lambda ps: (len(ps), -ps[0]))
-    ref = reference[0]
+    # Rare: find the leaves that differ. Only the reference process (the lowest of the
+    # most common tree) and the processes that differ send their leaves; the process that
+    # combines them sends back only the differing paths, and then their signatures.
+    ref, odd = int(decided["ref"]), [int(p) for p in decided["odd"]]
+    count = _multihost.process_count()
+    outside = set(odd)
+    reference = [p for p in range(count) if p not in outside]
     me = _multihost.process_index()
-    sends = me == ref or me not in reference
+    sends = me == ref or me in outside
     sigs = {r.path: leaf_signature(r) for r in leaves}
     hashes = {p: _short(s) for p, s in sigs.items()}
-    maps = _multihost.allgather(hashes if sends else None, tag=f"{tag}/leaves", timeout_s=timeout_s)
-    odd = [p for p in range(len(digests)) if p not in reference]
-    paths = _differing_paths(maps[ref], [maps[p] for p in odd])[:_SHOWN]
-    shown = {p: sigs.get(p) for p in paths} if sends else None
-    full = _multihost.allgather(shown, tag=f"{tag}/shown", timeout_s=timeout_s)
+
+    def differing(texts: dict[int, str]) -> list[str]:
+        maps = {p: json.loads(t) for p, t in texts.items() if t}
+        return _differing_paths(maps[ref], [maps[p] for p in odd])[:_SHOWN]
+
+    paths = _multihost.converge(
+        json.dumps(hashes) if sends else "", differing, tag=f"{tag}/leaves", timeout_s=timeout_s
+    )
+    shown = {p: sigs.get(p) for p in paths}
+
+    def signatures(texts: dict[int, str]) -> list[tuple[int, Any]]:
+        return [(p, json.loads(t)) for p, t in sorted(texts.items()) if t]
+
+    pairs = _multihost.converge(
+        json.dumps(shown) if sends else "", signatures, tag=f"{tag}/shown", timeout_s=timeout_s
+    )
+    full = {int(p): sig for p, sig in pairs}
     raise mark_agreed(ValueError(_tree_message(me, step, reference, odd, paths, full)))
 
 
@@ -194,13 +259,13 @@ def _tree_message(
     reference: list[int],
     odd: list[int],
     paths: list[str],
-    full: list[dict[str, Any] | None],
+    full: dict[int, dict[str, Any] | None],
 ) -> str:
     details = []
     for path in paths:
         versions: dict[str, tuple[list[int], dict[str, Any] | None]] = {}
         for p in [reference[0], *odd]:
-            sig = (full[p] or {}).get(path)
+            sig = (full.get(p) or {}).get(path)
             key = json.dumps(sig, sort_keys=True)
             group = reference if p == reference[0] else [p]
             versions.setdefault(key, ([], sig))[0].extend(group)

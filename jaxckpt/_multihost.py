@@ -4,42 +4,66 @@ Small control messages (inventories, peer addresses, the run's token, the
 verdicts of saves and restores) go through the jax.distributed key-value store.
 An exchange waits for every process at once against one deadline, so any
 number of dead processes costs one timeout, and it ends the same way on every
-process that takes part: either all get every value, or all raise. Its keys
-are deleted once every process is done with them, so a long run does not grow
-the coordinator's store. Bulk bytes never go through here (see the peer data
-service).
+process that takes part: either all get the same outcome, or all raise. Its
+keys are deleted once every process is done with them, so a long run does not
+grow the coordinator's store. Bulk bytes never go through here (see the peer
+data service).
 
-One exchange `<prefix>/<tag>/<round>` in the store:
+No process reads every other process's value: that would move O(N^2) bytes
+through the one coordinator per exchange (~1 GB at 4,096 processes). Instead
+the last process to arrive reads the values once, *combines* them into one
+outcome (a verdict, a digest comparison, a table) and publishes it; every
+process reads only that outcome. One exchange `<prefix>/<tag>/<round>`:
 
-    v/<p>    process p's value (JSON)
+    v/<p>    process p's value (text, often empty)
     n        arrivals; a process that gives up adds `_GAVE_UP` to it
-    all      "complete", or who gave up: set by the last arrival or the one who gave up
+    all      the outcome: "ok:" and the combined value (compressed when long),
+             or {"failed": why} or {"gave_up": p}; set by the last arrival or by
+             the one who gave up
     done     processes finished with the exchange; the last one deletes it all
+             (or, for an exchange every process follows with another, that
+             one's decider: `converge(retire_later=True)`)
+
+A process makes four calls (set, increment, blocking get, increment); the
+last arrival two or three more (one directory read, a set, the delete).
 
 The atomic counter `n` decides between "everyone arrived" and "someone gave up"
 in one order seen by all: a process whose deadline passes adds `_GAVE_UP` and
-learns from the sum whether every other process had arrived just before.
+learns from the sum whether every other process had arrived just before (then
+the last arrival is deciding, and it waits for that outcome a little longer).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import contextvars
+import dataclasses
 import json
 import threading
 import time
-from typing import Any, Protocol
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any, Final, Protocol
 
 import jax
 from absl import logging as log
 
 from jaxckpt import _internals
 
-_PREFIX = "jaxckpt"
-_GAVE_UP = 1 << 20  # added to `n` by a process that stops waiting (more than any process count)
-_COMPLETE = "complete"
-_AGREED = "_jaxckpt_agreed"  # attribute of an exception that every process raises
+_PREFIX: Final = "jaxckpt"
+_GAVE_UP: Final = 1 << 20  # added to `n` by a process that stops waiting (more than any count)
+_GRACE_S: Final = 5.0  # how long past its deadline a process waits for an outcome being decided
+_OK: Final = "ok:"  # prefix of a combined outcome (a failure is a JSON object)
+_PACKED: Final = "z:"  # prefix of a compressed one (JSON never starts with "z")
+_PACK_FROM: Final = 256  # outcomes from this many characters on are compressed
+_AGREED: Final = "_jaxckpt_agreed"  # attribute of an exception that every process raises
 _lock = threading.Lock()
 _rounds: dict[str, int] = {}  # tag -> next round; every process calls a tag's rounds in order
+_retiring: list[str] = []  # exchanges this process is done with, left to a later one to delete
+_RETIRING: Final = "r:"  # prefix of a posted value that carries the retiring exchanges
+
+Combine = Callable[[dict[int, str]], Any]  # every process's posted text -> the JSON outcome
 
 
 class KeyValueClient(Protocol):
@@ -50,6 +74,34 @@ class KeyValueClient(Protocol):
     def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
     def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...
     def key_value_delete(self, key: str) -> None: ...
+
+
+@dataclasses.dataclass
+class Member:
+    """One process of a job whose store is not jax's own: the scale simulation binds one
+    per thread (`bound`), so that the real exchanges run with N processes in one."""
+
+    client: KeyValueClient
+    index: int
+    count: int
+    clock: Callable[[], float] = time.monotonic
+    rounds: dict[str, int] = dataclasses.field(default_factory=dict)
+    retiring: list[str] = dataclasses.field(default_factory=list)
+
+
+_member: contextvars.ContextVar[Member | None] = contextvars.ContextVar(
+    "jaxckpt_member", default=None
+)
+
+
+@contextlib.contextmanager
+def bound(member: Member) -> Iterator[Member]:
+    """Makes this thread (context) `member` for every call below (for simulations)."""
+    token = _member.set(member)
+    try:
+        yield member
+    finally:
+        _member.reset(token)
 
 
 def is_agreed(error: BaseException) -> bool:
@@ -64,11 +116,13 @@ def mark_agreed(error: BaseException) -> BaseException:
 
 
 def process_index() -> int:
-    return jax.process_index()
+    member = _member.get()
+    return member.index if member is not None else jax.process_index()
 
 
 def process_count() -> int:
-    return jax.process_count()
+    member = _member.get()
+    return member.count if member is not None else jax.process_count()
 
 
 def _client() -> KeyValueClient:
@@ -81,11 +135,33 @@ def _client() -> KeyValueClient:
     return client
 
 
-def allgather(value: Any, *, tag: str, timeout_s: float) -> list[Any]:
-    """Every process's JSON-serializable `value`, in process order.
+def _session() -> tuple[KeyValueClient, int, int, Callable[[], float]]:
+    """(client, this process, process count, clock) of the job this thread belongs to."""
+    member = _member.get()
+    if member is not None:
+        return member.client, member.index, member.count, member.clock
+    return _client(), process_index(), process_count(), time.monotonic
+
+
+def converge(
+    text: str, combine: Combine, *, tag: str, timeout_s: float, retire_later: bool = False
+) -> Any:
+    """Every process posts `text`; one of them combines all texts; all get the result.
+
+    `combine(texts)` gets every process's text by process index and returns a
+    JSON-serializable outcome. It runs on one process only (the last to arrive),
+    so it must depend on nothing but its argument and what every process
+    shares; if it raises, every process raises a RuntimeError saying so.
 
     All processes must call this in the same order for the same `tag`; calls
     with different tags may interleave differently on each process.
+
+    With `retire_later`, a process that got the outcome does not count itself
+    out (one call fewer, on the critical path of what follows): the exchange
+    is deleted by the first later exchange that every process enters after
+    this one (each posts the exchanges it is done with). For an exchange that
+    every process always follows with another, such as a restore's inventory
+    with its verdict.
 
     Raises:
       TimeoutError: on every process that takes part, if some process did not
@@ -93,25 +169,65 @@ def allgather(value: Any, *, tag: str, timeout_s: float) -> list[Any]:
         the processes that were missing.
       ConnectionError: if the coordination service itself failed.
     """
+    if process_count() == 1:
+        return json.loads(json.dumps(combine({0: text})))  # the same types as through the store
+    client, me, count, clock = _session()
+    key = next_key(tag)
+    return exchange(
+        client,
+        me,
+        count,
+        key,
+        text,
+        combine,
+        timeout_s=timeout_s,
+        clock=clock,
+        retire_later=retire_later,
+    )
+
+
+def allgather(value: Any, *, tag: str, timeout_s: float, retire_later: bool = False) -> list[Any]:
+    """Every process's JSON-serializable `value`, in process order.
+
+    Moves O(N^2) bytes through the coordinator (every process reads every
+    value): for small N, or values that compress well. See `converge`.
+
+    Raises:
+      TimeoutError, ConnectionError: as `converge`.
+    """
     count = process_count()
     if count == 1:
         return [value]
-    return exchange(_client(), process_index(), count, next_key(tag), value, timeout_s=timeout_s)
+    text = json.dumps(value)  # a value that cannot be sent fails here, before taking part
+    return converge(
+        text,
+        lambda texts: [json.loads(texts[p]) for p in range(count)],
+        tag=tag,
+        timeout_s=timeout_s,
+        retire_later=retire_later,
+    )
 
 
 def broadcast(value: Any, *, tag: str, timeout_s: float) -> Any:
-    """Process 0's `value`, on every process (every process waits for all, like `allgather`)."""
+    """Process 0's `value`, on every process (every process waits for all, like `converge`)."""
     if process_count() == 1:
         return value
-    mine = value if process_index() == 0 else None
-    return allgather(mine, tag=tag, timeout_s=timeout_s)[0]
+    text = json.dumps(value) if process_index() == 0 else ""
+    return converge(text, lambda texts: json.loads(texts[0]), tag=tag, timeout_s=timeout_s)
+
+
+def _retiring_list() -> list[str]:
+    member = _member.get()
+    return member.retiring if member is not None else _retiring
 
 
 def next_key(tag: str) -> str:
     """The store key of this process's next round of `tag`."""
+    member = _member.get()
     with _lock:
-        round_ = _rounds.get(tag, 0)
-        _rounds[tag] = round_ + 1
+        rounds = member.rounds if member is not None else _rounds
+        round_ = rounds.get(tag, 0)
+        rounds[tag] = round_ + 1
     return f"{_PREFIX}/{tag}/{round_}"
 
 
@@ -120,52 +236,137 @@ def stored_keys(client: KeyValueClient | None = None) -> list[str]:
     if client is None:
         if process_count() == 1 and _internals.distributed_client() is None:
             return []
-        client = _client()
+        client = _session()[0]
     return [k for k, _ in client.key_value_dir_get(_PREFIX)]
 
 
 def exchange(
-    client: KeyValueClient, me: int, count: int, key: str, value: Any, *, timeout_s: float
-) -> list[Any]:
-    """One round of an all-gather through `client` under `key` (see the module docstring).
+    client: KeyValueClient,
+    me: int,
+    count: int,
+    key: str,
+    text: str,
+    combine: Combine,
+    *,
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    retire_later: bool = False,
+) -> Any:
+    """One round of `converge` through `client` under `key` (see the module docstring).
 
     Raises:
       TimeoutError: if some process did not contribute before the deadline.
       ConnectionError: if the coordination service failed.
+      RuntimeError: if `combine` failed on the process that ran it.
     """
-    deadline = time.monotonic() + timeout_s
+    deadline = clock() + timeout_s
     what = key.removeprefix(f"{_PREFIX}/")
-    text = json.dumps(value)  # a value that cannot be sent fails here, before taking part
+    finished = False
+    outcome: str | None = None
+    retiring = _retiring_list()
+    with _lock:
+        done_with = list(retiring)
+    posted_text = f"{_RETIRING}{json.dumps(done_with)}\n{text}" if done_with else text
     try:
-        client.key_value_set(f"{key}/v/{me}", text)
-        arrived = client.key_value_increment(f"{key}/n", 1)
-        if arrived == count:  # the last to arrive tells the others
-            client.key_value_set(f"{key}/all", _COMPLETE)
-            outcome = _COMPLETE
-        elif arrived > count:  # somebody gave up before this process arrived
-            outcome = _get(client, f"{key}/all", max(deadline, time.monotonic() + 5)) or ""
-        else:
-            outcome = _get(client, f"{key}/all", deadline) or _give_up(client, key, me, count)
-        if outcome == _COMPLETE:
-            return _values(client, key, count)
-        posted = _posted(client, key)
-        raise mark_agreed(_timeout(me, what, timeout_s, count, posted, outcome))
-    except TimeoutError:
-        raise
-    except Exception as e:  # the runtime raises its own error types
-        raise mark_agreed(
-            ConnectionError(
-                f"[process {me}] The exchange '{what}' through the jax.distributed coordination "
-                f"service failed: {e}. Is the coordinator (process 0) still running?"
-            )
-        ) from e
+        try:
+            client.key_value_set(f"{key}/v/{me}", posted_text)
+            arrived = client.key_value_increment(f"{key}/n", 1)
+            if arrived == count:  # the last to arrive decides, and tells the others
+                outcome = _decide(client, key, combine)
+            elif arrived > count:  # somebody gave up before this process arrived
+                outcome = _get(client, f"{key}/all", max(deadline, clock() + _GRACE_S), clock)
+            else:
+                outcome = _get(client, f"{key}/all", deadline, clock) or _give_up(
+                    client, key, me, count, clock
+                )
+            ok = outcome is not None and outcome.startswith(_OK)
+            decided = {} if ok else _failure(outcome)
+            posted = _posted(client, key) if not ok and "failed" not in decided else set()
+            finished = True
+            if ok and retire_later:
+                with _lock:
+                    retiring.append(key)
+            else:
+                _finish(client, key, count, me)
+        except Exception as e:  # the runtime raises its own error types
+            raise mark_agreed(
+                ConnectionError(
+                    f"[process {me}] The exchange '{what}' through the jax.distributed "
+                    f"coordination service failed: {e}. Is the coordinator (process 0) still "
+                    "running?"
+                )
+            ) from e
     finally:
-        _finish(client, key, count, me)
+        if not finished:
+            _finish(client, key, count, me)
+    # Decoded only now, out of the exchange: a big outcome is held no longer than needed.
+    if ok and outcome is not None:
+        body = outcome[len(_OK) :]
+        if body.startswith(_RETIRING):  # exchanges deleted by this one's decider
+            line, body = body[len(_RETIRING) :].split("\n", 1)
+            gone = set(json.loads(line))
+            with _lock:
+                retiring[:] = [k for k in retiring if k not in gone]
+        return _unpack(body)
+    if "failed" in decided:
+        raise mark_agreed(
+            RuntimeError(
+                f"[process {me}] The exchange '{what}' could not combine the processes' "
+                f"values: {decided['failed']}"
+            )
+        )
+    raise mark_agreed(_timeout(me, what, timeout_s, count, posted, decided.get("gave_up")))
 
 
-def _get(client: KeyValueClient, key: str, deadline: float) -> str | None:
+def _decide(client: KeyValueClient, key: str, combine: Combine) -> str:
+    """Reads every value once, combines them and publishes the outcome (the last arrival)."""
+    texts = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{key}/v")}
+    # Exchanges every process is done with (it posted so), deleted now.
+    done_with: list[set[str]] = []
+    for p, t in texts.items():
+        if t.startswith(_RETIRING):
+            line, texts[p] = t[len(_RETIRING) :].split("\n", 1)
+            done_with.append(set(json.loads(line)))
+        else:
+            done_with.append(set())
+    retired = sorted(set.intersection(*done_with)) if done_with else []
+    for old in retired:
+        client.key_value_delete(old)
+    prefix = f"{_RETIRING}{json.dumps(retired)}\n" if retired else ""
+    try:
+        outcome = _OK + prefix + _pack(json.dumps(combine(texts), separators=(",", ":")))
+    except Exception as e:  # every process raises it (see `exchange`)
+        outcome = json.dumps({"failed": f"{type(e).__name__}: {e}"})
+    client.key_value_set(f"{key}/all", outcome)
+    return outcome
+
+
+def _pack(text: str) -> str:
+    if len(text) < _PACK_FROM:
+        return text
+    return _PACKED + base64.b64encode(zlib.compress(text.encode(), 6)).decode()
+
+
+def _unpack(text: str) -> Any:
+    if text.startswith(_PACKED):
+        text = zlib.decompress(base64.b64decode(text[len(_PACKED) :])).decode()
+    return json.loads(text)
+
+
+def _failure(outcome: str | None) -> dict[str, Any]:
+    """{"failed": why} or {"gave_up": process or None}, from an outcome that is not ok."""
+    try:
+        decided = json.loads(outcome or "null")
+    except ValueError:
+        decided = None
+    return decided if isinstance(decided, dict) else {"gave_up": None}
+
+
+def _get(
+    client: KeyValueClient, key: str, deadline: float, clock: Callable[[], float]
+) -> str | None:
     """The value of `key` once it is set, or None if the deadline passes first."""
-    ms = max(1, int((deadline - time.monotonic()) * 1000))
+    ms = max(1, int((deadline - clock()) * 1000))
     try:
         return client.blocking_key_value_get(key, ms)
     except Exception as e:
@@ -174,11 +375,14 @@ def _get(client: KeyValueClient, key: str, deadline: float) -> str | None:
         raise
 
 
-def _give_up(client: KeyValueClient, key: str, me: int, count: int) -> str:
-    """Stops waiting: `_COMPLETE` if every process arrived just in time, else who gave up."""
+def _give_up(
+    client: KeyValueClient, key: str, me: int, count: int, clock: Callable[[], float]
+) -> str | None:
+    """Stops waiting: the outcome if every process arrived just in time (the last one is
+    deciding it), else tells the others who gave up."""
     total = client.key_value_increment(f"{key}/n", _GAVE_UP)
     if total == _GAVE_UP + count:
-        return _COMPLETE
+        return _get(client, f"{key}/all", clock() + _GRACE_S, clock)
     verdict = json.dumps({"gave_up": me})
     # Wakes the processes still waiting; fails if another one gave up first and told them.
     with contextlib.suppress(Exception):
@@ -190,23 +394,15 @@ def _posted(client: KeyValueClient, key: str) -> set[int]:
     return {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(f"{key}/v")}
 
 
-def _values(client: KeyValueClient, key: str, count: int) -> list[Any]:
-    values = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{key}/v")}
-    return [json.loads(values[p]) for p in range(count)]
-
-
 def _timeout(
-    me: int, what: str, timeout_s: float, count: int, posted: set[int], outcome: str
+    me: int, what: str, timeout_s: float, count: int, posted: set[int], by: int | None
 ) -> TimeoutError:
     missing = sorted(set(range(count)) - posted)
-    try:
-        by = json.loads(outcome)["gave_up"]
-    except (ValueError, KeyError, TypeError):
-        by = None
     who = "this process" if by == me else f"process {by}" if by is not None else "a process"
     if missing:
+        shown = missing if len(missing) <= 16 else f"{missing[:16]} and {len(missing) - 16} more"
         why = (
-            f"processes {missing} did not answer within {timeout_s:g} s (dead, stuck, or slower "
+            f"processes {shown} did not answer within {timeout_s:g} s (dead, stuck, or slower "
             f"than the timeout), so {who} stopped waiting"
         )
     else:

@@ -37,16 +37,18 @@ def run(
     env: dict[int, dict[str, str]] | None = None,
     expect_ok: bool = True,
     worker: str = "mp_worker.py",
+    prefix: dict[int, list[str]] | None = None,
 ) -> list[ProcessResult]:
     """Starts len(roots) processes; process i uses memory root roots[i] in failure domain domains[i].
 
-    `worker` is the scenario script in tests/ (it defines `scenario_<name>` functions).
+    `worker` is the scenario script in tests/ (it defines `scenario_<name>` functions);
+    `prefix[i]` goes before process i's command (`ip netns exec NAME`: tests/netns.py).
 
     Returns each process's parsed `RESULT` line. With `expect_ok`, any process
     exiting non-zero fails the caller with every process's output.
     """
     for attempt in range(3):
-        results = _run_once(worker, scenario, roots, domains, args, timeout, env or {})
+        results = _run_once(worker, scenario, roots, domains, args, timeout, env or {}, prefix)
         if not any(port_in_use(r.output) for r in results):
             break
         time.sleep(0.5 + attempt)
@@ -58,7 +60,7 @@ def run(
     return results
 
 
-def _run_once(worker, scenario, roots, domains, args, timeout, env) -> list[ProcessResult]:
+def _run_once(worker, scenario, roots, domains, args, timeout, env, prefix) -> list[ProcessResult]:
     n = len(roots)
     port = portpicker.pick_unused_port()
     procs = []
@@ -76,7 +78,13 @@ def _run_once(worker, scenario, roots, domains, args, timeout, env) -> list[Proc
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / worker), scenario, json.dumps(args)],
+                [
+                    *(prefix or {}).get(i, []),
+                    sys.executable,
+                    str(HERE / worker),
+                    scenario,
+                    json.dumps(args),
+                ],
                 env=proc_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -172,13 +172,14 @@ def test_a_late_process_fails_too_instead_of_going_on_alone(job):
     assert "processes [2] did not answer" in str(results[0][1])
 
 
-def test_giving_up_just_after_the_last_arrival_is_success():
+def test_giving_up_just_after_the_last_arrival_waits_for_its_outcome():
     store = FakeStore()
-    store.key_value_increment("k/n", 3)  # all three arrived; `all` not yet set
-    assert _multihost._give_up(store, "k", 0, 3) == _multihost._COMPLETE
+    store.key_value_increment("k/n", 3)  # all three arrived; the last one is deciding
+    store.key_value_set("k/all", "ok:[1,2,3]")
+    assert _multihost._give_up(store, "k", 0, 3, time.monotonic) == "ok:[1,2,3]"
     store2 = FakeStore()
     store2.key_value_increment("k/n", 2)  # one missing: giving up wins
-    assert "gave_up" in _multihost._give_up(store2, "k", 0, 3)
+    assert "gave_up" in _multihost._give_up(store2, "k", 0, 3, time.monotonic)
     assert store2.data["k/all"] == '{"gave_up": 0}'
 
 
@@ -193,7 +194,61 @@ def test_a_failed_coordinator_is_not_reported_as_a_missing_process(job):
 
 def test_a_value_that_cannot_be_sent_fails_before_taking_part(job):
     store, run = job
-    results = run(1, lambda p: _multihost.exchange(store, 0, 2, "k", object(), timeout_s=1))
+    results = run(2, lambda p: _multihost.allgather(object(), tag="t", timeout_s=1), [0])
     kind, error, _ = results[0]
     assert kind == "error" and isinstance(error, TypeError)
     assert store.data == {}
+
+
+def test_no_process_reads_the_others_values(job):
+    """Only the last arrival reads the posted values (once); the others read one outcome."""
+    store, run = job
+    reads: list[str] = []
+    dir_get = store.key_value_dir_get
+
+    def counting(key: str) -> list[tuple[str, str]]:
+        reads.append(key)
+        return dir_get(key)
+
+    store.key_value_dir_get = counting  # type: ignore[method-assign]
+    results = run(6, lambda p: _multihost.allgather(p, tag="t", timeout_s=5))
+    assert all(value == list(range(6)) for _, value, _ in results.values())
+    assert len(reads) == 1 and reads[0].endswith("/v"), reads
+
+
+def test_a_failing_combine_raises_on_every_process(job):
+    _, run = job
+
+    def combine(texts: dict[int, str]) -> None:
+        raise KeyError("no such process")
+
+    results = run(3, lambda p: _multihost.converge("x", combine, tag="t", timeout_s=5))
+    for kind, error, _ in results.values():
+        assert kind == "error" and isinstance(error, RuntimeError), error
+        assert "could not combine" in str(error) and "no such process" in str(error)
+        assert _multihost.is_agreed(error)
+
+
+def test_an_exchange_retired_later_is_deleted_by_the_next_one(job):
+    """A restore's inventory skips counting itself out; its verdict's decider deletes it."""
+    store, run = job
+    counted: list[str] = []
+    increment = store.key_value_increment
+
+    def recording(key: str, by: int) -> int:
+        counted.append(key)
+        return increment(key, by)
+
+    store.key_value_increment = recording  # type: ignore[method-assign]
+
+    def restore(p: int) -> list[Any]:
+        held = _multihost.allgather({"held": [p]}, tag="inv", timeout_s=5, retire_later=True)
+        _multihost.allgather(None, tag="verdict", timeout_s=5)
+        return held
+
+    results = run(4, restore)
+    for kind, held, _ in results.values():
+        assert kind == "ok" and held == [{"held": [p]} for p in range(4)]
+    assert "jaxckpt/inv/0/done" not in counted, counted
+    assert "jaxckpt/verdict/0/done" in counted
+    assert store.data == {}, sorted(store.data)

@@ -6,7 +6,9 @@ the state (`_state`), run the phases (`_phases`, `_restores`, `_many_leaves`) on
 jaxckpt's and Orbax's managers (`_managers`) and measure the raw baselines
 (`_baselines`); with an object store, `_object_store` persists to it against plain
 tensorstore writes (`_emulator` starts a local one); `_report` turns their results into
-the table of figures. `--gpu` runs `_gpu` instead: one process on an accelerator.
+the table of figures. `--gpu` runs `_gpu` instead: one process on an accelerator;
+`--scale` runs `_scale`: coordination at thousands of processes against a simulated
+coordinator (`_coordinator`).
 """
 
 from jaxckpt.bench._run import main as main

@@ -4,6 +4,7 @@
     python -m jaxckpt.bench --state-gib 4 --json bench.json
     python -m jaxckpt.bench --store-only --store-emulator s3   # object-store persistence only
     PYTHONPATH=. python -m jaxckpt.bench --gpu     # one process on this machine's accelerator
+    python -m jaxckpt.bench --scale                # coordination at N = 8 ... 4096, simulated
 
 Runs N JAX processes on this machine (loopback, one memory root and failure
 domain each, like `jaxckpt.launch`) that train an MLP with optax adam, save
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu",
         action="store_true",
         help="instead: the one-process accelerator check (`jaxckpt bench --gpu --help`)",
+    )
+    p.add_argument(
+        "--scale",
+        action="store_true",
+        help="instead: coordination at thousands of processes, simulated "
+        "(`jaxckpt bench --scale --help`)",
     )
     p.add_argument("--processes", type=int, default=2, help="JAX processes on loopback")
     p.add_argument("--state-gib", type=float, help="params + adam state, GiB (quick: 1/8, else 1)")
@@ -300,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jaxckpt.bench import _gpu  # imports JAX: only this mode runs it in the driver
 
         return _gpu.main(argv)
+    if "--scale" in argv:
+        from jaxckpt.bench import _scale  # no JAX devices, no processes: a simulation
+
+        return _scale.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)

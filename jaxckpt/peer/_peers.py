@@ -13,6 +13,9 @@ import asyncio
 import secrets
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
+
+from absl import logging as log
 
 from jaxckpt import (
     _agreement,
@@ -29,12 +32,20 @@ from jaxckpt.peer import _client, _server, _wire
 Inventory = dict[int, set[int]]  # step -> owners whose verified part a process holds
 
 
+class Service(Protocol):
+    """What `Peers` needs of this process's peer data service (a `PeerServer`)."""
+
+    @property
+    def address(self) -> _wire.PeerAddress: ...
+    def close(self) -> None: ...
+
+
 class Peers:
     """This process's connection to every other process's memory tier."""
 
     def __init__(
         self,
-        server: _server.PeerServer,
+        server: Service,
         token: str,
         run_id: str,
         addresses: list[_wire.PeerAddress],
@@ -49,7 +60,13 @@ class Peers:
         self.domains = domains
         self.replicas = replicas
         self._holders: tuple[tuple[int, ...], ...] | None = None
+        self.skipped: list[tuple[int, int]] = []  # (step, holder) of pushes that failed
         self._timeout_s = timeout_s
+        # IMPORTANT: a peer that stalls for half the timeout is given up (its copy skipped,
+        # or the next source read), so that a process that met one still reaches the
+        # agreement after its push or restore in time: the others wait there for at most
+        # the whole timeout from their own arrival.
+        self._peer_timeout_s = timeout_s / 2
 
     @classmethod
     def connect(cls, memory: _memory_tier.MemoryTier, options: _options.TierOptions) -> Peers:
@@ -61,7 +78,24 @@ class Peers:
           Any error another process met starting its peer service (the same
             built-in type, naming it), on every process.
         """
-        return cls._meet(memory.run_id, memory, options, None)
+
+        def serve(token: str) -> _server.PeerServer:
+            server = _server.PeerServer(
+                memory.run_dir.parent,
+                run_id=memory.run_id,
+                token=token,
+                host=options.peer_host,
+                io_timeout=options.timeout_s,
+                reuse_free_slabs=options.spare_slabs,
+            )
+            try:
+                server.start()
+            except BaseException:
+                server.close()
+                raise
+            return server
+
+        return cls.meet(memory.run_id, serve, options)
 
     @classmethod
     def decline(cls, run_id: str, options: _options.TierOptions, error: BaseException) -> None:
@@ -74,17 +108,20 @@ class Peers:
         Raises:
           `error` (marked as agreed), always.
         """
-        cls._meet(run_id, None, options, error)
-        raise _agreement.mark_agreed(error)  # _meet raised it already; for the type checker
+        cls.meet(run_id, None, options, error)
+        raise _agreement.mark_agreed(error)  # meet raised it already; for the type checker
 
     @classmethod
-    def _meet(
+    def meet(
         cls,
         run_id: str,
-        memory: _memory_tier.MemoryTier | None,
+        serve: Callable[[str], Service] | None,
         options: _options.TierOptions,
-        error: BaseException | None,
+        error: BaseException | None = None,
     ) -> Peers:
+        """The exchanges of `connect` (collective): the token, then every process's address
+        and failure domain. `serve(token)` starts this process's service; None (or
+        `error`) takes part without one, and every process raises the error."""
         tag = f"peers/{run_id}"
         token = _multihost.broadcast(
             secrets.token_hex(32) if _multihost.process_index() == 0 else None,
@@ -92,20 +129,10 @@ class Peers:
             timeout_s=options.timeout_s,
         )
         server = None
-        if error is None and memory is not None:
+        if error is None and serve is not None:
             try:
-                server = _server.PeerServer(
-                    memory.run_dir.parent,
-                    run_id=run_id,
-                    token=token,
-                    host=options.peer_host,
-                    io_timeout=options.timeout_s,
-                    reuse_free_slabs=options.spare_slabs,
-                )
-                server.start()
+                server = serve(token)
             except Exception as e:  # agreed on below, so every process raises it
-                if server is not None:
-                    server.close()
                 server, error = None, e
         me = (
             {"address": server.address.to_dict(), "domain": options.resolved_failure_domain}
@@ -168,7 +195,7 @@ class Peers:
                 relpath=relpath,
                 offset=offset,
                 into=into,
-                timeout=min(timeout_s, self._timeout_s),
+                timeout=min(timeout_s, self._peer_timeout_s),
             )
 
         return read
@@ -177,7 +204,11 @@ class Peers:
         """Copies a committed part to every holder of `owner`'s replicas at once; bytes sent.
 
         This process only sends (`push_part`: sendfile, no checksum); each holder
-        verifies every chunk against the part's manifest before keeping it.
+        verifies every chunk against the part's manifest before keeping it. A
+        holder that cannot be reached or refuses the copy within the timeout is
+        skipped, with a warning: the save goes on with the copies that arrived
+        (the owner's own stays in its memory tier), and a restore plans from the
+        copies the processes actually hold. `skipped` lists (step, holder).
         """
         dest = f"{_memory_tier.MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
 
@@ -190,21 +221,40 @@ class Peers:
                     run_id=self.run_id,
                     part_dir=part_dir,
                     dest_relpath=dest,
-                    timeout=self._timeout_s,
+                    timeout=self._peer_timeout_s,
                 )
             except OSError as e:
-                raise OSError(
-                    f"[process {owner}] Pushing the replica of step {step} to process {holder} "
-                    f"({self.addresses[holder]}) failed: {self.redact(str(e))}"
-                ) from e
+                log.warning(
+                    "jaxckpt: [process %d] pushing the replica of step %d to process %d (%s) "
+                    "failed, so that copy is skipped: %s",
+                    owner,
+                    step,
+                    holder,
+                    self.addresses[holder],
+                    self.redact(str(e)),
+                )
+                self.skipped.append((step, holder))
+                return 0
 
         sent = await asyncio.gather(*(asyncio.to_thread(push, h) for h in self.holders[owner]))
         return sum(sent)
 
     def exchange_inventories(self, local: Inventory) -> dict[int, Inventory]:
-        """process -> its inventory, for every process (collective)."""
-        wire = {str(step): sorted(owners) for step, owners in local.items()}
+        """process -> its inventory, for every process (collective).
+
+        Every process reads every inventory, so the table goes through the
+        coordinator compressed: owners are sent as offsets from their holder,
+        which makes the usual layout (each process holds its own part and its
+        ring neighbours') the same few bytes on every process.
+        """
+        me = _multihost.process_index()
+        wire = {str(step): sorted(o - me for o in owners) for step, owners in local.items()}
+        # IMPORTANT: every process follows this exchange with another (the restore's or
+        # the listing's verdict), whose decider deletes it: one call fewer before planning.
         everyone = _multihost.allgather(
-            wire, tag=f"inventory/{self.run_id}", timeout_s=self._timeout_s
+            wire, tag=f"inventory/{self.run_id}", timeout_s=self._timeout_s, retire_later=True
         )
-        return {p: {int(s): set(o) for s, o in inv.items()} for p, inv in enumerate(everyone)}
+        return {
+            p: {int(s): {p + o for o in offsets} for s, offsets in inv.items()}
+            for p, inv in enumerate(everyone)
+        }

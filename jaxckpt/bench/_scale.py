@@ -1,0 +1,358 @@
+"""`jaxckpt bench --scale`: what coordination costs at N processes, by simulation.
+
+    jaxckpt bench --scale                        # N = 8, 64, 512, 4096; a few minutes
+    jaxckpt bench --scale --processes-list 8,64 --json scale.json
+
+For each N it runs the real exchange, agreement, inventory and planning code
+of N processes against one simulated coordinator (`_coordinator`: one service
+queue, a per-call latency, a bandwidth; no JAX devices) for three operations:
+
+- setup: the peer set-up (`Peers.meet`: the run's token, every process's
+  address and failure domain) and the replica placement computed from it;
+- save: one save's agreement (`_agreement.agree_on_save`: verdict and tree digest);
+- restore: one restore after a node loss: the inventories
+  (`Peers.exchange_inventories`; the lost process holds nothing, its part
+  lives on its peer), every process's plan (`_plan.plan_step` and the chunk
+  owners), which must find every part, and the verdict (`_agreement.agree`).
+
+It prints one JSON object a line per N and operation, then a table and the
+fitted growth of every figure in N (1, N, N log N or N^2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from jaxckpt import _agreement, _format, _multihost, _placement, _plan
+from jaxckpt._options import TierOptions
+from jaxckpt.bench import _coordinator
+from jaxckpt.peer._peers import Peers
+from jaxckpt.peer._wire import PeerAddress
+
+OPS: Final = ("setup", "save", "restore")
+DEFAULT_PROCESSES: Final = (8, 64, 512, 4096)
+PROCESSES_PER_HOST: Final = 4  # the failure domain of a process is its host
+LEAVES: Final = 24  # array leaves in the saved tree (a transformer's few dozen)
+DEVICES_PER_PROCESS: Final = 8
+STEP: Final = 1000
+RUN_ID: Final = "run-0123456789abcdef"
+TIMEOUT_S: Final = 120.0  # TierOptions' default: every wait is bounded by it
+FIGURES: Final = ("rpcs", "coordinator_bytes", "modeled_s", "plan_cpu_s", "peak_rss_bytes")
+
+
+class _Service:
+    """A peer data service that is only an address (nothing connects to it here)."""
+
+    def __init__(self, p: int):
+        self.address = PeerAddress(f"10.{p >> 16}.{(p >> 8) & 255}.{p & 255}", 40000 + p % 20000)
+
+    def close(self) -> None:
+        pass
+
+
+def leaves(count: int) -> tuple[_format.LeafRecord, ...]:
+    """The saved tree: `LEAVES` arrays sharded over every device, and a step counter."""
+    devices = count * DEVICES_PER_PROCESS
+    sharding = {
+        "type": "named",
+        "axis_names": ["data"],
+        "mesh_shape": [devices],
+        "device_ids": list(range(devices)),
+        "spec": ["data"],
+    }
+    out = []
+    for i in range(LEAVES):
+        shape = (count * 64, 1024)
+        out.append(
+            _format.LeafRecord(
+                f"['params']['layer{i}']",
+                _format.ARRAY,
+                keys=(("d", "params"), ("d", f"layer{i}")),
+                shape=shape,
+                dtype="bfloat16",
+                stored_shape=shape,
+                stored_dtype="bfloat16",
+                chunk_shape=(64, 1024),
+                sharding=sharding,
+            )
+        )
+    out.append(_format.LeafRecord("['step']", _format.SCALAR, value=STEP, scalar_type="int"))
+    return tuple(out)
+
+
+def manifests(count: int, tree: tuple[_format.LeafRecord, ...]) -> dict[int, _format.PartManifest]:
+    """Every owner's index manifest: one chunk of every array leaf (its rows)."""
+    out = {}
+    for owner in range(count):
+        chunk = (_format.ChunkRecord((owner, 0), 64 * 1024 * 2, 0, 0),)
+        chunks = dict.fromkeys(range(LEAVES), chunk)
+        out[owner] = _format.PartManifest(
+            STEP, RUN_ID, "save", owner, count, _domain(owner, count), tree, chunks, {}, 0.0
+        )
+    return out
+
+
+def _domain(p: int, count: int) -> str:
+    """`PROCESSES_PER_HOST` processes a host (one a host below two hosts' worth)."""
+    per_host = PROCESSES_PER_HOST if count >= 2 * PROCESSES_PER_HOST else 1
+    return f"host{p // per_host}"
+
+
+class Setup:
+    """The peer set-up of every process, and the placement computed from it."""
+
+    def __init__(self, count: int):
+        self.count = count
+        # Placement is pure CPU, the same on every process: in the simulation only process
+        # 0 computes it (on its clock), lest one core run it N times; replays all do.
+        self.placing: Callable[[int], bool] = lambda p: p == 0
+
+    def __call__(self, p: int) -> None:
+        opts = TierOptions(
+            memory_root="/nonexistent",
+            replicas=1,
+            timeout_s=TIMEOUT_S,
+            failure_domain=_domain(p, self.count),
+        )
+        peers = Peers.meet(RUN_ID, lambda token: _Service(p), opts)
+        if self.placing(p):
+            peers.holders  # noqa: B018 -- placement, as the first save computes it
+        # Nothing kept: the simulation holds N processes, each with its N addresses.
+
+
+class Restore:
+    """One restore after the loss of process `lost`: its memory tier is empty."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.lost = count // 2
+        self.manifests = manifests(count, leaves(count))
+        self.holders = _placement.place_replicas([_domain(p, count) for p in range(count)], 1)
+        self.inventory: dict[int, set[int]] = {p: {p} for p in range(count)}
+        for owner, hs in enumerate(self.holders):
+            for h in hs:
+                self.inventory[h].add(owner)
+        self.inventory[self.lost] = set()
+
+        self.clock: Callable[[int], float] = lambda p: 0.0  # a process's (virtual) time
+        self.planned: dict[int, float] = {}  # process -> when it had its plan
+
+    def __call__(self, p: int) -> bool:
+        domains = [_domain(q, self.count) for q in range(self.count)]
+        peers = Peers(_Service(p), "t" * 64, RUN_ID, [], domains, 1, TIMEOUT_S)
+        held = peers.exchange_inventories({STEP: self.inventory[p]})
+        plan = _plan.plan_step(
+            STEP, self.manifests, p, {q: h[STEP] for q, h in held.items()}, set()
+        )
+        self.planned[p] = self.clock(p)
+        restorable, own = plan.restorable, plan.sources[p]
+        error = None if restorable else FileNotFoundError(f"step {STEP}: {plan.missing}")
+        # Let go of the plan before the verdict: the simulation holds N processes at once.
+        del held, plan, peers
+        _agreement.agree(error, tag=f"restore/{RUN_ID}/{STEP}", what="restore", timeout_s=TIMEOUT_S)
+        return restorable and bool(own) and (p != self.lost or own[0].tier == _plan.PEER)
+
+
+def save_fn(count: int) -> Callable[[int], None]:
+    tree = leaves(count)
+    _agreement.tree_digest(tree)  # computed once per tree and remembered, as in a training run
+
+    def save(p: int) -> None:
+        _agreement.agree_on_save(
+            tree, None, tag=f"save/{RUN_ID}/{STEP}", step=STEP, timeout_s=TIMEOUT_S
+        )
+
+    return save
+
+
+def measure(
+    count: int,
+    op: str,
+    latency_s: float = _coordinator.LATENCY_S,
+    bandwidth: float = _coordinator.BANDWIDTH,
+) -> dict[str, Any]:
+    """Simulates `op` with `count` processes; its figures (see the module docstring).
+
+    Raises:
+      RuntimeError: if a simulated process failed (the operation itself is broken).
+    """
+    fn: Callable[[int], Any] = (
+        Setup(count) if op == "setup" else save_fn(count) if op == "save" else Restore(count)
+    )
+    sim = _coordinator.Simulation(count, _coordinator.Coordinator(latency_s, bandwidth))
+    if isinstance(fn, Restore):
+        fn.clock = lambda p: sim.clock(sim.processes[p])
+    results = sim.run(fn)
+    planned = dict(fn.planned) if isinstance(fn, Restore) else {}
+    if isinstance(fn, Restore):
+        fn.clock = lambda p: 0.0
+    failed = [(p, r) for p, (ok, r) in enumerate(results) if not ok or r is False]
+    if failed:
+        p, r = failed[0]
+        raise RuntimeError(f"{op} with {count} processes failed on {len(failed)}, first {p}: {r}")
+    if sim.coordinator.data:
+        raise RuntimeError(f"{op} left {len(sim.coordinator.data)} keys in the coordinator.")
+    # Per-process CPU and memory: the busiest process (the one that combined the values)
+    # and an ordinary one, each run again alone against its recorded replies.
+    busiest = max(sim.processes, key=lambda proc: proc.counts.bytes).index
+    if isinstance(fn, Setup):
+        fn.placing = lambda p: True
+    cpu, peak = 0.0, 0
+    for p in sorted({busiest, 0, count - 1}):
+        c, m = _replay(fn, p, count, sim.processes[p].calls)
+        cpu, peak = max(cpu, c), max(peak, m)
+    return {
+        "processes": count,
+        "op": op,
+        "rpcs": sim.coordinator.total.calls,
+        "coordinator_bytes": sim.coordinator.total.bytes,
+        "modeled_s": round(max(proc.clock for proc in sim.processes), 6),
+        "plan_cpu_s": round(cpu, 6),
+        "peak_rss_bytes": peak,
+        "max_process_bytes": max(proc.counts.bytes for proc in sim.processes),
+        "max_process_rpcs": max(proc.counts.calls for proc in sim.processes),
+        **({"planned_s": round(max(planned.values()), 6)} if planned else {}),
+    }
+
+
+def _replay(
+    fn: Callable[[int], Any], p: int, count: int, calls: list[tuple[str, bool, Any]]
+) -> tuple[float, int]:
+    """(CPU seconds, peak bytes allocated) of process `p`'s part, run alone."""
+    gc.collect()
+    member = _multihost.Member(_coordinator.ReplayClient(calls), p, count)
+    with _multihost.bound(member):
+        start = time.thread_time()
+        fn(p)
+        cpu = time.thread_time() - start
+    member = _multihost.Member(_coordinator.ReplayClient(calls), p, count)
+    tracemalloc.start()
+    try:
+        with _multihost.bound(member):
+            fn(p)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return cpu, peak
+
+
+def growth(counts: Sequence[int], values: Sequence[float]) -> str:
+    """The model among 1, N, N log N and N^2 that fits `values` best (least squares of the
+    log ratio), or "-" with fewer than three points."""
+    points = [(n, v) for n, v in zip(counts, values, strict=True) if v > 0]
+    if len(points) < 3:
+        return "-"
+    models: dict[str, Callable[[int], float]] = {
+        "1": lambda n: 1.0,
+        "N": float,
+        "N log N": lambda n: n * math.log2(n),
+        "N^2": lambda n: float(n * n),
+    }
+    best, best_err = "-", math.inf
+    for name, f in models.items():
+        logs = [math.log(v / f(n)) for n, v in points]
+        mean = sum(logs) / len(logs)
+        err = sum((x - mean) ** 2 for x in logs)
+        if err < best_err:
+            best, best_err = name, err
+    return best
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("op", "N", "rpcs", "coord. bytes", "bytes/process", "modeled", "CPU/proc", "peak/proc")
+    lines = [head]
+    for r in rows:
+        lines.append(
+            (
+                r["op"],
+                str(r["processes"]),
+                str(r["rpcs"]),
+                _bytes(r["coordinator_bytes"]),
+                _bytes(r["coordinator_bytes"] / r["processes"]),
+                f"{r['modeled_s'] * 1000:.1f} ms",
+                f"{r['plan_cpu_s'] * 1000:.2f} ms",
+                _bytes(r["peak_rss_bytes"]),
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in lines
+    )
+
+
+def growth_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["growth in N: " + ", ".join(FIGURES)]
+    for op in OPS:
+        mine = [r for r in rows if r["op"] == op]
+        counts = [r["processes"] for r in mine]
+        fits = [growth(counts, [r[f] for r in mine]) for f in FIGURES]
+        lines.append(
+            f"  {op}: " + ", ".join(f"{f} {g}" for f, g in zip(FIGURES, fits, strict=True))
+        )
+    return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="jaxckpt bench --scale", description=__doc__)
+    parser.add_argument("--scale", action="store_true", help="this mode")
+    parser.add_argument(
+        "--processes-list",
+        default=",".join(map(str, DEFAULT_PROCESSES)),
+        help="process counts to simulate (default %(default)s)",
+    )
+    parser.add_argument("--ops", default=",".join(OPS), help="operations (default %(default)s)")
+    parser.add_argument(
+        "--latency-us", type=float, default=_coordinator.LATENCY_S * 1e6, help="per call"
+    )
+    parser.add_argument(
+        "--bandwidth-gbps", type=float, default=_coordinator.BANDWIDTH / 1e9, help="GB/s"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write every row here")
+    args = parser.parse_args(argv)
+    try:
+        counts = sorted({int(n) for n in args.processes_list.split(",")})
+    except ValueError:
+        parser.error(f"--processes-list takes counts like 8,64, got {args.processes_list!r}")
+    ops = [op for op in args.ops.split(",") if op]
+    if any(n < 2 for n in counts) or not set(ops) <= set(OPS):
+        parser.error(f"counts must be >= 2 and ops among {', '.join(OPS)}")
+    rows = []
+    started = time.monotonic()
+    for n in counts:
+        for op in ops:
+            row = measure(n, op, args.latency_us / 1e6, args.bandwidth_gbps * 1e9)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print()
+    print(table(rows))
+    print()
+    print(growth_table(rows))
+    print(
+        f"\nsimulated in {time.monotonic() - started:.0f} s; coordinator: "
+        f"{args.latency_us:g} us a call, {args.bandwidth_gbps:g} GB/s",
+        file=sys.stderr,
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "latency_us": args.latency_us}, f, indent=1)
+    return 0

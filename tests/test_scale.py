@@ -1,0 +1,157 @@
+"""Coordination at many processes, against the simulated coordinator (jaxckpt/bench/_coordinator.py).
+
+The real exchange, agreement, inventory and planning code runs as N processes
+(threads) in virtual time: what goes through the coordinator is counted
+exactly, every wait is bounded in virtual time, and every process must end
+with the same verdict. The big-N figures are `jaxckpt bench --scale`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_agreement import tree
+
+from jaxckpt import _agreement, _multihost
+from jaxckpt.bench import _coordinator, _scale
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 30.0  # virtual seconds
+
+
+def simulate(count: int, fn, **coordinator) -> tuple[_coordinator.Simulation, list]:
+    sim = _coordinator.Simulation(count, _coordinator.Coordinator(**coordinator))
+    return sim, sim.run(fn)
+
+
+def test_a_save_moves_a_few_hundred_bytes_a_process_through_the_coordinator():
+    rows = {n: _scale.measure(n, "save") for n in (16, 128)}
+    for n, row in rows.items():
+        assert row["coordinator_bytes"] / n < 1000, row
+        assert row["rpcs"] <= 4 * n + 4, row
+    # O(N): eight times the processes, about eight times the bytes (key names grow a digit).
+    assert rows[128]["coordinator_bytes"] < 8 * 1.2 * rows[16]["coordinator_bytes"], rows
+
+
+def test_restore_after_a_node_loss_and_setup_plan_everywhere():
+    for op in ("setup", "restore"):
+        row = _scale.measure(32, op)  # raises if any process failed or keys were left
+        assert set(_scale.FIGURES) <= set(row) and row["op"] == op, row
+    restore = _scale.Restore(32)
+    sim, results = simulate(32, restore)
+    assert all(ok and value is True for ok, value in results), results[:3]
+    assert sim.coordinator.data == {}
+
+
+def test_one_failing_process_makes_every_process_raise_its_error():
+    def one(p: int) -> None:
+        error = FileNotFoundError(f"[process {p}] no copy of part 3") if p == 11 else None
+        _agreement.agree(error, tag="restore/r/5", what="The restore of step 5", timeout_s=30)
+
+    sim, results = simulate(48, one)
+    for p, (ok, error) in enumerate(results):
+        assert not ok and type(error) is FileNotFoundError, (p, error)
+        assert "no copy of part 3" in str(error) and (p == 11 or "on process 11" in str(error))
+    assert sim.coordinator.data == {}
+
+
+def test_a_dead_process_costs_every_other_process_one_bounded_wait():
+    """Process 9 never takes part: the others raise within the timeout (virtual time),
+    naming it, and none waits a timeout of its own after the first gave up."""
+    leaves = tree(0, "same")
+
+    def save(p: int) -> None:
+        if p == 9:
+            return
+        _agreement.agree_on_save(leaves, None, tag="save/r/7", step=7, timeout_s=TIMEOUT_S)
+
+    sim, results = simulate(40, save)
+    for p, (ok, error) in enumerate(results):
+        if p == 9:
+            continue
+        assert not ok and isinstance(error, TimeoutError), (p, error)
+        assert "processes [9] did not answer" in str(error), error
+        assert _multihost.is_agreed(error)
+    finished = [proc.clock for proc in sim.processes if proc.index != 9]
+    assert max(finished) < TIMEOUT_S + 1, max(finished)
+
+
+def test_a_late_process_raises_at_once_as_the_others_did():
+    leaves = tree(0, "same")
+
+    def save(p: int) -> None:
+        if p == 3:  # arrives after the others gave up
+            _multihost_sleep(TIMEOUT_S + 2)
+        _agreement.agree_on_save(leaves, None, tag="save/r/8", step=8, timeout_s=TIMEOUT_S)
+
+    sim, results = simulate(12, save)
+    assert all(not ok and isinstance(e, TimeoutError) for ok, e in results), results
+    late = sim.processes[3]
+    assert late.clock < TIMEOUT_S + 2 + 1, late.clock  # no timeout of its own
+
+
+def _multihost_sleep(seconds: float) -> None:
+    """Spends virtual time: a blocking get of a key nobody sets."""
+    client = _multihost._session()[0]
+    try:
+        client.blocking_key_value_get("sleep", int(seconds * 1000))
+    except RuntimeError as e:
+        assert "DEADLINE_EXCEEDED" in str(e)
+
+
+def test_a_different_tree_on_one_of_many_processes_is_named_everywhere():
+    def save(p: int) -> None:
+        leaves = tree(1 if p == 21 else 0, "extra")
+        _agreement.agree_on_save(leaves, None, tag="save/r/2", step=2, timeout_s=TIMEOUT_S)
+
+    sim, results = simulate(64, save)
+    messages = set()
+    for p, (ok, error) in enumerate(results):
+        assert not ok and isinstance(error, ValueError), (p, error)
+        messages.add(re.sub(r"^\[process \d+\] ", "", str(error)))
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "processes [21] another" in message and "leaf ['extra']" in message, message
+    assert sim.coordinator.data == {}
+
+
+def test_growth_fits():
+    counts = [8, 64, 512, 4096]
+    assert _scale.growth(counts, [3 * n for n in counts]) == "N"
+    assert _scale.growth(counts, [n * n for n in counts]) == "N^2"
+    assert _scale.growth(counts, [5.0 for _ in counts]) == "1"
+    assert _scale.growth([8, 64], [1, 2]) == "-"
+
+
+def test_bench_scale_prints_one_json_object_a_line_and_the_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxckpt.bench", "--scale", "--processes-list", "4,8,16"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+        check=True,
+        timeout=300,
+    ).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["processes"], r["op"]) for r in rows] == [
+        (n, op) for n in (4, 8, 16) for op in ("setup", "save", "restore")
+    ]
+    for r in rows:
+        assert {"processes", "op", *_scale.FIGURES} <= set(r), r
+    assert "growth in N" in out and "coord. bytes" in out
+
+
+@pytest.mark.parametrize("latency_s", [0.0, 1e-3])
+def test_modeled_time_follows_the_per_call_latency(latency_s):
+    sim, _ = simulate(
+        8, lambda p: _multihost.allgather(p, tag="t", timeout_s=5), latency_s=latency_s
+    )
+    calls = sim.coordinator.total.calls
+    modeled = max(proc.clock for proc in sim.processes)
+    assert modeled >= calls * latency_s  # one queue: calls never overlap
