@@ -230,7 +230,9 @@ def test_slow_peer_within_the_timeout_gets_its_replica(tmp_path, monkeypatch):
             proxy.close()
 
 
-def test_stalled_peer_fails_the_save_in_bounded_time_and_recovers(tmp_path, monkeypatch):
+def test_stalled_peer_is_skipped_in_bounded_time_and_recovers(tmp_path, monkeypatch, caplog):
+    """A holder that stops reading (a partition, a stalled host): its copy is skipped
+    within the save's bound and the save succeeds; once it reads again, it gets copies."""
     timeout_s = 1.5
     holder_root = tmp_path / "holder"
     h = handler(str(tmp_path / "memory"), persist_every=1000, replicas=1, timeout_s=timeout_s)
@@ -248,22 +250,26 @@ def test_stalled_peer_fails_the_save_in_bounded_time_and_recovers(tmp_path, monk
             state = small_state(2)
             before = host_copy(state)
             start = time.monotonic()
-            with pytest.raises(Exception) as err:
+            with caplog.at_level("WARNING"):
                 save(mngr, 2, state)
                 mngr.wait_until_finished()
             took = time.monotonic() - start
-            chain = error_chain(err.value)
-            assert "Timeout" in chain or "timed out" in chain or "no answer" in chain, chain
-            assert took < 4 * timeout_s + 5, f"the failed save took {took:.1f} s"
+            assert took < 4 * timeout_s + 5, f"the save took {took:.1f} s"
+            skipped = [
+                r.getMessage() for r in caplog.records if "copy is skipped" in r.getMessage()
+            ]
+            assert skipped and "step 2" in skipped[0] and "no answer" in skipped[0], skipped
             assert_unchanged(state, before)
-            assert 2 not in mngr.all_steps()
-            assert_tree_equal(restore(mngr, 1, abstract(small_state(1))), small_state(1))
+            assert 2 in mngr.all_steps()
+            holder_memory = _memory_tier.MemoryTier(str(holder_root), RUN)
+            assert 2 not in holder_memory.steps()  # the stalled holder got no copy
+            assert_tree_equal(restore(mngr, 2, abstract(small_state(2))), small_state(2))
 
-            proxy.stall.clear()  # the peer recovers: the next save works
+            proxy.stall.clear()  # the peer recovers: the next save's copy arrives
             save(mngr, 3, small_state(3))
             mngr.wait_until_finished()
             assert 3 in mngr.all_steps()
-            assert _memory_tier.MemoryTier(str(holder_root), RUN).parts(3) == [0]
+            assert holder_memory.parts(3) == [0]
             mngr.close()
         finally:
             proxy.close()

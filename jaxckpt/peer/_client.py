@@ -46,7 +46,8 @@ def _transport_errors(address: _wire.PeerAddress, action: str, timeout: float) -
     except (ConnectionError, http.client.HTTPException) as e:
         raise ConnectionError(f"{where} failed: {e!r}.") from e
     except _ConnectFailed as e:
-        raise OSError(e.error.errno, f"{where} could not connect: {e.error}.") from e.error
+        # A ConnectionError (errno kept): the peer cannot be reached, as with a refusal.
+        raise ConnectionError(e.error.errno, f"{where} could not connect: {e.error}.") from e.error
 
 
 class _ConnectFailed(Exception):

@@ -205,10 +205,12 @@ class Peers:
 
         This process only sends (`push_part`: sendfile, no checksum); each holder
         verifies every chunk against the part's manifest before keeping it. A
-        holder that cannot be reached or refuses the copy within the timeout is
-        skipped, with a warning: the save goes on with the copies that arrived
-        (the owner's own stays in its memory tier), and a restore plans from the
-        copies the processes actually hold. `skipped` lists (step, holder).
+        holder that cannot be reached or does not answer within half the timeout (a
+        partition, a dead or stalled host) is skipped, with a warning: the save goes
+        on with the copies that arrived (the owner's own stays in its memory tier),
+        and a restore plans from the copies the processes actually hold. `skipped`
+        lists (step, holder). A holder that answers with a refusal (its memory tier
+        full, a bad request) fails the save, naming it: that does not pass by itself.
         """
         dest = f"{_memory_tier.MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
 
@@ -223,10 +225,10 @@ class Peers:
                     dest_relpath=dest,
                     timeout=self._peer_timeout_s,
                 )
-            except OSError as e:
+            except (TimeoutError, ConnectionError) as e:
                 log.warning(
                     "jaxckpt: [process %d] pushing the replica of step %d to process %d (%s) "
-                    "failed, so that copy is skipped: %s",
+                    "got no answer, so that copy is skipped: %s",
                     owner,
                     step,
                     holder,
@@ -235,6 +237,11 @@ class Peers:
                 )
                 self.skipped.append((step, holder))
                 return 0
+            except OSError as e:
+                raise OSError(
+                    f"[process {owner}] Pushing the replica of step {step} to process {holder} "
+                    f"({self.addresses[holder]}) was refused: {self.redact(str(e))}"
+                ) from e
 
         sent = await asyncio.gather(*(asyncio.to_thread(push, h) for h in self.holders[owner]))
         return sum(sent)
