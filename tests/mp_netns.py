@@ -85,13 +85,15 @@ def scenario_network(args: dict) -> dict:
         phase(args["sync"], name)
         if name.startswith("save"):
             out[name] = attempt(lambda step=step: save(step))
-            out[name]["skipped"] = sorted({holder for s, holder in h._peers.skipped if s == step})
+            out[name]["skipped"] = sorted(
+                {holder for s, holder in h._runs.peers.skipped if s == step}
+            )
         else:
             dropped = drop_own_part(step)
             out[name] = attempt(lambda step=step: restore(step))
             out[name]["dropped"] = dropped
-    out["addresses"] = [a.host for a in h._peers.addresses]
-    out["holders"] = [list(x) for x in h._peers.holders]
+    out["addresses"] = [a.host for a in h._runs.peers.addresses]
+    out["holders"] = [list(x) for x in h._runs.peers.holders]
     phase(args["sync"], "end")
     mngr.close()
     return out
