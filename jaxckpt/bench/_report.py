@@ -49,6 +49,19 @@ class Figure:
             met = ratio <= float(bound) if op == "<=" else ratio >= float(bound)
         object.__setattr__(self, "met", met)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Figure:
+        """The figure a report's `figures` entry describes (ratio and met recomputed)."""
+        return cls(
+            str(d["id"]),
+            str(d["name"]),
+            d.get("value"),
+            str(d["unit"]),
+            d.get("baseline"),
+            str(d["baseline_name"]),
+            d.get("target"),
+        )
+
 
 def _median(xs: Sequence[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
@@ -440,7 +453,7 @@ def _fmt(x: float | None) -> str:
     return f"{x:.2e}"
 
 
-def _quantity(x: float | None, unit: str) -> str:
+def quantity(x: float | None, unit: str) -> str:
     if x is None:
         return "-"
     return _table.duration(x) if unit == "s" else f"{_fmt(x)} {unit}"
@@ -452,8 +465,8 @@ def table(figs: Sequence[Figure]) -> str:
         (
             f.id,
             f.name,
-            _quantity(f.value, f.unit),
-            _quantity(f.baseline, f.unit),
+            quantity(f.value, f.unit),
+            quantity(f.baseline, f.unit),
             f.baseline_name,
             _fmt(f.ratio),
             f.target,

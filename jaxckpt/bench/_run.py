@@ -38,7 +38,7 @@ from typing import Any, Final
 import psutil
 
 from jaxckpt import _storage
-from jaxckpt.bench import _emulator, _report
+from jaxckpt.bench import _emulator, _plot, _report
 from jaxckpt.bench._worker import (
     ENV_COORDINATOR,
     ENV_MEMORY_ROOT,
@@ -63,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=2, help="JAX processes on loopback")
     p.add_argument("--state-gib", type=float, help="params + adam state, GiB (quick: 1/8, else 1)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also draw every figure against its baseline and target as a PNG (needs "
+        "matplotlib: the plot extra)",
+    )
+    p.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="run nothing: print (and with --plot draw) the figures of a report --json wrote",
+    )
     p.add_argument("--devices-per-process", type=int, default=2, help="CPU devices per process")
     p.add_argument("--replicas", type=int, help="peer copies (default 1 with >1 process, else 0)")
     p.add_argument("--steps", type=int, help="steps per training loop (quick: 8, else 16)")
@@ -266,6 +277,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--store-url must be a gs:// or s3:// URL, got {args.store_url!r}")
     if args.store_only and not (args.store_url or args.store_emulator):
         parser.error("--store-only needs --store-url or --store-emulator")
+    if args.plot is not None:
+        try:
+            _plot.require_matplotlib()
+        except ImportError as e:
+            parser.error(str(e))
     if args.store_emulator and not _emulator.available(args.store_emulator):
         parser.error(
             f"--store-emulator {args.store_emulator} needs the dev extra's emulators "
@@ -303,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
+    if args.from_json:
+        return _show(args.from_json, args.plot)
     if importlib.util.find_spec("optax") is None:
         parser.error("the benchmark trains with optax: pip install 'jaxckpt[bench]'")
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -358,4 +376,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        print(f"plot: {_plot.plot(report, args.plot)}")
+    return 0
+
+
+def _show(path: str, png: str | None) -> int:
+    """Prints the figures of a saved report, and draws them if `png` is given."""
+    try:
+        report = json.loads(Path(path).read_text())
+        figs = [_report.Figure.from_dict(f) for f in report["figures"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"jaxckpt bench: error: {path} is not a report of --json ({e}).", file=sys.stderr)
+        return 2
+    print(_report.table(figs))
+    if png:
+        print(f"plot: {_plot.plot(report, png)}")
     return 0
