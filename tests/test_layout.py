@@ -42,7 +42,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_resources",
         ),
     ),
-    ("storage and planning", ("_zarr", "_memory_tier", "_plan", "_readers", "_index")),
+    (
+        "storage and planning",
+        ("_zarr", "_memory_budget", "_memory_tier", "_plan", "_readers", "_index"),
+    ),
     ("save and restore steps", ("_persister", "_retention", "_snapshot", "_restore", "_target")),
     ("peer service", ("peer", "peer.*")),
     ("handler", ("_args", "_run", "_save", "_background", "_handler")),

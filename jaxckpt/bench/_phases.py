@@ -160,8 +160,14 @@ def _loops(
         loops["train"] = _loop(tr, steps)
     memory["train_rss_peak"] = floor = int(peaks["rss"])
 
+    memory["memory_keep"] = keep = 1
     ours = Jaxckpt(
-        work / "loop-jaxckpt", memory_root, cfg, persist_every=10**9, memory_keep=1, max_to_keep=2
+        work / "loop-jaxckpt",
+        memory_root,
+        cfg,
+        persist_every=10**9,
+        memory_keep=keep,
+        max_to_keep=keep + 1,
     )
     sync("loop/jaxckpt")
     with sampler.phase("jaxckpt", rss_floor=floor) as peaks:

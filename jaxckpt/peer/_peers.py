@@ -101,6 +101,7 @@ class Peers:
                     host=options.peer_host,
                     io_timeout=options.timeout_s,
                     reuse_free_slabs=options.spare_slabs,
+                    memory_budget=options.memory_budget,
                 )
                 server.start()
             except Exception as e:  # agreed on below, so every process raises it
