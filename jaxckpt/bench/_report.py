@@ -137,6 +137,65 @@ def _store_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
     ]
 
 
+def proxy_figures(proxy: dict[str, Any], warmup: int) -> list[Figure]:
+    """The accelerator-host proxy: one process, its train step confined to one CPU and
+    its saves to the others (`_proxy`); every loop against the same loop without saving.
+
+    9a holds the saved arrays (`hold_cpu_arrays`), the CPU's counterpart of what a save
+    on an accelerator does (its stall is the transfer to pinned host memory, the slab
+    filled in the background); 9f is the CPU default, which copies into the slab
+    inside `save()`, on the host's CPUs, while the device waits."""
+    loops = proxy["loops"]
+
+    def median(name: str, key: str = "step_s") -> float | None:
+        return _median(loops.get(name, {}).get(key, [])[warmup:])
+
+    train = _median(loops["train"]["step_s"][warmup:] + loops["train_again"]["step_s"][warmup:])
+    dispatch = _median(
+        loops["train"]["dispatch_s"][warmup:] + loops["train_again"]["dispatch_s"][warmup:]
+    )
+    base = "step time without saving (step on one CPU)"
+    return [
+        Figure(
+            "9a",
+            "proxy: step time, jaxckpt save every step (holding the arrays)",
+            median("jaxckpt_hold"),
+            "s",
+            train,
+            base,
+            "<= 1.03",
+        ),
+        Figure("9b", "proxy: step time, the overlapped floor", median("floor"), "s", train, base),
+        Figure(
+            "9f",
+            "proxy: step time, jaxckpt save every step (copying in save())",
+            median("jaxckpt"),
+            "s",
+            train,
+            base,
+        ),
+        Figure(
+            "9c", "proxy: step time, Orbax async save every step", median("orbax"), "s", train, base
+        ),
+        Figure(
+            "9d",
+            "proxy: mngr.save() blocks, jaxckpt (holding the arrays)",
+            median("jaxckpt_hold", "save_s"),
+            "s",
+            train,
+            "the same step time (the share of it)",
+        ),
+        Figure(
+            "9e",
+            "proxy: the step's dispatch while jaxckpt saves (holding)",
+            median("jaxckpt_hold", "dispatch_s"),
+            "s",
+            dispatch,
+            "the step's dispatch without saving (GIL waits)",
+        ),
+    ]
+
+
 def _many_leaf_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
     """The many-leaf tree: jaxckpt's save until safe in memory and restore from memory,
     against Orbax saving it until finished and restoring it from its directory."""
@@ -191,7 +250,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         return _worst(procs, get, low=True)
 
     def loop(p: dict[str, Any], name: str, key: str = "step_s") -> float | None:
-        return _median(p["loops"][name].get(key, [])[warmup:])
+        return _median(p["loops"].get(name, {}).get(key, [])[warmup:])
 
     def saves(p: dict[str, Any], key: str, kind: str = "saves") -> float | None:
         return _median([s.get(key) for s in p[kind] if not s["warmup"]])
@@ -254,6 +313,16 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
     combined = sum(p["memory"]["jaxckpt_combined_peak"] for p in procs)
     # The save loop's memory_keep: at a save's peak the tier holds one step more.
     keep = procs[0]["memory"].get("memory_keep", 1)
+    floor = Figure(
+        "1d",
+        "step time, a save's raw work overlapped (the floor)",
+        t(lambda p: loop(p, "floor")),
+        "s",
+        train,
+        "step time without saving",
+    )
+    # 1a's target: within 0.05 of the floor measured in the same run (old runs: 1.15).
+    bound = f"<= {floor.ratio + 0.05:.3f}" if floor.ratio is not None else "<= 1.15"
     return [
         Figure(
             "1a",
@@ -262,7 +331,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             "s",
             train,
             "step time without saving",
-            "<= 1.15",
+            bound,
         ),
         Figure(
             "1b",
@@ -280,6 +349,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             train,
             "step time without saving",
         ),
+        floor,
         Figure(
             "2a",
             "stall: jaxckpt mngr.save() blocks (isolated)",
