@@ -193,7 +193,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         if not plan.restorable:
             raise FileNotFoundError(view.not_restorable_message(item.path, plan))
         # 5. The reads, fastest source first, into the target's shardings.
-        readers = _restore.reader_factory(item.path, memory, self._runs.peers, step)
+        readers = _restore.reader_factory(item.path, memory, self._runs.peers, step, plan.manifests)
         restorer = _restore.Restorer(
             plan, readers, pi, self._runs.redact, timeout_s=self._options.timeout_s
         )
@@ -209,6 +209,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"{self._runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
             ) from e
         finally:
+            restorer.finish()
             if pin is not None:
                 pin.release()
         seconds = time.perf_counter() - start

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -26,6 +26,7 @@ from jaxckpt import (
     _checksum,
     _chunking,
     _format,
+    _landing,
     _memory_tier,
     _plan,
     _readers,
@@ -59,15 +60,23 @@ def reader_factory(
     memory: _memory_tier.MemoryTier,
     peers: PeerRanges | None,
     step: int,
+    manifests: Mapping[int, _format.PartManifest] | None = None,
 ) -> ReaderFor:
     """The chunk reader of each (source, owner) of one step's plan: own memory (its slab,
-    lent to the restore), a peer's memory (byte ranges), or persistent storage."""
+    lent to the restore), a peer's memory (byte ranges, received into a landing slab
+    lent to the restored arrays: `_landing`; into new buffers without the part's
+    manifest in `manifests`), or persistent storage."""
 
     def reader_for(source: _plan.Source, owner: int) -> _readers.ChunkReader:
         if source.tier == _plan.MEMORY:
             return _readers.SlabReader(memory.slab(step, owner), memory.lend(step, owner))
         if source.tier == _plan.PEER and peers is not None and source.holder is not None:
-            return _readers.RangeReader(peers.slab_range_reader(source.holder, step, owner))
+            fetch = peers.slab_range_reader(source.holder, step, owner)
+            manifest = (manifests or {}).get(owner)
+            landing = _landing.landing_for(memory, manifest) if manifest is not None else None
+            if landing is not None:
+                return _landing.LandingReader(fetch, landing)
+            return _readers.RangeReader(fetch)
         if source.tier == _plan.PERSISTENT:
             return _readers.ZarrReader(_storage.kvstore(item_dir / _format.part_dir_name(owner)))
         raise ValueError(f"No reader for {source.describe()}.")
@@ -102,6 +111,17 @@ class Restorer:
         self.failures: list[str] = []
         self._timeout_s = timeout_s
         self._dead: set[_plan.Source] = set()  # sources that did not answer in time
+
+    def finish(self) -> None:
+        """Lets go of what the readers hold for this restore once its arrays are placed
+        (a landing slab's page-making thread, the pages of chunks never received); the
+        restored arrays keep the pages they use."""
+        with self._lock:
+            readers = list(self._readers.values())
+        for reader in readers:
+            finish = getattr(reader, "finish", None)
+            if finish is not None:
+                finish()
 
     # ---- chunks -------------------------------------------------------------
 
