@@ -193,7 +193,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         if not plan.restorable:
             raise FileNotFoundError(view.not_restorable_message(item.path, plan))
         # 5. The reads, fastest source first, into the target's shardings.
-        readers = _restore.reader_factory(item.path, memory, self._runs.peers, step, plan.manifests)
+        readers = _restore.reader_factory(
+            item.path, memory, self._runs.peers, step, plan.manifests, pi, self._options.timeout_s
+        )
         restorer = _restore.Restorer(
             plan, readers, pi, self._runs.redact, timeout_s=self._options.timeout_s
         )

@@ -17,8 +17,8 @@ The file is unlinked as soon as it is mapped: nothing else can take it, nothing 
 left behind by a crash, and its pages live exactly as long as a view of the mapping
 does. The restore hands those views to `device_put`; on CPU JAX keeps them without a
 copy (64-byte aligned), so the slab is lent to the restored arrays, as a slab of the
-tier's own memory is (`MemoryTier.lend`). `finish()` frees the pages of chunks that
-were never received (a restore onto another mesh reads only some of a part).
+tier's own memory is (`MemoryTier.lend`). `finish()` frees the pages of chunks the
+restore did not use (a restore onto another mesh reads only some of a part).
 
 IMPORTANT: a page is written through the mapping only once it exists (populated or
 allocated): a full tmpfs then fails the allocation with an OSError, which the
@@ -33,16 +33,17 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import numpy as np
 from absl import logging as log
 
-from jaxckpt import _format, _memory_tier, _readers, _slab
+from jaxckpt import _checksum, _format, _memory_tier, _readers, _slab
 
 _STEP: Final = 4 << 20  # pages made ready per call, ahead of the receives
 _MAKERS: Final = min(2, os.cpu_count() or 1)  # threads making pages ready
+_STREAMS: Final = 2  # receives of a prefetched part at once (more only add contention)
 _MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14; Python's mmap module does not name it
 _PAGE: Final = mmap.PAGESIZE
 
@@ -76,8 +77,9 @@ class LandingSlab:
             os.unlink(path)  # IMPORTANT: before anything can fail: nothing is left behind
             os.ftruncate(fd, max(size, 1))
             whole = self.reused and os.fstat(fd).st_blocks * 512 >= size
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if whole else 0)
-            self._map = mmap.mmap(fd, max(size, 1), flags=flags)
+            # Not populated here even when every page exists: the threads below map
+            # them beside the receives (half a GiB of page tables takes ~0.1 s).
+            self._map = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED)
             self._fd = os.dup(fd)  # for `posix_fallocate` where madvise cannot populate
         finally:
             os.close(fd)
@@ -86,10 +88,10 @@ class LandingSlab:
         self._error: BaseException | None = None
         self._stop = False
         self._cond = threading.Condition()
-        self._received: list[tuple[int, int]] = []
+        self._kept: list[tuple[int, int]] = []
         self._done: set[int] = set()  # steps made ready, beyond `_ready`
         self._threads = []
-        if self._ready < size:
+        if size:
             steps = -(-size // _STEP)
             for k in range(min(_MAKERS, steps)):
                 thread = threading.Thread(
@@ -156,19 +158,25 @@ class LandingSlab:
             if self._ready < offset + nbytes:
                 assert self._error is not None
                 raise OSError(f"The landing slab cannot hold the chunk: {self._error}")
-            self._received.append((offset, nbytes))
         return self._view[offset : offset + nbytes]
 
+    def keep(self, offset: int, nbytes: int) -> None:
+        """Marks bytes [offset, offset + nbytes) as handed to the restore: `finish`
+        gives back the pages of every other byte."""
+        with self._cond:
+            self._kept.append((offset, nbytes))
+
     def finish(self) -> None:
-        """Stops making pages ready and frees those of chunks never received (the
-        mapping itself lives on with the views the restored arrays keep)."""
+        """Stops making pages ready and frees those of every byte not handed to the
+        restore (`keep`): chunks never received, or received ahead but not asked for
+        (the mapping itself lives on with the views the restored arrays keep)."""
         with self._cond:
             self._stop = True
         for thread in self._threads:
             thread.join()
         with self._cond:
-            ready, received = self._ready, sorted(self._received)
-        for start, end in _gaps(received, ready):
+            ready, kept = self._ready, sorted(self._kept)
+        for start, end in _gaps(kept, ready):
             with contextlib.suppress(OSError):
                 self._map.madvise(mmap.MADV_REMOVE, start, end - start)
         with contextlib.suppress(OSError):
@@ -197,22 +205,124 @@ def _gaps(ranges: Iterable[tuple[int, int]], end: int) -> list[tuple[int, int]]:
 
 class LandingReader:
     """Chunks of a part held by a peer, received (byte ranges of its slab) straight
-    into a landing slab that the restored arrays keep."""
+    into a landing slab that the restored arrays keep, each chunk's CRC-32C computed
+    MiB by MiB as its bytes arrive, while they are in cache: the reader checks every
+    chunk it returns (`verifies_checksums`), so the restore does not read it again.
 
-    def __init__(self, fetch: Callable[[int, memoryview, float], None], landing: LandingSlab):
-        self._fetch = fetch  # (offset, into, timeout_s): fills `into`
+    Args:
+      fetch: `(offset, into, timeout_s, progress)`: fills `into` with the slab's
+        bytes from `offset`, calling `progress(received so far)` as they arrive.
+      landing: where they land.
+      prefetch: chunks to receive at once, on `_STREAMS` threads in offset order,
+        before the restore asks for them (a restore onto the saving mesh needs every
+        chunk of its own part); others are received when asked for.
+      timeout_s: the longest a prefetched chunk's receive may wait.
+    """
+
+    verifies_checksums = True
+
+    def __init__(
+        self,
+        fetch: Callable[..., None],
+        landing: LandingSlab,
+        prefetch: Sequence[_format.ChunkRecord] = (),
+        timeout_s: float = 120.0,
+    ):
+        self._fetch = fetch
         self._landing = landing
+        self._cond = threading.Condition()
+        self._arrived: dict[int, int | BaseException] = {}  # offset -> CRC-32C, or the error
+        self._streams: list[threading.Thread] = []
+        chunks = sorted((c for c in prefetch if c.offset is not None), key=lambda c: c.offset or 0)
+        self._prefetched = {c.offset for c in chunks}
+        for group in _groups(chunks, _STREAMS):
+            thread = threading.Thread(
+                target=self._stream, args=(group, timeout_s), name="jaxckpt-landing-recv"
+            )
+            thread.daemon = True
+            thread.start()
+            self._streams.append(thread)
+
+    def _receive(self, chunk: _format.ChunkRecord, timeout_s: float) -> tuple[np.ndarray, int]:
+        """Receives one chunk into its place; (its bytes, their CRC-32C)."""
+        assert chunk.offset is not None
+        into = self._landing.view(chunk.offset, chunk.nbytes, timeout_s)
+        crc, seen = 0, 0
+
+        def progress(done: int) -> None:
+            nonlocal crc, seen
+            crc = _checksum.crc32c(into[seen:done], crc)  # the MiB just received
+            seen = done
+
+        self._fetch(chunk.offset, into.data, timeout_s, progress)
+        if seen != chunk.nbytes:
+            crc = _checksum.crc32c(into[seen:], crc)
+        return into, crc
+
+    def _stream(self, chunks: Sequence[_format.ChunkRecord], timeout_s: float) -> None:
+        for i, chunk in enumerate(chunks):
+            assert chunk.offset is not None
+            try:
+                _, result = self._receive(chunk, timeout_s)
+            except BaseException as e:
+                with self._cond:  # this chunk and the rest of the stream: asked for again
+                    for later in chunks[i:]:
+                        self._prefetched.discard(later.offset)
+                    self._cond.notify_all()
+                log.warning("jaxckpt: receiving part of a peer's slab ahead failed: %s", e)
+                return
+            with self._cond:
+                self._arrived[chunk.offset] = result
+                self._cond.notify_all()
 
     def read(
         self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
     ) -> np.ndarray:
         offset = _readers.slab_offset(record, chunk)
-        into = self._landing.view(offset, chunk.nbytes, timeout_s)
-        self._fetch(offset, into.data, timeout_s)
-        return _readers.from_bytes(into, record, chunk)
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: offset in self._arrived or offset not in self._prefetched, timeout_s
+            ):
+                raise TimeoutError(f"Chunk {chunk.index} of {record.path} did not arrive in time.")
+            crc = self._arrived.get(offset)
+        if crc is None:  # not prefetched, or its stream failed: received now
+            into, got = self._receive(chunk, timeout_s)
+        else:
+            assert isinstance(crc, int)
+            into, got = self._landing.view(offset, chunk.nbytes, timeout_s), crc
+        matches = (
+            got == chunk.crc32c
+            if chunk.crc32c is not None
+            else _checksum.matches(None, chunk.crc32, into)
+        )
+        if not matches:
+            raise ValueError(f"checksum mismatch of chunk {chunk.index} of {record.path}")
+        data = _readers.from_bytes(into, record, chunk)
+        self._landing.keep(offset, chunk.nbytes)
+        return data
 
     def finish(self) -> None:
+        for thread in self._streams:
+            thread.join()
         self._landing.finish()
+
+
+def _groups(
+    chunks: Sequence[_format.ChunkRecord], count: int
+) -> list[Sequence[_format.ChunkRecord]]:
+    """`chunks` (in offset order) cut into up to `count` consecutive runs of about
+    equal bytes."""
+    total = sum(c.nbytes for c in chunks)
+    out: list[Sequence[_format.ChunkRecord]] = []
+    start, run = 0, 0
+    for i, c in enumerate(chunks):
+        run += c.nbytes
+        if run >= total / count and len(out) < count - 1:
+            out.append(chunks[start : i + 1])
+            start, run = i + 1, 0
+    if start < len(chunks):
+        out.append(chunks[start:])
+    return out
 
 
 def landing_for(

@@ -50,9 +50,7 @@ class ChunkUnavailableError(OSError):
 class PeerRanges(Protocol):
     """What the reader factory needs of a run's peers: byte ranges of a held slab."""
 
-    def slab_range_reader(
-        self, holder: int, step: int, owner: int
-    ) -> Callable[[int, memoryview, float], None]: ...
+    def slab_range_reader(self, holder: int, step: int, owner: int) -> Callable[..., None]: ...
 
 
 def reader_factory(
@@ -61,11 +59,14 @@ def reader_factory(
     peers: PeerRanges | None,
     step: int,
     manifests: Mapping[int, _format.PartManifest] | None = None,
+    process_index: int | None = None,
+    timeout_s: float = 120.0,
 ) -> ReaderFor:
     """The chunk reader of each (source, owner) of one step's plan: own memory (its slab,
     lent to the restore), a peer's memory (byte ranges, received into a landing slab
-    lent to the restored arrays: `_landing`; into new buffers without the part's
-    manifest in `manifests`), or persistent storage."""
+    lent to the restored arrays: `_landing`, all of `process_index`'s own part at
+    once; into new buffers without the part's manifest in `manifests`), or
+    persistent storage."""
 
     def reader_for(source: _plan.Source, owner: int) -> _readers.ChunkReader:
         if source.tier == _plan.MEMORY:
@@ -74,9 +75,12 @@ def reader_factory(
             fetch = peers.slab_range_reader(source.holder, step, owner)
             manifest = (manifests or {}).get(owner)
             landing = _landing.landing_for(memory, manifest) if manifest is not None else None
-            if landing is not None:
-                return _landing.LandingReader(fetch, landing)
-            return _readers.RangeReader(fetch)
+            if landing is None or manifest is None:
+                return _readers.RangeReader(fetch)
+            # Its own part is what a process restoring after a node loss needs whole.
+            own = owner == process_index
+            chunks = [c for cs in manifest.chunks.values() for c in cs] if own else []
+            return _landing.LandingReader(fetch, landing, chunks, timeout_s)
         if source.tier == _plan.PERSISTENT:
             return _readers.ZarrReader(_storage.kvstore(item_dir / _format.part_dir_name(owner)))
         raise ValueError(f"No reader for {source.describe()}.")
@@ -160,7 +164,8 @@ class Restorer:
                 tried.append(f"{source.describe()}: gave no answer earlier in this restore")
                 continue
             try:
-                data = self._reader(source, owner).read(leaf, record, expected, self._timeout_s)
+                reader = self._reader(source, owner)
+                data = reader.read(leaf, record, expected, self._timeout_s)
             except TimeoutError:
                 self._dead.add(source)
                 tried.append(f"{source.describe()}: no answer within {self._timeout_s:g} s")
@@ -168,7 +173,9 @@ class Restorer:
             except Exception as e:
                 tried.append(f"{source.describe()}: {self._redact(str(e))}")
                 continue
-            if not _checksum.matches(expected.crc32c, expected.crc32, data):
+            # A reader that checks as it receives has raised on a mismatch already.
+            checked = getattr(reader, "verifies_checksums", False)
+            if not checked and not _checksum.matches(expected.crc32c, expected.crc32, data):
                 tried.append(f"{source.describe()}: checksum mismatch")
                 continue
             with self._lock:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_memory_tier import commit_step
 
-from jaxckpt import _format, _landing, _slab
+from jaxckpt import _checksum, _format, _landing, _slab
 from jaxckpt._memory_tier import MemoryTier
 
 SHAPE = (512, 1024)  # float32: 2 MiB a chunk
@@ -37,17 +37,24 @@ def _peer_part(seed: int = 0) -> tuple[list[np.ndarray], list[_format.ChunkRecor
     for v, o in zip(values, offsets, strict=True):
         slab[o : o + v.nbytes] = v.tobytes()
     chunks = [
-        _format.ChunkRecord((i, 0), v.nbytes, offset=o)
+        _format.ChunkRecord((i, 0), v.nbytes, crc32c=_checksum.crc32c(v), offset=o)
         for i, (v, o) in enumerate(zip(values, offsets, strict=True))
     ]
     return values, chunks, bytes(slab)
 
 
-def _fetcher(slab: bytes):
-    """A fake peer: fills `into` with bytes [offset, offset + len(into)) of its slab."""
+def _fetcher(slab: bytes, calls: list | None = None):
+    """A fake peer: fills `into` with bytes [offset, offset + len(into)) of its slab,
+    1 MiB at a time, telling `progress` after each, as `fetch_range` does."""
 
-    def fetch(offset: int, into: memoryview, timeout_s: float) -> None:
-        into[:] = slab[offset : offset + len(into)]
+    def fetch(offset: int, into: memoryview, timeout_s: float, progress=None) -> None:
+        if calls is not None:
+            calls.append(offset)
+        for start in range(0, len(into), 1 << 20):
+            end = min(start + (1 << 20), len(into))
+            into[start:end] = slab[offset + start : offset + end]
+            if progress is not None:
+                progress(end)
 
     return fetch
 
@@ -65,13 +72,17 @@ def _spares(tier: MemoryTier) -> int:
     return sum(1 for _ in (tier.run_dir / ".free").iterdir())
 
 
-def _restore(tier: MemoryTier, slab: bytes, chunks, order=None) -> list[jax.Array]:
-    """What a restore does with a peer's part: read every chunk, put it on a device.
-    Checks that JAX kept each chunk where it landed (no copy: the slab is lent)."""
+def _restore(tier: MemoryTier, slab: bytes, chunks, order=None, prefetch=False) -> list[jax.Array]:
+    """What a restore does with a peer's part: read every chunk (asked for, or all of
+    them received ahead), put it on a device. Checks that JAX kept each chunk where
+    it landed (no copy: the slab is lent), and that each chunk was received once."""
     manifest = types.SimpleNamespace(chunks={0: tuple(chunks)}, owner=1, step=3)
     landing = _landing.landing_for(tier, manifest)
     assert landing is not None and landing.size == len(slab)
-    reader = _landing.LandingReader(_fetcher(slab), landing)
+    calls: list[int] = []
+    reader = _landing.LandingReader(
+        _fetcher(slab, calls), landing, chunks if prefetch else (), timeout_s=5.0
+    )
     leaf, device = _leaf(), jax.devices()[0]
     read = {i: reader.read(0, leaf, chunks[i], 5.0) for i in order or range(len(chunks))}
     arrays = [jax.device_put(read[i], device) for i in range(len(chunks))]
@@ -79,14 +90,16 @@ def _restore(tier: MemoryTier, slab: bytes, chunks, order=None) -> list[jax.Arra
     for i, a in enumerate(arrays):
         assert a.addressable_data(0).unsafe_buffer_pointer() == read[i].ctypes.data
     reader.finish()
+    assert sorted(calls) == sorted(c.offset for c in chunks)
     return arrays
 
 
-def test_a_spare_slab_receives_the_chunks_and_is_lent_not_reused(tmp_path):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_spare_slab_receives_the_chunks_and_is_lent_not_reused(tmp_path, prefetch):
     values, chunks, slab = _peer_part()
     tier = _tier_with_spares(tmp_path, len(slab))
     assert _spares(tier) == 1
-    arrays = _restore(tier, slab, chunks)
+    arrays = _restore(tier, slab, chunks, prefetch=prefetch)
     assert _spares(tier) == 0  # the restore took the spare: its pages existed already
     for a, v in zip(arrays, values, strict=True):
         np.testing.assert_array_equal(np.asarray(a), v)  # bit-exact (float32 bytes)
@@ -104,15 +117,38 @@ def test_a_spare_slab_receives_the_chunks_and_is_lent_not_reused(tmp_path):
     assert not list((tier.run_dir / ".staging").glob("landing-*"))
 
 
-def test_a_fresh_node_makes_pages_ready_while_receiving(tmp_path):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_fresh_node_makes_pages_ready_while_receiving(tmp_path, prefetch):
     """No spare (a replacement node): the pages are made ready in offset order beside
     the receives; a chunk far ahead waits for its pages, then lands whole."""
     values, chunks, slab = _peer_part(seed=1)
     tier = MemoryTier(str(tmp_path), "run-a")
     tier.prepare("ckpt", 0)
-    arrays = _restore(tier, slab, chunks, order=[3, 0, 2, 1])
+    arrays = _restore(tier, slab, chunks, order=[3, 0, 2, 1], prefetch=prefetch)
     for a, v in zip(arrays, values, strict=True):
         assert np.asarray(a).tobytes() == v.tobytes()
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_every_chunk_is_checked_as_it_arrives(tmp_path, prefetch):
+    """The reader checks each chunk's CRC-32C (computed MiB by MiB as it lands): a
+    damaged one is refused, so the restore falls back to another source."""
+    values, chunks, slab = _peer_part(seed=3)
+    damaged = bytearray(slab)
+    damaged[chunks[1].offset + 12345] ^= 0x40
+    tier = MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    landing = _landing.LandingSlab(tier, len(slab))
+    reader = _landing.LandingReader(
+        _fetcher(bytes(damaged)), landing, chunks if prefetch else (), timeout_s=5.0
+    )
+    assert reader.verifies_checksums
+    try:
+        assert reader.read(0, _leaf(), chunks[0], 5.0).tobytes() == values[0].tobytes()
+        with pytest.raises(ValueError, match=r"checksum mismatch of chunk \(1, 0\) of w"):
+            reader.read(0, _leaf(), chunks[1], 5.0)
+    finally:
+        reader.finish()
 
 
 def test_pages_of_chunks_never_received_are_freed(tmp_path):

@@ -233,7 +233,7 @@ def _many_leaf_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
             "s",
             restore("orbax"),
             "Orbax restore of the same tree (cold)",
-            "<= 0.25",
+            "<= 0.2",
         ),
     ]
 
@@ -467,7 +467,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             "s",
             orbax_restore,
             "Orbax restore (persistent, cold)",
-            "<= 0.2",
+            "<= 0.33",
         ),
         Figure(
             "5c",
