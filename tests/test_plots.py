@@ -102,5 +102,9 @@ def test_timeline_rows_put_overlapping_phases_in_lanes():
     # Processes in order; a hot spare's wait before the failure is not drawn.
     assert rows[1] == ("process 0", [])
     assert rows[2] == ("process 1\n(from peer)", [("restore", 0.1, 1.0)])
+    # Without hot spares everything is shown; with them, from just before the failure.
+    assert _timeline_plot._window(timeline) is None
+    left, right = _timeline_plot._window({**timeline, "standby": True})
+    assert -1.5 - 0.5 < left < -1.5 and right > 3.0
     with pytest.raises(ValueError, match="no restart"):
         _timeline_plot.plot({"failures": [{"restart": None}]}, "unused.png")

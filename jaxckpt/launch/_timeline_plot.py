@@ -91,9 +91,25 @@ def _rows(timeline: Mapping[str, Any]) -> list[tuple[str, list[tuple[str, float,
     return rows
 
 
+def _window(timeline: Mapping[str, Any]) -> tuple[float, float] | None:
+    """The x range to show: with hot spares, from just before the failure (their
+    preparation, long before it, is cut at the left edge); else None (all of it)."""
+    if not timeline.get("standby"):
+        return None
+    spans = [(start, end) for _, row in _rows(timeline) for _, start, end in row]
+    first = float(timeline.get("first_step_after_s") or 0.0)
+    end = max([first, *(e for _, e in spans)])
+    failure = -float(timeline.get("restart_after_s") or 0) - float(
+        timeline.get("detected_after_s") or 0
+    )
+    pad = 0.08 * (end - failure) or 1.0
+    return failure - pad, end + pad
+
+
 def _draw(ax: Any, timeline: Mapping[str, Any], title: str) -> set[str]:
     rows = _rows(timeline)
-    width = _width(timeline)
+    window = _window(timeline)
+    width = window[1] - window[0] if window else _width(timeline)
     used: set[str] = set()
     for y, (_, spans) in enumerate(rows):
         lanes = _lanes(spans)
@@ -113,9 +129,10 @@ def _draw(ax: Any, timeline: Mapping[str, Any], title: str) -> set[str]:
             )
             used.add(name)
             text = f"{name} {end - start:.2g} s"
-            if end - start >= len(text) * width / 140:  # room for the text, ~140 chars across
+            shown = (max(start, window[0]), min(end, window[1])) if window else (start, end)
+            if shown[1] - shown[0] >= len(text) * width / 140:  # room: ~140 chars across
                 ax.text(
-                    (start + end) / 2,
+                    (shown[0] + shown[1]) / 2,
                     bottom + height * 0.46,
                     text,
                     ha="center",
@@ -137,6 +154,9 @@ def _draw(ax: Any, timeline: Mapping[str, Any], title: str) -> set[str]:
             fontsize=7,
             color="#2e7d32",
         )
+    if window:
+        ax.set_xlim(*window)
+        title += "\n(hot spares: what they did before the failure is cut at the left edge)"
     ax.set_title(title, fontsize=9, loc="left")
     ax.grid(axis="x", color="#e0e0e0")
     ax.set_axisbelow(True)
