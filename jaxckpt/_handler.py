@@ -198,7 +198,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # memory root) before they are marked lent, which keeps them from being reused.
         plan, pin = _restore.pin_memory(memory, plan, pi)
         # 5. The reads, fastest source first, into the target's shardings.
-        readers = _restore.reader_factory(item.path, memory, self._runs.peers, step)
+        readers = _restore.reader_factory(
+            item.path, memory, self._runs.peers, step, plan.manifests, pi, self._options.timeout_s
+        )
         restorer = _restore.Restorer(
             plan, readers, pi, self._runs.redact, timeout_s=self._options.timeout_s
         )
@@ -210,6 +212,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"{self._runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
             ) from e
         finally:
+            restorer.finish()
             if pin is not None:
                 pin.release()
         seconds = time.perf_counter() - start

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from absl import logging as log
 
-from jaxckpt import _format, _fs, _liveness, _slab
+from jaxckpt import _format, _fs, _liveness, _memory_budget, _slab
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PART_RE = re.compile(r"^part_(\d+)$")
@@ -49,7 +49,13 @@ Pin = _liveness.HeldFile
 class MemoryTier:
     """This host's memory tier for one run."""
 
-    def __init__(self, memory_root: str, run_id: str, spare_slabs: bool = True):
+    def __init__(
+        self,
+        memory_root: str,
+        run_id: str,
+        spare_slabs: bool = True,
+        memory_budget: int | None = None,
+    ):
         self.run_dir = Path(memory_root) / run_id
         self.run_id = run_id
         self.spare_slabs = spare_slabs  # False: `recycle` keeps none (TierOptions.spare_slabs)
@@ -57,6 +63,8 @@ class MemoryTier:
         # None once it could. Restores skip such a tier, saves are refused.
         self.unwritable: OSError | None = None
         self._run: tuple[str, int, str] = ("", 0, "")
+        self.memory_budget = memory_budget  # caps steps + spares (TierOptions.memory_budget)
+        self._told: set[tuple[int, bool]] = set()  # the budget's decisions logged
 
     def prepare(self, checkpoint_dir: str, process_index: int, failure_domain: str = "") -> None:
         """Creates the run directory, checks that it is writable, records the run.
@@ -328,12 +336,17 @@ class MemoryTier:
             for s in steps[: max(0, len(steps) - keep)]
             if s not in pinned and not self.is_pinned(s)
         ]
+        trashed = []
         for step in doomed:
             trash = self.run_dir / ".staging" / _liveness.owned_name(f"trash.{step}")
             try:
                 os.rename(self.step_dir(step), trash)
             except OSError:
                 continue
+            trashed.append(trash)
+        # Every doomed step is out before any slab is recycled: the budget judges the
+        # steps that stay (`recycle`).
+        for trash in trashed:
             for part in sorted(trash.glob("part_*")):
                 self.recycle(part)
             _fs.remove_entry(trash)
@@ -356,12 +369,38 @@ class MemoryTier:
         spare = len(self.parts(steps[-1])) if steps else 1
         try:
             free.mkdir(exist_ok=True)
-            if sum(1 for _ in free.iterdir()) >= spare:
+            decision = _memory_budget.decide(
+                self.memory_budget,
+                self._step_bytes(steps) if self.memory_budget is not None else 0,
+                [n for p in free.iterdir() if (n := _size(p)) is not None],
+                (part_dir / _slab.SLAB_FILE).stat().st_size,
+                spare,
+            )
+            self._tell(decision)
+            if not decision.keep:
                 return False
             os.rename(part_dir / _slab.SLAB_FILE, free / f"slab-{uuid.uuid4().hex}")
             return True
         except OSError:
             return False
+
+    def _step_bytes(self, steps: Iterable[int]) -> int:
+        """Bytes of the slabs of `steps` (committed parts)."""
+        total = 0
+        for step in steps:
+            for owner in self.parts(step):
+                with contextlib.suppress(OSError):  # retired meanwhile
+                    total += self.slab(step, owner).stat().st_size
+        return total
+
+    def _tell(self, decision: _memory_budget.SpareDecision) -> None:
+        """Logs what the budget chose, once for each outcome (with a budget only)."""
+        told = (decision.spares, decision.over_budget)
+        if self.memory_budget is not None and told not in self._told:
+            self._told.add(told)
+            # Declining a spare for the budget slows the next saves: say so where it shows.
+            say = log.warning if decision.over_budget else log.info
+            say("jaxckpt: [%s] %s", self.run_dir, decision.describe())
 
     def dispose(self, part_dir: Path) -> None:
         """Removes a retired part (moved out of its step already), its slab recycled."""
@@ -391,6 +430,14 @@ class MemoryTier:
 
         if _fs.remove_entries(self.run_dir / ".staging", which=left_over):
             _slab.forget_unlinked()
+
+
+def _size(path: Path) -> int | None:
+    """A file's size, or None if it is gone (a free slab taken meanwhile)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,6 +76,16 @@ class TierOptions:
         than `memory_keep` at rest (during a save it holds that anyway). False
         frees them at once: `memory_keep` steps at rest, and each save writes
         fresh tmpfs pages (2-3x slower to safe in memory).
+      memory_budget: bytes of host memory this host's memory tier may hold at rest:
+        the kept steps (own parts and the replicas held for peers) plus the spare
+        slabs. None (default): no cap, a spare for every part of the newest step.
+        With a budget, a retired slab stays a spare only while it fits beside the
+        kept steps and the spares already kept, and the tier logs what it chose
+        (once per change; a warning when the budget leaves a part without a
+        spare). It decides the spares only: `memory_keep` steps are always kept,
+        and during a save the tier holds one step more whatever the budget. A
+        budget of (memory_keep + 1) x (1 + replicas) x each process's bytes keeps
+        every spare.
     """
 
     memory_root: str
@@ -90,6 +100,7 @@ class TierOptions:
     pinned_host_staging: bool | None = None
     hold_cpu_arrays: bool = False
     spare_slabs: bool = True
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         # Every field is checked here, so that a bad value fails on this line, naming
@@ -139,6 +150,14 @@ class TierOptions:
         for name in ("hold_cpu_arrays", "spare_slabs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TierOptions.{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.memory_budget is not None:
+            _check_int("memory_budget", self.memory_budget, minimum=1)
+            if not self.spare_slabs:
+                raise ValueError(
+                    "TierOptions.memory_budget decides how many spare slabs to keep, but "
+                    "spare_slabs=False keeps none: set one or the other, got memory_budget="
+                    f"{self.memory_budget!r} with spare_slabs=False."
+                )
         domain = self.failure_domain
         if domain is not None and (not isinstance(domain, str) or not domain.strip()):
             raise ValueError(

@@ -32,7 +32,7 @@ class ChunkReader(Protocol):
         ...
 
 
-def _from_bytes(data: Any, record: _format.LeafRecord, chunk: _format.ChunkRecord) -> np.ndarray:
+def from_bytes(data: Any, record: _format.LeafRecord, chunk: _format.ChunkRecord) -> np.ndarray:
     assert (
         record.stored_dtype is not None
         and record.stored_shape is not None
@@ -48,7 +48,7 @@ def _from_bytes(data: Any, record: _format.LeafRecord, chunk: _format.ChunkRecor
     return np.frombuffer(data, np.uint8, count=chunk.nbytes).view(dtype).reshape(shape)
 
 
-def _offset(record: _format.LeafRecord, chunk: _format.ChunkRecord) -> int:
+def slab_offset(record: _format.LeafRecord, chunk: _format.ChunkRecord) -> int:
     if chunk.offset is None:
         raise ValueError(f"Chunk {chunk.index} of {record.path} has no slab offset.")
     return chunk.offset
@@ -59,7 +59,7 @@ def chunk_view(
 ) -> np.ndarray:
     """A chunk as a view of a mapped slab (no copy: for a slab that cannot change
     meanwhile, such as a pinned step's)."""
-    return _from_bytes(slab.view(_offset(record, chunk), chunk.nbytes), record, chunk)
+    return from_bytes(slab.view(slab_offset(record, chunk), chunk.nbytes), record, chunk)
 
 
 class SlabReader:
@@ -90,8 +90,8 @@ class RangeReader:
         self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
     ) -> np.ndarray:
         buf = aligned_empty(chunk.nbytes)
-        self._fetch(_offset(record, chunk), buf.data, timeout_s)
-        return _from_bytes(buf, record, chunk)
+        self._fetch(slab_offset(record, chunk), buf.data, timeout_s)
+        return from_bytes(buf, record, chunk)
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -26,6 +26,7 @@ from jaxckpt import (
     _checksum,
     _chunking,
     _format,
+    _landing,
     _memory_tier,
     _plan,
     _readers,
@@ -49,9 +50,7 @@ class ChunkUnavailableError(OSError):
 class PeerRanges(Protocol):
     """What the reader factory needs of a run's peers: byte ranges of a held slab."""
 
-    def slab_range_reader(
-        self, holder: int, step: int, owner: int
-    ) -> Callable[[int, memoryview, float], None]: ...
+    def slab_range_reader(self, holder: int, step: int, owner: int) -> Callable[..., None]: ...
 
 
 def reader_factory(
@@ -59,15 +58,29 @@ def reader_factory(
     memory: _memory_tier.MemoryTier,
     peers: PeerRanges | None,
     step: int,
+    manifests: Mapping[int, _format.PartManifest] | None = None,
+    process_index: int | None = None,
+    timeout_s: float = 120.0,
 ) -> ReaderFor:
     """The chunk reader of each (source, owner) of one step's plan: own memory (its slab,
-    lent to the restore), a peer's memory (byte ranges), or persistent storage."""
+    lent to the restore), a peer's memory (byte ranges, received into a landing slab
+    lent to the restored arrays: `_landing`, all of `process_index`'s own part at
+    once; into new buffers without the part's manifest in `manifests`), or
+    persistent storage."""
 
     def reader_for(source: _plan.Source, owner: int) -> _readers.ChunkReader:
         if source.tier == _plan.MEMORY:
             return _readers.SlabReader(memory.slab(step, owner), memory.lend(step, owner))
         if source.tier == _plan.PEER and peers is not None and source.holder is not None:
-            return _readers.RangeReader(peers.slab_range_reader(source.holder, step, owner))
+            fetch = peers.slab_range_reader(source.holder, step, owner)
+            manifest = (manifests or {}).get(owner)
+            landing = _landing.landing_for(memory, manifest) if manifest is not None else None
+            if landing is None or manifest is None:
+                return _readers.RangeReader(fetch)
+            # Its own part is what a process restoring after a node loss needs whole.
+            own = owner == process_index
+            chunks = [c for cs in manifest.chunks.values() for c in cs] if own else []
+            return _landing.LandingReader(fetch, landing, chunks, timeout_s)
         if source.tier == _plan.PERSISTENT:
             return _readers.ZarrReader(_storage.kvstore(item_dir / _format.part_dir_name(owner)))
         raise ValueError(f"No reader for {source.describe()}.")
@@ -135,6 +148,17 @@ class Restorer:
         self._timeout_s = timeout_s
         self._dead: set[_plan.Source] = set()  # sources that did not answer in time
 
+    def finish(self) -> None:
+        """Lets go of what the readers hold for this restore once its arrays are placed
+        (a landing slab's page-making thread, the pages of chunks never received); the
+        restored arrays keep the pages they use."""
+        with self._lock:
+            readers = list(self._readers.values())
+        for reader in readers:
+            finish = getattr(reader, "finish", None)
+            if finish is not None:
+                finish()
+
     # ---- chunks -------------------------------------------------------------
 
     def _reader(self, source: _plan.Source, owner: int) -> _readers.ChunkReader:
@@ -172,7 +196,8 @@ class Restorer:
                 tried.append(f"{source.describe()}: gave no answer earlier in this restore")
                 continue
             try:
-                data = self._reader(source, owner).read(leaf, record, expected, self._timeout_s)
+                reader = self._reader(source, owner)
+                data = reader.read(leaf, record, expected, self._timeout_s)
             except TimeoutError:
                 self._dead.add(source)
                 tried.append(f"{source.describe()}: no answer within {self._timeout_s:g} s")
@@ -180,7 +205,9 @@ class Restorer:
             except Exception as e:
                 tried.append(f"{source.describe()}: {self._redact(str(e))}")
                 continue
-            if not _checksum.matches(expected.crc32c, expected.crc32, data):
+            # A reader that checks as it receives has raised on a mismatch already.
+            checked = getattr(reader, "verifies_checksums", False)
+            if not checked and not _checksum.matches(expected.crc32c, expected.crc32, data):
                 tried.append(f"{source.describe()}: checksum mismatch")
                 continue
             with self._lock:

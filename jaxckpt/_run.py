@@ -77,7 +77,10 @@ class Run:
         self._items.setdefault(run_id, set()).add((item.root, item.item))
         if self.memory is None or self.memory.run_id != run_id:
             memory = _memory_tier.MemoryTier(
-                self._options.memory_root, run_id, self._options.spare_slabs
+                self._options.memory_root,
+                run_id,
+                self._options.spare_slabs,
+                self._options.memory_budget,
             )
             memory.prepare(
                 str(item.root), _multihost.process_index(), self._options.resolved_failure_domain

@@ -18,6 +18,7 @@ FIGURE_IDS = {
     "1a",
     "1b",
     "1c",
+    "1d",
     "2a",
     "2b",
     "2c",
@@ -39,6 +40,7 @@ FIGURE_IDS = {
     "6c",
     "8a",
     "8b",
+    *("9a", "9b", "9c", "9d", "9e", "9f"),  # the accelerator-host proxy
 }
 
 
@@ -145,6 +147,7 @@ def test_quick_run_reports_every_figure(tmp_path, capsys):
         assert all(r["verified"] for r in restores.values()), restores
     _check_new_baselines(report, figures)
     _check_many_leaves(report, figures)
+    _check_floor_memory_and_proxy(report, figures)
     assert not (tmp_path / "memory").exists() and not (tmp_path / "work").exists()
 
 
@@ -191,8 +194,32 @@ def _check_new_baselines(report, figures):
     assert figures["1c"]["value"] > figures["1c"]["baseline"]
     assert math.isclose(figures["4a"]["baseline"], baseline / 1e6)
     assert figures["4a"]["target"] == ">= 0.8"
-    assert figures["5a"]["target"] == "<= 0.33"
+    assert figures["5a"]["target"] == figures["5b"]["target"] == "<= 0.33"
     assert figures["5a"]["baseline"] == figures["5b"]["baseline"]
+
+
+def _check_floor_memory_and_proxy(report, figures):
+    """1d, the overlapped floor, sets 1a's target; 6b is the peak against (memory_keep + 1)
+    (1 + r) copies; the proxy confines the step to one CPU and its saves to the others."""
+    warmup = report["config"]["warmup"]
+    assert figures["1a"]["target"] == f"<= {figures['1d']['ratio'] + 0.05:.3f}"
+    assert figures["1d"]["baseline"] == figures["1a"]["baseline"]
+    for p in report["processes"]:
+        assert len(p["loops"]["floor"]["step_s"]) == report["config"]["steps"]
+        assert p["memory"]["memory_keep"] == 1
+    assert figures["6b"]["baseline"] == 2 * 2 and figures["6b"]["target"] == "<= 1.05"
+    proxy = report["proxy"]["proxy"]
+    confined = proxy["confined"]
+    assert confined["device_cpu"] not in confined["host_cpus"] and confined["device_threads"] > 0
+    loops = proxy["loops"]
+    assert set(loops) == {"train", "jaxckpt", "jaxckpt_hold", "floor", "orbax", "train_again"}
+    steps = loops["train"]["step_s"][warmup:] + loops["train_again"]["step_s"][warmup:]
+    assert math.isclose(figures["9a"]["baseline"], statistics.median(steps))
+    assert math.isclose(
+        figures["9a"]["value"], statistics.median(loops["jaxckpt_hold"]["step_s"][warmup:])
+    )
+    assert figures["9a"]["target"] == "<= 1.03"
+    assert report["proxy"]["shape"]["batch"] == 64 and report["proxy"]["devices"] == 1
 
 
 def _check_many_leaves(report, figures):
@@ -234,7 +261,7 @@ def _check_many_leaves(report, figures):
             figures["8b"][key],
             worst(lambda m, s=source: statistics.median([r["seconds"] for r in m["restores"][s]])),
         )
-    assert figures["8a"]["target"] == figures["8b"]["target"] == "<= 0.25"
+    assert figures["8a"]["target"] == "<= 0.25" and figures["8b"]["target"] == "<= 0.2"
     assert figures["8a"]["name"].startswith("4000-leaf tree")
 
 

@@ -43,7 +43,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_weak_type",
         ),
     ),
-    ("storage and planning", ("_zarr", "_memory_tier", "_plan", "_readers", "_index")),
+    (
+        "storage and planning",
+        ("_zarr", "_memory_budget", "_memory_tier", "_plan", "_readers", "_landing", "_index"),
+    ),
     ("save and restore steps", ("_persister", "_retention", "_snapshot", "_restore", "_target")),
     ("peer service", ("peer", "peer.*")),
     ("handler", ("_args", "_run", "_save", "_background", "_handler")),
@@ -153,10 +156,11 @@ def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
 
 def test_importing_the_library_imports_none_of_its_extras() -> None:
     # flax, optax and grain are extras (examples, tests, bench): `pip install jaxckpt`
-    # lacks them, so `import jaxckpt` must not need them.
+    # lacks them, so `import jaxckpt` must not need them; matplotlib (plot) only draws.
     import subprocess
     import sys
 
-    code = "import sys, jaxckpt; print(sorted({'flax', 'optax', 'grain'} & set(sys.modules)))"
+    extras = "{'flax', 'optax', 'grain', 'matplotlib'}"
+    code = f"import sys, jaxckpt, jaxckpt.launch; print(sorted({extras} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"import jaxckpt imported the extras {out.stdout.strip()}"

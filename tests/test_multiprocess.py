@@ -53,6 +53,7 @@ def test_crash_node_loss_resize_and_rack_loss(tmp_path):
     (loss,) = restores(out)
     assert all(r["bad"] == [] for r in loss), loss
     assert loss[1]["tier"] == "peer" and "persistent" not in loss[1]["bytes_by_tier"]
+    assert all(r.result["bad_after_save"] == [] for r in out), out
     assert len(holders_of(base, 4, 1)) == 2 and "node1" in holders_of(base, 4, 1)
 
     # Node loss and a smaller job: 3 processes, a 6-device mesh, straight from memory tiers.

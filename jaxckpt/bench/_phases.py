@@ -29,7 +29,16 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxckpt import _aio, _multihost
-from jaxckpt.bench import _baselines, _many_leaves, _object_store, _restores, _saves, _state
+from jaxckpt.bench import (
+    _baselines,
+    _floor,
+    _many_leaves,
+    _object_store,
+    _proxy,
+    _restores,
+    _saves,
+    _state,
+)
 from jaxckpt.bench._managers import Jaxckpt, orbax_manager
 
 Record = dict[str, list[float]]
@@ -74,6 +83,10 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
     }
     for _ in range(cfg["warmup"]):
         tr.train_step()
+    if cfg.get("proxy"):
+        progress("accelerator-host proxy: the train step on one CPU, saves on the others")
+        out["proxy"] = _proxy.run(cfg, tr, memory_root, work, _loop)
+        return out
     if not cfg.get("store_only"):
         _local_phases(cfg, tr, memory_root, work, sync, out)
         if cfg.get("many_leaves"):
@@ -129,7 +142,7 @@ def _loop(
     after_save: Callable[[Record], None] | None = None,
 ) -> Record:
     """Step times (train step + save) and save times for `steps` steps."""
-    rec: Record = {"step_s": [], "save_s": []}
+    rec: Record = {"step_s": [], "save_s": [], "dispatch_s": []}
     for step in range(1, steps + 1):
         start = time.perf_counter()
         tr.train_step()
@@ -139,6 +152,7 @@ def _loop(
         end = time.perf_counter()
         rec["step_s"].append(end - start)
         rec["save_s"].append(end - trained)
+        rec["dispatch_s"].append(tr.dispatch_s)
         if after_save is not None:
             after_save(rec)
     return rec
@@ -160,8 +174,14 @@ def _loops(
         loops["train"] = _loop(tr, steps)
     memory["train_rss_peak"] = floor = int(peaks["rss"])
 
+    memory["memory_keep"] = keep = 1
     ours = Jaxckpt(
-        work / "loop-jaxckpt", memory_root, cfg, persist_every=10**9, memory_keep=1, max_to_keep=2
+        work / "loop-jaxckpt",
+        memory_root,
+        cfg,
+        persist_every=10**9,
+        memory_keep=keep,
+        max_to_keep=keep + 1,
     )
     sync("loop/jaxckpt")
     with sampler.phase("jaxckpt", rss_floor=floor) as peaks:
@@ -197,6 +217,8 @@ def _loops(
         omngr.wait_until_finished()
     memory["orbax_rss_peak"] = int(peaks["rss"])
     omngr.close()
+    sync("loop/floor")
+    loops["floor"] = _floor_loop(cfg, tr, memory_root, sync)
     # The no-save loop again, last: the baseline then brackets the loops it is compared with.
     sync("loop/train/again")
     loops["train_again"] = _loop(tr, steps)
@@ -204,6 +226,27 @@ def _loops(
         shutil.rmtree(work / "loop-orbax", ignore_errors=True)
         shutil.rmtree(work / "loop-jaxckpt", ignore_errors=True)
     return loops, memory
+
+
+def _floor_loop(cfg: dict[str, Any], tr: _state.Training, memory_root: Path, sync: Sync) -> Record:
+    """The training loop with the overlapped raw floor of a save every step (`_floor`)."""
+    own = sum(s.nbytes for s in _state.own_shards(tr.state(0)))
+    ring, server = None, None
+    if cfg["replicas"] and jax.process_count() > 1:
+        server = _baselines.listen()
+        ports = sync("floor/ports", server.getsockname()[1])
+        sizes = sync("floor/bytes", own)
+        pi, n = jax.process_index(), jax.process_count()
+        ring = (server, ports[(pi + 1) % n], sizes[(pi - 1) % n])
+    try:
+        floor = _floor.Floor(memory_root, own, ring, cfg["timeout_s"])
+        try:
+            return _loop(tr, cfg["steps"], lambda s: floor.save(_state.own_shards(tr.state(s))))
+        finally:
+            floor.close()
+    finally:
+        if server is not None:
+            server.close()
 
 
 def _raw(

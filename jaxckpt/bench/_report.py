@@ -49,6 +49,19 @@ class Figure:
             met = ratio <= float(bound) if op == "<=" else ratio >= float(bound)
         object.__setattr__(self, "met", met)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Figure:
+        """The figure a report's `figures` entry describes (ratio and met recomputed)."""
+        return cls(
+            str(d["id"]),
+            str(d["name"]),
+            d.get("value"),
+            str(d["unit"]),
+            d.get("baseline"),
+            str(d["baseline_name"]),
+            d.get("target"),
+        )
+
 
 def _median(xs: Sequence[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
@@ -124,6 +137,65 @@ def _store_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
     ]
 
 
+def proxy_figures(proxy: dict[str, Any], warmup: int) -> list[Figure]:
+    """The accelerator-host proxy: one process, its train step confined to one CPU and
+    its saves to the others (`_proxy`); every loop against the same loop without saving.
+
+    9a holds the saved arrays (`hold_cpu_arrays`), the CPU's counterpart of what a save
+    on an accelerator does (its stall is the transfer to pinned host memory, the slab
+    filled in the background); 9f is the CPU default, which copies into the slab
+    inside `save()`, on the host's CPUs, while the device waits."""
+    loops = proxy["loops"]
+
+    def median(name: str, key: str = "step_s") -> float | None:
+        return _median(loops.get(name, {}).get(key, [])[warmup:])
+
+    train = _median(loops["train"]["step_s"][warmup:] + loops["train_again"]["step_s"][warmup:])
+    dispatch = _median(
+        loops["train"]["dispatch_s"][warmup:] + loops["train_again"]["dispatch_s"][warmup:]
+    )
+    base = "step time without saving (step on one CPU)"
+    return [
+        Figure(
+            "9a",
+            "proxy: step time, jaxckpt save every step (holding the arrays)",
+            median("jaxckpt_hold"),
+            "s",
+            train,
+            base,
+            "<= 1.03",
+        ),
+        Figure("9b", "proxy: step time, the overlapped floor", median("floor"), "s", train, base),
+        Figure(
+            "9f",
+            "proxy: step time, jaxckpt save every step (copying in save())",
+            median("jaxckpt"),
+            "s",
+            train,
+            base,
+        ),
+        Figure(
+            "9c", "proxy: step time, Orbax async save every step", median("orbax"), "s", train, base
+        ),
+        Figure(
+            "9d",
+            "proxy: mngr.save() blocks, jaxckpt (holding the arrays)",
+            median("jaxckpt_hold", "save_s"),
+            "s",
+            train,
+            "the same step time (the share of it)",
+        ),
+        Figure(
+            "9e",
+            "proxy: the step's dispatch while jaxckpt saves (holding)",
+            median("jaxckpt_hold", "dispatch_s"),
+            "s",
+            dispatch,
+            "the step's dispatch without saving (GIL waits)",
+        ),
+    ]
+
+
 def _many_leaf_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
     """The many-leaf tree: jaxckpt's save until safe in memory and restore from memory,
     against Orbax saving it until finished and restoring it from its directory."""
@@ -161,7 +233,7 @@ def _many_leaf_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
             "s",
             restore("orbax"),
             "Orbax restore of the same tree (cold)",
-            "<= 0.25",
+            "<= 0.2",
         ),
     ]
 
@@ -178,7 +250,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         return _worst(procs, get, low=True)
 
     def loop(p: dict[str, Any], name: str, key: str = "step_s") -> float | None:
-        return _median(p["loops"][name].get(key, [])[warmup:])
+        return _median(p["loops"].get(name, {}).get(key, [])[warmup:])
 
     def saves(p: dict[str, Any], key: str, kind: str = "saves") -> float | None:
         return _median([s.get(key) for s in p[kind] if not s["warmup"]])
@@ -239,6 +311,18 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
     tmpfs_steady = sum(p["memory"]["tmpfs_steady"] for p in procs)
     tmpfs_spare = sum(p["memory"].get("tmpfs_spare", 0) for p in procs)
     combined = sum(p["memory"]["jaxckpt_combined_peak"] for p in procs)
+    # The save loop's memory_keep: at a save's peak the tier holds one step more.
+    keep = procs[0]["memory"].get("memory_keep", 1)
+    floor = Figure(
+        "1d",
+        "step time, a save's raw work overlapped (the floor)",
+        t(lambda p: loop(p, "floor")),
+        "s",
+        train,
+        "step time without saving",
+    )
+    # 1a's target: within 0.05 of the floor measured in the same run (old runs: 1.15).
+    bound = f"<= {floor.ratio + 0.05:.3f}" if floor.ratio is not None else "<= 1.15"
     return [
         Figure(
             "1a",
@@ -247,7 +331,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             "s",
             train,
             "step time without saving",
-            "<= 1.15",
+            bound,
         ),
         Figure(
             "1b",
@@ -265,6 +349,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             train,
             "step time without saving",
         ),
+        floor,
         Figure(
             "2a",
             "stall: jaxckpt mngr.save() blocks (isolated)",
@@ -382,7 +467,7 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             "s",
             orbax_restore,
             "Orbax restore (persistent, cold)",
-            "<= 0.2",
+            "<= 0.33",
         ),
         Figure(
             "5c",
@@ -411,11 +496,12 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         ),
         Figure(
             "6b",
-            f"host memory, transient peak during saves, r={replicas}",
+            f"host memory, peak during saves (memory_keep={keep}), r={replicas}",
             combined / state,
             "x state",
-            1.0 + replicas,
-            "1 + r copies of the state",
+            (keep + 1.0) * (1.0 + replicas),
+            "(memory_keep + 1)(1 + r) copies of the state",
+            "<= 1.05",
         ),
         Figure(
             "6c",
@@ -440,7 +526,7 @@ def _fmt(x: float | None) -> str:
     return f"{x:.2e}"
 
 
-def _quantity(x: float | None, unit: str) -> str:
+def quantity(x: float | None, unit: str) -> str:
     if x is None:
         return "-"
     return _table.duration(x) if unit == "s" else f"{_fmt(x)} {unit}"
@@ -452,8 +538,8 @@ def table(figs: Sequence[Figure]) -> str:
         (
             f.id,
             f.name,
-            _quantity(f.value, f.unit),
-            _quantity(f.baseline, f.unit),
+            quantity(f.value, f.unit),
+            quantity(f.baseline, f.unit),
             f.baseline_name,
             _fmt(f.ratio),
             f.target,

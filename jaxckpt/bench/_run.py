@@ -39,18 +39,35 @@ from typing import Any, Final
 import psutil
 
 from jaxckpt import _storage
-from jaxckpt.bench import _emulator, _report
+from jaxckpt.bench import _emulator, _plot, _report
 from jaxckpt.bench._worker import (
     ENV_COORDINATOR,
     ENV_MEMORY_ROOT,
     ENV_PROCESS_ID,
+    PROXY_XLA_FLAGS,
     RESULT_PREFIX,
 )
 
 FORMAT_VERSION: Final = 1  # of the JSON report; bump on incompatible changes
 _PORT_RETRIES: Final = 2
-_QUICK: Final = {"state_gib": 1 / 8, "steps": 8, "repeats": 3, "deadline_s": 900.0}
-_FULL: Final = {"state_gib": 1.0, "steps": 16, "repeats": 3, "deadline_s": 3600.0}
+# The proxy's state and batch: the 192 MiB of a one-process save every step, and a
+# step of about half a second on one CPU (`docs/benchmarks.md`).
+_QUICK: Final = {
+    "state_gib": 1 / 8,
+    "steps": 8,
+    "repeats": 3,
+    "deadline_s": 900.0,
+    "proxy_state_gib": 1 / 16,
+    "proxy_batch": 64,
+}
+_FULL: Final = {
+    "state_gib": 1.0,
+    "steps": 16,
+    "repeats": 3,
+    "deadline_s": 3600.0,
+    "proxy_state_gib": 0.1875,
+    "proxy_batch": 256,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=2, help="JAX processes on loopback")
     p.add_argument("--state-gib", type=float, help="params + adam state, GiB (quick: 1/8, else 1)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also draw every figure against its baseline and target as a PNG (needs "
+        "matplotlib: the plot extra)",
+    )
+    p.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="run nothing: print (and with --plot draw) the figures of a report --json wrote",
+    )
     p.add_argument("--devices-per-process", type=int, default=2, help="CPU devices per process")
     p.add_argument("--replicas", type=int, help="peer copies (default 1 with >1 process, else 0)")
     p.add_argument("--steps", type=int, help="steps per training loop (quick: 8, else 16)")
@@ -108,6 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--store-only", action="store_true", help="run the object-store phase alone")
     p.add_argument(
+        "--proxy",
+        choices=("auto", "only", "off"),
+        default="auto",
+        help="the accelerator-host proxy (figures 9a-e: one process, the train step confined "
+        "to one CPU, saves on the others): after the other phases where 2 CPUs are usable "
+        "(auto), alone (only), or not at all",
+    )
+    p.add_argument(
+        "--proxy-state-gib", type=float, help="the proxy's state (quick: 1/16, else 0.1875)"
+    )
+    p.add_argument(
+        "--proxy-batch", type=int, help="the proxy's rows per step (quick: 64, else 256)"
+    )
+    p.add_argument(
         "--prefault-gib",
         type=float,
         help="host memory to touch once before measuring (default: 12x the state, at most "
@@ -136,6 +178,10 @@ def _envs(
         }
         if cfg["platform"] == "cpu":
             env["JAX_PLATFORMS"] = "cpu"
+        if cfg.get("proxy"):
+            env["XLA_FLAGS"] = " ".join(
+                filter(None, [os.environ.get("XLA_FLAGS"), PROXY_XLA_FLAGS])
+            )
         envs.append(env)
     return envs
 
@@ -225,6 +271,28 @@ def _config(args: argparse.Namespace, work_dir: str) -> dict[str, Any]:
     }
 
 
+def _proxy_runs(args: argparse.Namespace) -> bool:
+    """Whether `--proxy auto` runs the proxy: not beside an object-store-only run, and
+    only where two CPUs can be told apart."""
+    return not args.store_only and len(os.sched_getaffinity(0)) >= 2
+
+
+def _proxy_config(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The proxy's one process on one CPU device (state and batch: `--proxy-*`)."""
+    preset = _QUICK if args.quick else _FULL
+    return {
+        **cfg,
+        "proxy": True,
+        "processes": 1,
+        "devices_per_process": 1,
+        "replicas": 0,
+        "state_gib": args.proxy_state_gib or preset["proxy_state_gib"],
+        "batch_per_device": args.proxy_batch or preset["proxy_batch"],
+        "many_leaves": 0,
+        "store_url": None,
+    }
+
+
 def prefault(gib: float) -> dict[str, float]:
     """Touches `gib` GiB of fresh host memory once, then frees it; returns how fast it went.
 
@@ -271,8 +339,21 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     if args.store_url is not None and _storage.scheme(args.store_url) is None:
         parser.error(f"--store-url must be a gs:// or s3:// URL, got {args.store_url!r}")
+    if args.proxy_state_gib is not None and not args.proxy_state_gib > 0:
+        parser.error(f"--proxy-state-gib must be positive, got {args.proxy_state_gib}")
+    if args.proxy_batch is not None and args.proxy_batch < 1:
+        parser.error(f"--proxy-batch must be at least 1, got {args.proxy_batch}")
+    if args.proxy == "only" and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--proxy only needs 2 usable CPUs (one trains, the others save)")
+    if args.store_only and args.proxy == "only":
+        parser.error("--store-only and --proxy only are exclusive")
     if args.store_only and not (args.store_url or args.store_emulator):
         parser.error("--store-only needs --store-url or --store-emulator")
+    if args.plot is not None:
+        try:
+            _plot.require_matplotlib()
+        except ImportError as e:
+            parser.error(str(e))
     if args.store_emulator and not _emulator.available(args.store_emulator):
         parser.error(
             f"--store-emulator {args.store_emulator} needs the dev extra's emulators "
@@ -314,6 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
+    if args.from_json:
+        return _show(args.from_json, args.plot)
     if importlib.util.find_spec("optax") is None:
         parser.error("the benchmark trains with optax: pip install 'jaxckpt[bench]'")
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -343,7 +426,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxckpt-bench-logs-"))
             )
             store_env = _store(args, cfg, logs, stack)
-            procs = _run_processes(cfg, memory_base, logs, start + deadline_s, store_env)
+            procs: list[dict[str, Any]] = []
+            if args.proxy != "only":
+                procs = _run_processes(cfg, memory_base, logs, start + deadline_s, store_env)
+            proxy = None
+            if args.proxy == "only" or (args.proxy == "auto" and _proxy_runs(args)):
+                print("[bench] the accelerator-host proxy", file=sys.stderr, flush=True)
+                proxy_logs = logs / "proxy"
+                proxy_logs.mkdir()
+                proxy = _run_processes(
+                    _proxy_config(cfg, args), memory_base, proxy_logs, start + deadline_s
+                )[0]
     except (RuntimeError, TimeoutError) as e:
         print(f"[bench] {e}", file=sys.stderr)
         return 1
@@ -351,22 +444,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(memory_base, ignore_errors=True)
             shutil.rmtree(work_dir, ignore_errors=True)
-    figs = _report.figures(procs, cfg["warmup"], cfg["replicas"])
+    figs = _report.figures(procs, cfg["warmup"], cfg["replicas"]) if procs else []
+    if proxy is not None:
+        figs += _report.proxy_figures(proxy["proxy"], cfg["warmup"])
+    first = procs[0] if procs else proxy
+    assert first is not None
     report = {
         "format_version": FORMAT_VERSION,
         "command": ["jaxckpt", "bench", *(argv if argv is not None else sys.argv[1:])],
         "machine": machine,
         "config": cfg,
-        "state": {k: procs[0][k] for k in ("shape", "state_bytes", "devices", "platform")},
+        "state": {k: first[k] for k in ("shape", "state_bytes", "devices", "platform")},
         "seconds": round(time.monotonic() - start, 1),
         "figures": [dataclasses.asdict(f) for f in figs],
         "processes": procs,
+        "proxy": proxy,
     }
     print(_report.table(figs))
     print(
-        f"\nstate {procs[0]['state_bytes'] / 2**30:.3g} GiB ({procs[0]['shape']}), "
-        f"{cfg['processes']} processes, {report['seconds']} s"
+        f"\nstate {first['state_bytes'] / 2**30:.3g} GiB ({first['shape']}), "
+        f"{cfg['processes'] if procs else 1} processes, {report['seconds']} s"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        print(f"plot: {_plot.plot(report, args.plot)}")
+    return 0
+
+
+def _show(path: str, png: str | None) -> int:
+    """Prints the figures of a saved report, and draws them if `png` is given."""
+    try:
+        report = json.loads(Path(path).read_text())
+        figs = [_report.Figure.from_dict(f) for f in report["figures"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"jaxckpt bench: error: {path} is not a report of --json ({e}).", file=sys.stderr)
+        return 2
+    print(_report.table(figs))
+    if png:
+        print(f"plot: {_plot.plot(report, png)}")
     return 0

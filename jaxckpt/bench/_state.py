@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -90,14 +91,20 @@ class Training:
     step_fn: Callable[..., Any]
     param_shardings: Any
     opt_shardings: Any
+    dispatch_s: float = 0.0
 
     def state(self, step: int) -> dict[str, Any]:
         """The pytree that is checkpointed: params, optax state and the step number."""
         return {"params": self.params, "opt_state": self.opt_state, "step": step}
 
     def train_step(self) -> float:
-        """One donated adam update; blocks until the new state exists; returns the loss."""
+        """One donated adam update; blocks until the new state exists; returns the loss.
+
+        `dispatch_s` is how long the call took to return (the loop thread's Python and
+        jax's dispatch, before the step's computation is waited for)."""
+        start = time.perf_counter()
         self.params, self.opt_state, loss = self.step_fn(self.params, self.opt_state, *self.batch)
+        self.dispatch_s = time.perf_counter() - start
         jax.block_until_ready((self.params, self.opt_state))
         return float(loss)
 

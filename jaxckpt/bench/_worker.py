@@ -20,6 +20,8 @@ RESULT_PREFIX: Final = "BENCH_RESULT "
 ENV_PROCESS_ID: Final = "JAXCKPT_BENCH_PROCESS_ID"
 ENV_COORDINATOR: Final = "JAXCKPT_BENCH_COORDINATOR"
 ENV_MEMORY_ROOT: Final = "JAXCKPT_BENCH_MEMORY_ROOT"
+# The accelerator-host proxy's XLA: one thread computes the step (`_proxy`).
+PROXY_XLA_FLAGS: Final = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 log = logging.getLogger("jaxckpt.bench")
 

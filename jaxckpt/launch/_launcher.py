@@ -348,6 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes-after-failure", type=int, metavar="M", help="restart with M")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument(
+        "--timeline-png",
+        metavar="PATH",
+        help="draw every restart's recovery timeline as a PNG (needs matplotlib: the plot extra)",
+    )
+    p.add_argument(
         "--compilation-cache",
         metavar="DIR",
         help="JAX persistent compilation cache for the children, or 'off'"
@@ -373,6 +378,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("process counts must be at least 1")
     if args.kill and args.lose_node:
         parser.error("--kill and --lose-node are exclusive")
+    if args.timeline_png:
+        from jaxckpt.launch import _timeline_plot
+
+        try:
+            _timeline_plot.require_matplotlib()
+        except ImportError as e:
+            parser.error(str(e))
     injection = args.lose_node or args.kill
     if injection and not 0 <= injection[0] < args.num_processes:
         parser.error(f"process {injection[0]} is not in 0..{args.num_processes - 1}")
@@ -475,6 +487,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.timeline_png:
+        if any(f.get("restart") for f in failures):
+            from jaxckpt.launch import _timeline_plot
+
+            print(f"[launch] timeline: {_timeline_plot.plot(report, args.timeline_png)}")
+        else:
+            print("[launch] no restart: no recovery timeline to draw", flush=True)
     print(
         f"[launch] {'success' if ok else 'FAILED'} after {restarts} restarts, {report['seconds']} s",
         flush=True,

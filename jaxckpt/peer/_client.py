@@ -14,7 +14,7 @@ import json
 import os
 import socket
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, Final
 
 from jaxckpt import _format, _slab
@@ -128,10 +128,11 @@ def _request(
     timeout: float,
     headers: dict[str, str] | None = None,
     into: memoryview | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> bytes:
     """Sends one body-less request to a peer; returns the body of its 2xx answer, or
     receives that body straight into ``into`` (returning b"") if given, which it
-    must fill exactly (else OSError)."""
+    must fill exactly (else OSError), calling ``progress(received)`` as it goes."""
     _wire.check_run_id(run_id)
     _wire.check_token(token)
     rel = _wire.clean_relpath(relpath, allow_empty=kind == "list")
@@ -156,7 +157,7 @@ def _request(
                             f"{action} on peer {address}: the peer answers with {size} "
                             f"bytes, not the {len(into)} asked for.",
                         )
-                    _read_into(response, into)
+                    _read_into(response, into, progress)
                 else:
                     body = response.read()
             except http.client.RemoteDisconnected as e:
@@ -168,13 +169,25 @@ def _request(
     return body
 
 
-def _read_into(response: http.client.HTTPResponse, out: memoryview) -> None:
+# With a `progress` callback, a body is received at most this much at a time, so that
+# the caller sees each piece while it is in cache.
+PROGRESS_BYTES: Final = 1 << 20
+
+
+def _read_into(
+    response: http.client.HTTPResponse,
+    out: memoryview,
+    progress: Callable[[int], None] | None = None,
+) -> None:
     done = 0
+    piece = PROGRESS_BYTES if progress is not None else len(out)
     while done < len(out):
-        got = response.readinto(out[done:])
+        got = response.readinto(out[done : done + piece])
         if not got:
             raise ConnectionResetError(f"Connection closed after {done} of {len(out)} bytes.")
         done += got
+        if progress is not None:
+            progress(done)
 
 
 def fetch_file(
@@ -208,10 +221,13 @@ def fetch_range(
     offset: int,
     into: memoryview,
     timeout: float,
+    progress: Callable[[int], None] | None = None,
 ) -> None:
     """Receives bytes [offset, offset + len(into)) of ``root/run_id/relpath`` on a
     peer straight into ``into`` (the server sends them from its page cache with
-    sendfile; this side copies them once, from the socket).
+    sendfile; this side copies them once, from the socket). With ``progress``, the
+    bytes arrive at most `PROGRESS_BYTES` at a time, each time followed by
+    ``progress(bytes received so far)``.
 
     Arguments and errors are those of `fetch_file`; a range that is not wholly in
     the file raises OSError (EIO), one cut short ConnectionResetError.
@@ -221,7 +237,9 @@ def fetch_range(
     if not len(into):
         return
     span = {"Range": f"bytes={offset}-{offset + len(into) - 1}"}
-    _request(address, token, run_id, "GET", "files", relpath, timeout, span, into=into)
+    _request(
+        address, token, run_id, "GET", "files", relpath, timeout, span, into=into, progress=progress
+    )
 
 
 def list_dir(

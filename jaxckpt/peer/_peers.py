@@ -87,6 +87,7 @@ class Peers:
                 host=options.peer_host,
                 io_timeout=options.timeout_s,
                 reuse_free_slabs=options.spare_slabs,
+                memory_budget=options.memory_budget,
             )
             try:
                 server.start()
@@ -177,17 +178,20 @@ class Peers:
         """`text` without the run's token (kept out of every error and log)."""
         return _client.redact_token(text, self._token)
 
-    def slab_range_reader(
-        self, holder: int, step: int, owner: int
-    ) -> Callable[[int, memoryview, float], None]:
-        """(offset, into, timeout_s): receives len(into) bytes of `owner`'s slab of
-        `step` from `offset` into `into`, as `holder`'s memory tier holds it (a range
-        request to its peer service)."""
+    def slab_range_reader(self, holder: int, step: int, owner: int) -> Callable[..., None]:
+        """(offset, into, timeout_s, progress=None): receives len(into) bytes of
+        `owner`'s slab of `step` from `offset` into `into`, as `holder`'s memory tier
+        holds it (a range request to its peer service; `fetch_range`'s `progress`)."""
         step_dir = _memory_tier.MemoryTier.step_name(step)
         relpath = f"{step_dir}/{_format.part_dir_name(owner)}/{_slab.SLAB_FILE}"
         address = self.addresses[holder]
 
-        def read(offset: int, into: memoryview, timeout_s: float) -> None:
+        def read(
+            offset: int,
+            into: memoryview,
+            timeout_s: float,
+            progress: Callable[[int], None] | None = None,
+        ) -> None:
             _client.fetch_range(
                 address,
                 token=self._token,
@@ -196,6 +200,7 @@ class Peers:
                 offset=offset,
                 into=into,
                 timeout=min(timeout_s, self._peer_timeout_s),
+                progress=progress,
             )
 
         return read

@@ -108,6 +108,7 @@ class PeerServer:
         max_push_bytes: int = 1 << 40,
         io_timeout: float = 60.0,
         reuse_free_slabs: bool = True,
+        memory_budget: int | None = None,
     ) -> None:
         """Binds the listening socket.
 
@@ -123,6 +124,8 @@ class PeerServer:
           reuse_free_slabs: Receive a pushed slab into a free slab of the memory
             tier (`MemoryTier.take_free_slab`) when there is one, and give the
             slab of a part a push replaced to them (`MemoryTier.recycle`).
+          memory_budget: The memory tier's budget (`TierOptions.memory_budget`),
+            which caps the spare slabs it keeps.
 
         Raises:
           ValueError: If an argument is invalid.
@@ -148,7 +151,7 @@ class PeerServer:
             temp_name=_temp_name,
         )
         if reuse_free_slabs:
-            memory = _memory_tier.MemoryTier(os.fspath(root), run_id)
+            memory = _memory_tier.MemoryTier(os.fspath(root), run_id, memory_budget=memory_budget)
             config = dataclasses.replace(
                 config,
                 take_free_slab=memory.take_free_slab,
