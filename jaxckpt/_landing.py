@@ -232,6 +232,10 @@ class LandingReader:
         self._landing = landing
         self._cond = threading.Condition()
         self._arrived: dict[int, int | BaseException] = {}  # offset -> CRC-32C, or the error
+        # Set once a receive got no answer (a partition, a dead or stalled peer): every
+        # later read fails at once, so the restore marks this source dead and reads the
+        # next one instead of waiting for the peer again, chunk after chunk.
+        self._no_answer: BaseException | None = None
         self._streams: list[threading.Thread] = []
         chunks = sorted((c for c in prefetch if c.offset is not None), key=lambda c: c.offset or 0)
         self._prefetched = {c.offset for c in chunks}
@@ -268,6 +272,8 @@ class LandingReader:
                 with self._cond:  # this chunk and the rest of the stream: asked for again
                     for later in chunks[i:]:
                         self._prefetched.discard(later.offset)
+                    if isinstance(e, (TimeoutError, ConnectionError)):
+                        self._no_answer = e
                     self._cond.notify_all()
                 log.warning("jaxckpt: receiving part of a peer's slab ahead failed: %s", e)
                 return
@@ -285,6 +291,9 @@ class LandingReader:
             ):
                 raise TimeoutError(f"Chunk {chunk.index} of {record.path} did not arrive in time.")
             crc = self._arrived.get(offset)
+            no_answer = self._no_answer
+        if crc is None and no_answer is not None:
+            raise TimeoutError(f"The peer gave no answer: {no_answer}") from no_answer
         if crc is None:  # not prefetched, or its stream failed: received now
             into, got = self._receive(chunk, timeout_s)
         else:
