@@ -35,6 +35,7 @@ FIGURE_IDS = {
     "5b",
     "5c",
     "5d",
+    "5e",
     "6a",
     "6b",
     "6c",
@@ -195,6 +196,12 @@ def _check_new_baselines(report, figures):
     assert math.isclose(figures["4a"]["baseline"], baseline / 1e6)
     assert figures["4a"]["target"] == ">= 0.8"
     assert figures["5a"]["target"] == figures["5b"]["target"] == "<= 0.33"
+    # 5e: a peer restore against its floor, a restore from memory plus the raw transfer.
+    assert figures["5e"]["value"] == figures["5b"]["value"]
+    assert math.isclose(
+        figures["5e"]["baseline"],
+        figures["5a"]["value"] + max(statistics.median(p["raw"]["socket"]) for p in procs),
+    )
     assert figures["5a"]["baseline"] == figures["5b"]["baseline"]
 
 

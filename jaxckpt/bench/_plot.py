@@ -179,4 +179,4 @@ def _label(f: Mapping[str, Any]) -> str:
 
 
 def _fmt(x: float) -> str:
-    return f"{x:.2g}" if x < 10 else f"{x:.0f}"
+    return f"{x:.3g}" if x < 10 else f"{x:.0f}"

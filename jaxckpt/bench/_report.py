@@ -167,14 +167,6 @@ def proxy_figures(proxy: dict[str, Any], warmup: int) -> list[Figure]:
         ),
         Figure("9b", "proxy: step time, the overlapped floor", median("floor"), "s", train, base),
         Figure(
-            "9f",
-            "proxy: step time, jaxckpt save every step (copying in save())",
-            median("jaxckpt"),
-            "s",
-            train,
-            base,
-        ),
-        Figure(
             "9c", "proxy: step time, Orbax async save every step", median("orbax"), "s", train, base
         ),
         Figure(
@@ -192,6 +184,14 @@ def proxy_figures(proxy: dict[str, Any], warmup: int) -> list[Figure]:
             "s",
             dispatch,
             "the step's dispatch without saving (GIL waits)",
+        ),
+        Figure(
+            "9f",
+            "proxy: step time, jaxckpt save every step (copying in save())",
+            median("jaxckpt"),
+            "s",
+            train,
+            base,
         ),
     ]
 
@@ -468,6 +468,14 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             orbax_restore,
             "Orbax restore (persistent, cold)",
             "<= 0.33",
+        ),
+        Figure(
+            "5e",
+            "restore from peer memory vs its floor",
+            restore("peer"),
+            "s",
+            _sum(restore("memory"), sock),
+            "restore from own memory + raw loopback TCP of the own bytes",
         ),
         Figure(
             "5c",

@@ -50,8 +50,8 @@ from jaxckpt.bench._worker import (
 
 FORMAT_VERSION: Final = 1  # of the JSON report; bump on incompatible changes
 _PORT_RETRIES: Final = 2
-# The proxy's state and batch: the 192 MiB of a one-process save every step, and a
-# step of about half a second on one CPU (`docs/benchmarks.md`).
+# The proxy's state and batch: the 192 MiB of a one-process save every step whose step
+# took 0.23 s on two CPUs, and a batch that makes it ~0.45 s on one (`docs/benchmarks.md`).
 _QUICK: Final = {
     "state_gib": 1 / 8,
     "steps": 8,
@@ -66,7 +66,7 @@ _FULL: Final = {
     "repeats": 3,
     "deadline_s": 3600.0,
     "proxy_state_gib": 0.1875,
-    "proxy_batch": 256,
+    "proxy_batch": 768,
 }
 
 
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--proxy-state-gib", type=float, help="the proxy's state (quick: 1/16, else 0.1875)"
     )
     p.add_argument(
-        "--proxy-batch", type=int, help="the proxy's rows per step (quick: 64, else 256)"
+        "--proxy-batch", type=int, help="the proxy's rows per step (quick: 64, else 768)"
     )
     p.add_argument(
         "--prefault-gib",
