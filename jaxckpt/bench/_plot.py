@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from jaxckpt.bench import _report
+from jaxckpt.launch import _timeline_plot
 
 _MET: Final = "#2e7d32"
 _MISSED: Final = "#c62828"
@@ -23,16 +24,6 @@ _NO_TARGET: Final = "#90a4ae"
 # A PNG's metadata names the matplotlib version by default: the same report would
 # then give different files on different installs.
 _METADATA: Final = {"Software": None}
-
-
-def require_matplotlib() -> None:
-    """Raises ImportError with what to install when matplotlib is missing."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            "Plotting needs matplotlib: pip install 'jaxckpt[plot]' (or matplotlib>=3.8)."
-        ) from e
 
 
 def _subtitle(report: Mapping[str, Any]) -> str:
@@ -64,11 +55,7 @@ def plot(report: Mapping[str, Any], path: str | Path) -> Path:
       ImportError: if matplotlib is not installed (says what to install).
       ValueError: if the report has no figure with a ratio.
     """
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: a file only
-    import matplotlib.pyplot as plt
+    plt = _timeline_plot.pyplot()
 
     figs = [f for f in report.get("figures", []) if _finite(f.get("ratio"))]
     if not figs:

@@ -47,6 +47,7 @@ from jaxckpt.bench._worker import (
     PROXY_XLA_FLAGS,
     RESULT_PREFIX,
 )
+from jaxckpt.launch import _timeline_plot
 
 FORMAT_VERSION: Final = 1  # of the JSON report; bump on incompatible changes
 _PORT_RETRIES: Final = 2
@@ -351,7 +352,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--store-only needs --store-url or --store-emulator")
     if args.plot is not None:
         try:
-            _plot.require_matplotlib()
+            _timeline_plot.require_matplotlib()
         except ImportError as e:
             parser.error(str(e))
     if args.store_emulator and not _emulator.available(args.store_emulator):

@@ -44,9 +44,24 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError as e:
         raise ImportError(
-            "The timeline picture needs matplotlib: pip install 'jaxckpt[plot]' "
-            "(or matplotlib>=3.8)."
+            "Pictures need matplotlib: pip install 'jaxckpt[plot]' (or matplotlib>=3.8)."
         ) from e
+
+
+def pyplot() -> Any:
+    """`matplotlib.pyplot`, drawing to files only (no display); the one set-up of the
+    launcher's and the benchmark's pictures.
+
+    Raises:
+      ImportError: if matplotlib is not installed (says what to install).
+    """
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _lanes(spans: Sequence[tuple[str, float, float]]) -> list[int]:
@@ -198,11 +213,7 @@ def plot(report: Mapping[str, Any], path: str | Path) -> Path:
       ImportError: if matplotlib is not installed (says what to install).
       ValueError: if the report has no restart with a timeline.
     """
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: a file only
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     failures = [f for f in report.get("failures", []) if (f.get("restart") or {}).get("timeline")]
