@@ -7,11 +7,17 @@ chunks land in one tmpfs file laid out as the owner's slab (each chunk at its
 recorded offset):
 
 - a spare slab of the memory tier when there is one (`MemoryTier.take_free_slab`):
-  its pages exist, so the bytes arrive at memory speed;
-- else a new file whose pages two background threads allocate and map
-  (`MADV_POPULATE_WRITE`, else `posix_fallocate`) ahead of the receives, in offset
-  order, while they run: the page faults of a fresh replacement node overlap the
-  transfer instead of following it.
+  its pages exist; mapped with its page tables made in one call (`MAP_POPULATE`), or
+  taken still mapped where this process filled it (`_slab.take_kept`), the bytes
+  arrive at memory speed without a page fault;
+- else a new file whose pages background threads allocate and map
+  (`MADV_POPULATE_WRITE`, else `posix_fallocate`) ahead of the receives, one thread
+  along each range a stream receives, while it runs: the page faults of a fresh
+  replacement node overlap the transfer instead of following it.
+
+The reader receives a prefetched part in a few consecutive runs of chunks, one
+request each (`LandingReader`): each chunk's CRC-32C is computed MiB by MiB as it
+lands, and the chunk is handed over as soon as its last byte has.
 
 The file is unlinked as soon as it is mapped: nothing else can take it, nothing is
 left behind by a crash, and its pages live exactly as long as a view of the mapping
@@ -21,8 +27,9 @@ tier's own memory is (`MemoryTier.lend`). `finish()` frees the pages of chunks t
 restore did not use (a restore onto another mesh reads only some of a part).
 
 IMPORTANT: a page is written through the mapping only once it exists (populated or
-allocated): a full tmpfs then fails the allocation with an OSError, which the
-restore treats as a failed source, never with a SIGBUS on a mapped page.
+allocated, `LandingSlab.ensure`): a full tmpfs then fails the allocation with an
+OSError, which the restore treats as a failed source, never with a SIGBUS on a
+mapped page.
 """
 
 from __future__ import annotations
@@ -42,8 +49,10 @@ from absl import logging as log
 from jaxckpt import _checksum, _format, _memory_tier, _readers, _slab
 
 _STEP: Final = 4 << 20  # pages made ready per call, ahead of the receives
-_MAKERS: Final = min(2, os.cpu_count() or 1)  # threads making pages ready
 _STREAMS: Final = 2  # receives of a prefetched part at once (more only add contention)
+# The most bytes a `fetch` receives before telling `progress` (`fetch_range`'s pieces):
+# a streamed receive makes the pages of the next piece exist before it lands.
+PIECE: Final = 1 << 20
 _MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14; Python's mmap module does not name it
 _PAGE: Final = mmap.PAGESIZE
 
@@ -62,6 +71,10 @@ def part_bytes(manifest: _format.PartManifest) -> int:
 class LandingSlab:
     """A mapped, unlinked tmpfs file of `size` bytes that a peer's chunks land in.
 
+    Its pages are made to exist in steps of `_STEP` bytes: all at once for a spare
+    slab, else by `make_ahead`'s threads and, for what they have not reached, by the
+    caller of `ensure` itself (making a page exist twice is harmless).
+
     Args:
       memory: the tier whose spare slab to take, and where to make the file.
       size: the owner's slab size (`part_bytes`).
@@ -75,108 +88,115 @@ class LandingSlab:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.unlink(path)  # IMPORTANT: before anything can fail: nothing is left behind
+            kept = _slab.take_kept(fd) if self.reused else None
             os.ftruncate(fd, max(size, 1))
             whole = self.reused and os.fstat(fd).st_blocks * 512 >= size
-            # Not populated here even when every page exists: the threads below map
-            # them beside the receives (half a GiB of page tables takes ~0.1 s).
-            self._map = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED)
+            if kept is not None and whole and kept[1] >= size:
+                # Filled by this process and still mapped: pages and page tables exist.
+                self._map = kept[0]
+            else:
+                if kept is not None:
+                    kept[0].close()
+                # Every page of a spare exists: its page tables are made in one call
+                # (~15 ms a 0.5 GiB, against a fault per page while receiving).
+                populate = mmap.MAP_POPULATE if whole else 0
+                self._map = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | populate)
             self._fd = os.dup(fd)  # for `posix_fallocate` where madvise cannot populate
         finally:
             os.close(fd)
-        self._view = np.frombuffer(self._map, np.uint8)
-        self._ready = size if whole else 0  # bytes [0, _ready) exist
-        self._error: BaseException | None = None
-        self._stop = False
-        self._cond = threading.Condition()
+        self._view = np.frombuffer(self._map, np.uint8, count=max(size, 1))
+        self._steps = -(-size // _STEP)
+        self._lock = threading.Lock()
+        self._made = set(range(self._steps)) if whole else set()  # steps whose pages exist
+        self._populate = True  # False on a kernel without MADV_POPULATE_WRITE
+        self._stop = threading.Event()
         self._kept: list[tuple[int, int]] = []
-        self._done: set[int] = set()  # steps made ready, beyond `_ready`
-        self._threads = []
-        if size:
-            steps = -(-size // _STEP)
-            for k in range(min(_MAKERS, steps)):
-                thread = threading.Thread(
-                    target=self._make_ready,
-                    args=(range(k, steps, _MAKERS),),
-                    name="jaxckpt-landing",
-                    daemon=True,
-                )
-                thread.start()
-                self._threads.append(thread)
+        self._threads: list[threading.Thread] = []
 
-    def _make_ready(self, steps: range) -> None:
-        """Allocates and maps the pages of `steps` (of `_STEP` bytes each), in offset
-        order, ahead of the receives (on several threads: the first touch of guest
-        memory is the hypervisor's work, and runs in parallel on several CPUs)."""
-        populate = True
+    def make_ahead(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Starts making the pages of each byte range [start, end) exist, in offset
+        order, one thread a range, ahead of the stream that receives it (on several
+        threads: the first touch of guest memory is the hypervisor's work, and runs in
+        parallel on several CPUs)."""
+        for start, end in ranges:
+            steps = range(start // _STEP, -(-end // _STEP))
+            if all(i in self._made for i in steps):
+                continue
+            thread = threading.Thread(
+                target=self._make_quietly, args=(steps,), name="jaxckpt-landing", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def _make_quietly(self, steps: range) -> None:
         try:
             for i in steps:
-                with self._cond:
-                    if self._stop or self._error is not None:
-                        return
-                start = i * _STEP
-                length = min(_STEP, self.size - start)
-                if populate:
-                    try:
-                        self._map.madvise(_MADV_POPULATE_WRITE, start, length)
-                    except OSError as e:
-                        if e.errno != errno.EINVAL:  # EFAULT/ENOMEM: the tier is full
-                            raise OSError(
-                                errno.ENOSPC, f"No room for a landing slab of {self.size} bytes"
-                            ) from e
-                        populate = False  # a kernel without MADV_POPULATE_WRITE
-                if not populate:
-                    os.posix_fallocate(self._fd, start, length)
-                with self._cond:
-                    self._done.add(i)
-                    while self._ready < self.size and self._ready // _STEP in self._done:
-                        self._done.discard(self._ready // _STEP)
-                        self._ready = min(self.size, self._ready + _STEP)
-                    self._cond.notify_all()
-        except BaseException as e:
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
+                if self._stop.is_set():
+                    return
+                self._make(i)
+        except OSError:
+            return  # the receive that needs the page makes it, and raises the error
 
-    def view(self, offset: int, nbytes: int, timeout_s: float) -> np.ndarray:
-        """The bytes [offset, offset + nbytes) as a writable uint8 view, once they exist.
+    def _make(self, i: int) -> None:
+        """Makes the pages of step `i` exist (a no-op if they do)."""
+        if i in self._made:
+            return
+        start = i * _STEP
+        length = min(_STEP, self.size - start)
+        if self._populate:
+            try:
+                self._map.madvise(_MADV_POPULATE_WRITE, start, length)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EFAULT/ENOMEM: the tier is full
+                    raise OSError(
+                        errno.ENOSPC, f"No room for a landing slab of {self.size} bytes"
+                    ) from e
+                self._populate = False  # a kernel without MADV_POPULATE_WRITE
+        if not self._populate:
+            os.posix_fallocate(self._fd, start, length)
+        with self._lock:
+            self._made.add(i)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """The bytes [offset, offset + nbytes) as a writable uint8 view: write only
+        bytes whose pages `ensure` made exist.
 
         Raises:
           ValueError: if the range is not inside the slab.
-          OSError: if its pages could not be allocated (a full tier).
-          TimeoutError: if they are not ready within `timeout_s`.
         """
-        if offset < 0 or offset + nbytes > self.size:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise ValueError(
                 f"Chunk bytes [{offset}, {offset + nbytes}) lie outside the landing slab "
                 f"({self.size} bytes): the manifest is damaged."
             )
-        with self._cond:
-            if not self._cond.wait_for(
-                lambda: self._ready >= offset + nbytes or self._error is not None, timeout_s
-            ):
-                raise TimeoutError(f"The landing slab's pages were not ready in {timeout_s:g} s.")
-            if self._ready < offset + nbytes:
-                assert self._error is not None
-                raise OSError(f"The landing slab cannot hold the chunk: {self._error}")
         return self._view[offset : offset + nbytes]
+
+    def ensure(self, offset: int, nbytes: int) -> None:
+        """Makes the pages of bytes [offset, offset + nbytes) exist, here where no
+        thread has made them yet.
+
+        Raises:
+          OSError: if they cannot be allocated (a full tier).
+        """
+        for i in range(offset // _STEP, -(-(offset + nbytes) // _STEP) if nbytes else 0):
+            self._make(i)
 
     def keep(self, offset: int, nbytes: int) -> None:
         """Marks bytes [offset, offset + nbytes) as handed to the restore: `finish`
         gives back the pages of every other byte."""
-        with self._cond:
+        with self._lock:
             self._kept.append((offset, nbytes))
 
     def finish(self) -> None:
-        """Stops making pages ready and frees those of every byte not handed to the
-        restore (`keep`): chunks never received, or received ahead but not asked for
-        (the mapping itself lives on with the views the restored arrays keep)."""
-        with self._cond:
-            self._stop = True
+        """Stops making pages and frees those of every byte not handed to the restore
+        (`keep`): chunks never received, or received ahead but not asked for (the
+        mapping itself lives on with the views the restored arrays keep)."""
+        self._stop.set()
         for thread in self._threads:
             thread.join()
-        with self._cond:
-            ready, kept = self._ready, sorted(self._kept)
-        for start, end in _gaps(kept, ready):
+        with self._lock:
+            kept = sorted(self._kept)
+        for start, end in _gaps(kept, self.size):
             with contextlib.suppress(OSError):
                 self._map.madvise(mmap.MADV_REMOVE, start, end - start)
         with contextlib.suppress(OSError):
@@ -211,11 +231,14 @@ class LandingReader:
 
     Args:
       fetch: `(offset, into, timeout_s, progress)`: fills `into` with the slab's
-        bytes from `offset`, calling `progress(received so far)` as they arrive.
+        bytes from `offset`, at most `PIECE` bytes at a time, calling
+        `progress(received so far)` after each (`fetch_range` with a progress).
       landing: where they land.
-      prefetch: chunks to receive at once, on `_STREAMS` threads in offset order,
-        before the restore asks for them (a restore onto the saving mesh needs every
-        chunk of its own part); others are received when asked for.
+      prefetch: chunks to receive at once, before the restore asks for them (a
+        restore onto the saving mesh needs every chunk of its own part): cut into
+        `_STREAMS` consecutive runs, each received with one request for the bytes
+        it spans, its pages made ahead of it; others are received when asked for,
+        one request each.
       timeout_s: the longest a prefetched chunk's receive may wait.
     """
 
@@ -239,7 +262,9 @@ class LandingReader:
         self._streams: list[threading.Thread] = []
         chunks = sorted((c for c in prefetch if c.offset is not None), key=lambda c: c.offset or 0)
         self._prefetched = {c.offset for c in chunks}
-        for group in _groups(chunks, _STREAMS):
+        groups = _groups(chunks, _STREAMS)
+        landing.make_ahead((g[0].offset or 0, (g[-1].offset or 0) + g[-1].nbytes) for g in groups)
+        for group in groups:
             thread = threading.Thread(
                 target=self._stream, args=(group, timeout_s), name="jaxckpt-landing-recv"
             )
@@ -248,9 +273,10 @@ class LandingReader:
             self._streams.append(thread)
 
     def _receive(self, chunk: _format.ChunkRecord, timeout_s: float) -> tuple[np.ndarray, int]:
-        """Receives one chunk into its place; (its bytes, their CRC-32C)."""
+        """Receives one chunk into its place (one request); (its bytes, their CRC-32C)."""
         assert chunk.offset is not None
-        into = self._landing.view(chunk.offset, chunk.nbytes, timeout_s)
+        into = self._landing.view(chunk.offset, chunk.nbytes)
+        self._landing.ensure(chunk.offset, chunk.nbytes)
         crc, seen = 0, 0
 
         def progress(done: int) -> None:
@@ -264,22 +290,47 @@ class LandingReader:
         return into, crc
 
     def _stream(self, chunks: Sequence[_format.ChunkRecord], timeout_s: float) -> None:
-        for i, chunk in enumerate(chunks):
-            assert chunk.offset is not None
-            try:
-                _, result = self._receive(chunk, timeout_s)
-            except BaseException as e:
-                with self._cond:  # this chunk and the rest of the stream: asked for again
-                    for later in chunks[i:]:
-                        self._prefetched.discard(later.offset)
-                    if isinstance(e, (TimeoutError, ConnectionError)):
-                        self._no_answer = e
+        """Receives consecutive `chunks` (in offset order) with one request for the byte
+        range they span: each chunk's CRC-32C is computed MiB by MiB as its bytes land
+        and the chunk is handed over (`read`) as soon as its last byte has, while the
+        rest streams on. The pages of each piece exist before it is received."""
+        first, last = chunks[0], chunks[-1]
+        assert first.offset is not None and last.offset is not None
+        start, end = first.offset, last.offset + last.nbytes
+        into = self._landing.view(start, end - start)
+        at, crc, seen = 0, 0, 0  # the chunk being received, its CRC so far, bytes checked
+
+        def progress(done: int) -> None:
+            nonlocal at, crc, seen
+            while at < len(chunks) and seen < done:
+                c = chunks[at]
+                assert c.offset is not None
+                lo, hi = max(seen, c.offset - start), min(done, c.offset - start + c.nbytes)
+                if hi > lo:
+                    crc = _checksum.crc32c(into[lo:hi], crc)
+                seen = max(seen, hi)
+                if hi < c.offset - start + c.nbytes:
+                    break  # the rest of this chunk is still on its way
+                with self._cond:
+                    self._arrived[c.offset] = crc
                     self._cond.notify_all()
-                log.warning("jaxckpt: receiving part of a peer's slab ahead failed: %s", e)
-                return
-            with self._cond:
-                self._arrived[chunk.offset] = result
+                at, crc = at + 1, 0
+            seen = done
+            self._landing.ensure(start + done, min(PIECE, end - start - done))
+
+        try:
+            self._landing.ensure(start, min(PIECE, end - start))
+            self._fetch(start, into.data, timeout_s, progress)
+            progress(end - start)  # a fetch that did not report its last piece
+        except BaseException as e:
+            with self._cond:  # the chunks not arrived: asked for again, one by one
+                for c in chunks:
+                    if c.offset not in self._arrived:
+                        self._prefetched.discard(c.offset)
+                if isinstance(e, (TimeoutError, ConnectionError)):
+                    self._no_answer = e
                 self._cond.notify_all()
+            log.warning("jaxckpt: receiving part of a peer's slab ahead failed: %s", e)
 
     def read(
         self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
@@ -298,7 +349,7 @@ class LandingReader:
             into, got = self._receive(chunk, timeout_s)
         else:
             assert isinstance(crc, int)
-            into, got = self._landing.view(offset, chunk.nbytes, timeout_s), crc
+            into, got = self._landing.view(offset, chunk.nbytes), crc
         matches = (
             got == chunk.crc32c
             if chunk.crc32c is not None

@@ -170,7 +170,7 @@ def _request(
 
 
 # With a `progress` callback, a body is received at most this much at a time, so that
-# the caller sees each piece while it is in cache.
+# the caller sees each piece while it is in cache (a landing slab's `_landing.PIECE`).
 PROGRESS_BYTES: Final = 1 << 20
 
 
