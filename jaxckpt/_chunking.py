@@ -12,6 +12,10 @@ def normalize_region(region: Sequence[slice], shape: Sequence[int]) -> Region:
     """Turns slices that may hold None into explicit [start, stop) slices."""
     out = []
     for s, n in zip(region, shape, strict=True):
+        start, stop = s.start, s.stop
+        if s.step is None and start is not None and stop is not None and 0 <= start <= stop <= n:
+            out.append(s)  # explicit already (the common case: fast)
+            continue
         start, stop, step = s.indices(n)
         if step != 1:
             raise ValueError(f"Strided regions are not supported (got {s}).")

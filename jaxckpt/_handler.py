@@ -20,6 +20,7 @@ from jaxckpt import (
     _metrics,
     _multihost,
     _paths,
+    _resources,
     _restore,
     _retention,
     _run,
@@ -159,7 +160,10 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         """
         item = _paths.ItemDir.parse(directory)
         try:
-            result = self._restore_locally(item, args if args is not None else TieredRestore())
+            # A tree of thousands of leaves allocates some 10^5 small objects here: Python's
+            # cyclic collector would walk every object of the process hundreds of times.
+            with _resources.SHARED.gc_paused():
+                result = self._restore_locally(item, args if args is not None else TieredRestore())
         except Exception as error:
             self._publisher.failure("restore", item.step, self._runs.redact(str(error)))
             if not _agreement.is_agreed(error):

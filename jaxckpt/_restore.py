@@ -283,37 +283,33 @@ class Restorer:
             else sharding
         )
         index_map = data_sharding.addressable_devices_indices_map(record.stored_shape)
-        devices = list(index_map)
         regions = [
-            _chunking.normalize_region(index_map[d] or (), record.stored_shape) for d in devices
+            _chunking.normalize_region(r or (), record.stored_shape) for r in index_map.values()
         ]
         # Replicated targets ask for the same region on many devices: read it once.
         unique = {_chunking.region_key(r): r for r in regions}
-        keys = list(map(_chunking.region_key, regions))
 
-        def read() -> list[np.ndarray]:
+        def read() -> dict[tuple[tuple[int, int], ...], np.ndarray]:
             got = self._read_regions(leaf, list(unique.values()), owner)
-            bufs = dict(zip(unique, got, strict=True))
-            return [bufs[k] for k in keys]
+            return dict(zip(unique, got, strict=True))
 
         assert record.stored_dtype is not None
         itemsize = np.dtype(record.stored_dtype).itemsize
         nbytes = itemsize * sum(math.prod(s.stop - s.start for s in r) for r in unique.values())
-        reading: concurrent.futures.Future[list[np.ndarray]]
+        reading: concurrent.futures.Future[dict[tuple[tuple[int, int], ...], np.ndarray]]
         if nbytes >= _BACKGROUND_LEAF_BYTES:
             reading = LEAF_POOL.submit(read)  # while the next leaves are asked for
         else:
             reading = concurrent.futures.Future()
             reading.set_result(read())
-        return Deferred(record, data_sharding, devices, reading)
+        return Deferred(record, data_sharding, reading)
 
     @staticmethod
     def place(values: list[Any]) -> list[Any]:
-        """`values` with every `Deferred` among them put on its devices as a jax.Array.
-
-        One batched `device_put` per ~`_PLACE_BATCH_BYTES` of host buffers (a call per
-        shard costs ~0.4 ms: seconds for a tree of thousands of leaves).
-        """
+        """`values` with every `Deferred` among them put on its devices as a jax.Array,
+        once every leaf is read: one `make_array_from_callback` a leaf, which puts all
+        its host buffers on their devices in one call (a `device_put` per shard costs
+        ~0.4 ms: seconds for a tree of thousands of leaves)."""
         out = list(values)
         deferred = [(k, v) for k, v in enumerate(values) if isinstance(v, Deferred)]
         try:
@@ -324,24 +320,16 @@ class Restorer:
                 d.reading.cancel()
             concurrent.futures.wait([d.reading for _, d in deferred])
             raise
-        start = 0
-        while start < len(pending):
-            batch: list[tuple[int, Deferred, list[np.ndarray]]] = []
-            size = 0
-            while start < len(pending) and (not batch or size < _PLACE_BATCH_BYTES):
-                batch.append(pending[start])
-                size += sum(b.nbytes for b in pending[start][2])
-                start += 1
-            bufs = [b for _, _, read in batch for b in read]
-            placed = iter(jax.device_put(bufs, [dev for _, d, _ in batch for dev in d.devices]))
-            for k, d, read in batch:
-                shards = [next(placed) for _ in read]
-                assert d.record.stored_shape is not None
-                data = jax.make_array_from_single_device_arrays(
-                    d.record.stored_shape, d.sharding, shards
-                )
-                key_impl = d.record.key_impl
-                out[k] = jax.random.wrap_key_data(data, impl=key_impl) if key_impl else data
+        for k, d, bufs in pending:
+            shape = d.record.stored_shape
+            assert shape is not None
+
+            def shard(index: Any, bufs: Any = bufs, shape: Any = shape) -> np.ndarray:
+                return bufs[_chunking.region_key(_chunking.normalize_region(index, shape))]
+
+            data = jax.make_array_from_callback(shape, d.sharding, shard)
+            key_impl = d.record.key_impl
+            out[k] = jax.random.wrap_key_data(data, impl=key_impl) if key_impl else data
         return out
 
     def host_array(self, leaf: int, owner: int | None = None) -> np.ndarray:
@@ -355,15 +343,13 @@ class Restorer:
 @dataclasses.dataclass
 class Deferred:
     """An array leaf being read to host (a large one on a thread, while the next
-    leaves are asked for), one buffer per target device; not yet placed."""
+    leaves are asked for), one buffer per distinct target region; not yet placed."""
 
     record: _format.LeafRecord
     sharding: jax.sharding.Sharding
-    devices: list[Any]
-    reading: concurrent.futures.Future[list[np.ndarray]]
+    reading: concurrent.futures.Future[dict[tuple[tuple[int, int], ...], np.ndarray]]
 
 
-_PLACE_BATCH_BYTES = 1 << 30
 # Leaves of this many bytes on are read on `LEAF_POOL`, several at once (a peer's
 # byte ranges overlap their round trips and checks); smaller ones inline, where a
 # hand-off would cost more than the read.
