@@ -25,6 +25,7 @@ class Background:
             on_persisted=publisher.publish,
             closing=self._closing,
             on_failed=publisher.publish,
+            on_settled=lambda: self.retainer.again(),
         )
         self.retainer = _retention.MemoryRetainer(
             options.memory_keep, options.timeout_s, self.persister.pending_steps, self._closing
@@ -33,7 +34,8 @@ class Background:
     def wait(self, timeout_s: float) -> None:
         """Waits for the commits of the saves made so far (they queue the persistence: an
         asynchronous manager's save returns before its commit has run), then for the
-        retention and persistence they queued.
+        retention and persistence they queued, and the retention that retires the
+        steps persistence made durable.
 
         Raises:
           TimeoutError: if it is not done within `timeout_s`.
@@ -41,6 +43,7 @@ class Background:
         self.in_flight.wait(timeout_s)
         self.retainer.wait(timeout_s)
         self.persister.drain(timeout_s)
+        self.retainer.wait(timeout_s)  # the runs that steps made durable meanwhile queued
 
     def close(self) -> None:
         """Drains retention and persistence (each bounded by the options' timeout)."""

@@ -119,8 +119,12 @@ class Persister:
         on_persisted: Callable[[dict[str, Any]], None] | None = None,
         closing: threading.Event | None = None,
         on_failed: Callable[[dict[str, Any]], None] | None = None,
+        on_settled: Callable[[], None] | None = None,
     ):
         self._compression = compression
+        # Called once a step leaves the queue (persisted or not), before `drain` can
+        # return: memory retention may retire it now (`MemoryRetainer.again`).
+        self._on_settled = on_settled
         # Set by the handler's close, once the manager has finished: a step not
         # finalized by then never will be, and its job ends instead of waiting.
         self._closing = closing
@@ -259,6 +263,8 @@ class Persister:
                 self._pending[step] -= 1
                 if not self._pending[step]:
                     del self._pending[step]
+                    if self._on_settled is not None:
+                        self._on_settled()  # only queues work: never waits on this lock
                 self._idle.notify_all()
 
     def _await_commit(self, job: PersistJob) -> None:

@@ -313,7 +313,9 @@ class MemoryRetainer:
         self._timeout_s = timeout_s
         self._pending = pending  # steps queued for persistence: never retired
         self._closing = closing  # the manager has finished: finalization waits end
+        self._lock = threading.Lock()
         self._pool = self._new_pool()
+        self._last: tuple[_memory_tier.MemoryTier, _paths.ItemDir, int] | None = None
         self._errors: list[BaseException] = []
 
     @staticmethod
@@ -322,7 +324,16 @@ class MemoryRetainer:
 
     def after(self, memory: _memory_tier.MemoryTier, item: _paths.ItemDir, step: int) -> None:
         """Queues the retention that follows the finalization of `step` in `item`."""
-        self._pool.submit(self._retain, memory, item, step)
+        with self._lock:
+            self._last = (memory, item, step)
+            self._pool.submit(self._retain, memory, item, step)
+
+    def again(self) -> None:
+        """Queues the newest retention again: a step it kept while it was queued for
+        persistence is retired once durable, not only at the next save's retention."""
+        with self._lock:
+            if self._last is not None:
+                self._pool.submit(self._retain, *self._last)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Waits for the retention runs queued so far."""
@@ -334,8 +345,9 @@ class MemoryRetainer:
 
     def close(self) -> None:
         """Waits for the queued runs; a later `after` starts a new thread."""
-        self._pool.shutdown(wait=True)
-        self._pool = self._new_pool()
+        with self._lock:
+            pool, self._pool = self._pool, self._new_pool()
+        pool.shutdown(wait=True)
 
     def _retain(self, memory: _memory_tier.MemoryTier, item: _paths.ItemDir, step: int) -> None:
         try:

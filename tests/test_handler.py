@@ -402,6 +402,34 @@ def test_without_spare_slabs_the_tier_holds_only_the_kept_steps(memory_root, ckp
         assert_tree_equal(restore(mngr, 3, abstract(state)), state)
 
 
+def test_a_step_kept_while_persisting_is_retired_once_durable(memory_root, ckpt_dir, monkeypatch):
+    """Step 0 is still being persisted when the later saves' retention runs, so they
+    keep it; once it is durable it leaves the tier without waiting for another save."""
+    from jaxckpt._persister import Persister
+
+    release = threading.Event()
+    persist = Persister._persist
+
+    def slow(self, job):
+        if job.manifest.step == 0:
+            release.wait(30)
+        return persist(self, job)
+
+    monkeypatch.setattr(Persister, "_persist", slow)
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, memory_keep=1, persist_every=1000, spare_slabs=False)
+    with manager(ckpt_dir, h) as mngr:
+        for step in range(4):
+            save(mngr, step, state)
+            mngr.wait_until_finished()
+        h._background.retainer.wait(30)
+        assert h._runs.memory.steps() == [0, 3]  # 0 is kept: not durable yet
+        release.set()
+        h.wait_for_persistence()
+        assert h._runs.memory.steps() == [3]
+        assert_tree_equal(restore(mngr, 0, abstract(state)), state)
+
+
 def test_metadata_builds_a_restore_target(memory_root, ckpt_dir):
     state = sharded_state(mesh_1d())
     state["data"] = fresh_iterator()
