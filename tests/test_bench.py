@@ -19,6 +19,7 @@ FIGURE_IDS = {
     "1b",
     "1c",
     "1d",
+    "1e",
     "2a",
     "2b",
     "2c",
@@ -39,6 +40,7 @@ FIGURE_IDS = {
     "6a",
     "6b",
     "6c",
+    "6d",
     "8a",
     "8b",
     *("9a", "9b", "9c", "9d", "9e", "9f"),  # the accelerator-host proxy
@@ -211,10 +213,14 @@ def _check_floor_memory_and_proxy(report, figures):
     warmup = report["config"]["warmup"]
     assert figures["1a"]["target"] == f"<= {figures['1d']['ratio'] + 0.05:.3f}"
     assert figures["1d"]["baseline"] == figures["1a"]["baseline"]
+    assert figures["1e"]["target"] == figures["1a"]["target"]
     for p in report["processes"]:
         assert len(p["loops"]["floor"]["step_s"]) == report["config"]["steps"]
+        assert len(p["loops"]["jaxckpt_hold"]["step_s"]) == report["config"]["steps"]
         assert p["memory"]["memory_keep"] == 1
+        assert p["memory"]["hold_jaxckpt_combined_peak"] > 0
     assert figures["6b"]["baseline"] == 2 * 2 and figures["6b"]["target"] == "<= 1.05"
+    assert figures["6d"]["baseline"] == figures["6b"]["baseline"]
     proxy = report["proxy"]["proxy"]
     confined = proxy["confined"]
     assert confined["device_cpu"] not in confined["host_cpus"] and confined["device_threads"] > 0

@@ -174,40 +174,15 @@ def _loops(
         loops["train"] = _loop(tr, steps)
     memory["train_rss_peak"] = floor = int(peaks["rss"])
 
-    memory["memory_keep"] = keep = 1
-    ours = Jaxckpt(
-        work / "loop-jaxckpt",
-        memory_root,
-        cfg,
-        persist_every=10**9,
-        memory_keep=keep,
-        max_to_keep=keep + 1,
-    )
-    sync("loop/jaxckpt")
-    with sampler.phase("jaxckpt", rss_floor=floor) as peaks:
-        loops["jaxckpt"] = _loop(tr, steps, lambda s: ours.save(s, tr.state(s)))
-        ours.mngr.wait_until_finished()
-        # Retention of older steps runs in the background: the steady state is after it.
-        ours.handler.wait_for_persistence(cfg["timeout_s"])
-        sync("loop/jaxckpt/retained")
-    saves = sorted(ours.metrics("save"), key=lambda m: m["step"])
-    loops["jaxckpt"]["stall_s"] = [m["stall_s"] for m in saves]
-    loops["jaxckpt"]["safe_in_memory_s"] = [m["safe_in_memory_s"] for m in saves]
-    memory.update(
-        jaxckpt_rss_peak=int(peaks["rss"]),
-        jaxckpt_tmpfs_peak=int(peaks["tmpfs"]),
-        jaxckpt_combined_peak=int(peaks["combined"]),
-        tmpfs_steady=_baselines.tree_bytes(memory_root),
-        # The spare slabs among them (`TierOptions.spare_slabs=False` frees these).
-        tmpfs_spare=sum(_baselines.tree_bytes(free) for free in memory_root.glob("*/.free")),
-        rss_after=_baselines.rss_bytes(),
-    )
-    run_dir = ours.handler._runs.memory.run_dir if ours.handler._runs.memory else None
-    ours.close()
-    sync("loop/jaxckpt/closed")
-    if run_dir is not None:
-        shutil.rmtree(run_dir, ignore_errors=True)
-
+    memory["memory_keep"] = 1
+    # The default (the copy into the slab inside `save()`), then holding the saved arrays
+    # while a background thread copies them (`hold_cpu_arrays`): the trade of step
+    # time for host memory (figures 1a/6b against 1e/6d).
+    for name, hold in (("jaxckpt", False), ("jaxckpt_hold", True)):
+        loops[name], used = _jaxckpt_loop(
+            cfg, tr, (sampler, floor), memory_root, work, sync, name, hold
+        )
+        memory.update({k if name == "jaxckpt" else f"hold_{k}": v for k, v in used.items()})
     omngr = orbax_manager(work / "loop-orbax", cfg, max_to_keep=2)
     sync("loop/orbax")
     with sampler.phase("orbax", rss_floor=floor) as peaks:
@@ -224,8 +199,59 @@ def _loops(
     loops["train_again"] = _loop(tr, steps)
     if jax.process_index() == 0:
         shutil.rmtree(work / "loop-orbax", ignore_errors=True)
-        shutil.rmtree(work / "loop-jaxckpt", ignore_errors=True)
     return loops, memory
+
+
+def _jaxckpt_loop(
+    cfg: dict[str, Any],
+    tr: _state.Training,
+    sampling: tuple[_baselines.MemorySampler, int],
+    memory_root: Path,
+    work: Path,
+    sync: Sync,
+    name: str,
+    hold: bool,
+) -> tuple[Record, dict[str, int]]:
+    """The training loop with a jaxckpt save every step (`memory_keep=1`, nothing
+    persisted); its record and the host memory it used (`sampling`: the sampler and
+    the no-save loop's peak RSS, which the peaks are counted above)."""
+    sampler, floor = sampling
+    ours = Jaxckpt(
+        work / f"loop-{name}",
+        memory_root,
+        cfg,
+        persist_every=10**9,
+        memory_keep=1,
+        max_to_keep=2,
+        hold_cpu_arrays=hold,
+    )
+    sync(f"loop/{name}")
+    with sampler.phase(name, rss_floor=floor) as peaks:
+        record = _loop(tr, cfg["steps"], lambda s: ours.save(s, tr.state(s)))
+        ours.mngr.wait_until_finished()
+        # Retention of older steps runs in the background: the steady state is after it.
+        ours.handler.wait_for_persistence(cfg["timeout_s"])
+        sync(f"loop/{name}/retained")
+    saves = sorted(ours.metrics("save"), key=lambda m: m["step"])
+    record["stall_s"] = [m["stall_s"] for m in saves]
+    record["safe_in_memory_s"] = [m["safe_in_memory_s"] for m in saves]
+    used = {
+        "jaxckpt_rss_peak": int(peaks["rss"]),
+        "jaxckpt_tmpfs_peak": int(peaks["tmpfs"]),
+        "jaxckpt_combined_peak": int(peaks["combined"]),
+        "tmpfs_steady": _baselines.tree_bytes(memory_root),
+        # The spare slabs among them (`TierOptions.spare_slabs=False` frees these).
+        "tmpfs_spare": sum(_baselines.tree_bytes(free) for free in memory_root.glob("*/.free")),
+        "rss_after": _baselines.rss_bytes(),
+    }
+    run_dir = ours.handler._runs.memory.run_dir if ours.handler._runs.memory else None
+    ours.close()
+    sync(f"loop/{name}/closed")
+    if run_dir is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if jax.process_index() == 0:
+        shutil.rmtree(work / f"loop-{name}", ignore_errors=True)
+    return record, used
 
 
 def _floor_loop(cfg: dict[str, Any], tr: _state.Training, memory_root: Path, sync: Sync) -> Record:

@@ -311,6 +311,8 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
     tmpfs_steady = sum(p["memory"]["tmpfs_steady"] for p in procs)
     tmpfs_spare = sum(p["memory"].get("tmpfs_spare", 0) for p in procs)
     combined = sum(p["memory"]["jaxckpt_combined_peak"] for p in procs)
+    held = [p["memory"].get("hold_jaxckpt_combined_peak") for p in procs]  # older runs: none
+    combined_holding = sum(held) if all(h is not None for h in held) else None
     # The save loop's memory_keep: at a save's peak the tier holds one step more.
     keep = procs[0]["memory"].get("memory_keep", 1)
     floor = Figure(
@@ -350,6 +352,15 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             "step time without saving",
         ),
         floor,
+        Figure(
+            "1e",
+            "step time, jaxckpt save every step, holding the arrays",
+            t(lambda p: loop(p, "jaxckpt_hold")),
+            "s",
+            train,
+            "step time without saving",
+            bound,
+        ),
         Figure(
             "2a",
             "stall: jaxckpt mngr.save() blocks (isolated)",
@@ -518,6 +529,14 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             "x state",
             1.0 + replicas,
             "1 + r copies of the state",
+        ),
+        Figure(
+            "6d",
+            f"host memory as 6b, holding the arrays (1e's loop), r={replicas}",
+            None if combined_holding is None else combined_holding / state,
+            "x state",
+            (keep + 1.0) * (1.0 + replicas),
+            "(memory_keep + 1)(1 + r) copies of the state",
         ),
     ]
 
