@@ -14,7 +14,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from helpers import manager, mesh_1d, restore, save
+from helpers import abstract, manager, mesh_1d, restore, save
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -51,9 +51,7 @@ def test_a_many_leaf_restore_starts_no_collection_and_turns_it_back_on(
     with manager(ckpt_dir, handler) as mngr:
         save(mngr, 1, state)
         mngr.wait_until_finished()
-        target = {
-            k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in state.items()
-        }
+        target = abstract(state)
         assert gc.isenabled()
         collections.clear()
         restored = restore(mngr, 1, target)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from helpers import manager, mesh_1d, restore, save
+from helpers import abstract, manager, mesh_1d, restore, save
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,9 +33,7 @@ def test_restored_shards_live_on_the_slab_pages(memory_root, ckpt_dir):
     with manager(ckpt_dir, handler) as mngr:
         save(mngr, 1, state)
         mngr.wait_until_finished()
-        target = {
-            k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in state.items()
-        }
+        target = abstract(state)
         restored = restore(mngr, 1, target)
         for k, a in restored.items():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(state[k]))

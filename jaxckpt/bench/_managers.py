@@ -36,6 +36,29 @@ class Jaxckpt:
             options=_manager_options(directory, cfg, max_to_keep, self.handler),
         )
 
+    @classmethod
+    def every_step(
+        cls, directory: Path, memory_root: Path, cfg: dict[str, Any], hold: bool = False
+    ) -> Jaxckpt:
+        """As the training loops save: every step, `memory_keep=1`, nothing persisted
+        (`hold`: `TierOptions.hold_cpu_arrays`)."""
+        return cls(
+            directory,
+            memory_root,
+            cfg,
+            persist_every=10**9,
+            memory_keep=1,
+            max_to_keep=2,
+            hold_cpu_arrays=hold,
+        )
+
+    @property
+    def memory_dir(self) -> Path | None:
+        """This process's memory-tier run directory: removed by the benchmark once
+        closed and no other process may still read it."""
+        memory = self.handler._runs.memory
+        return memory.run_dir if memory is not None else None
+
     def save(self, step: int, state: Any) -> None:
         self.mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state)))
 

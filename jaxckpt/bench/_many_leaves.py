@@ -120,7 +120,7 @@ def run(
     finally:
         omngr.close()
         ours.close()
-    run_dir = ours.handler._runs.memory.run_dir if ours.handler._runs.memory else None
+    run_dir = ours.memory_dir
     sync("many/closed")
     if run_dir is not None:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -154,7 +154,7 @@ def run(
         if not cfg.get("keep"):
             ours.mngr.delete(cfg["repeats"] + 1)
     finally:
-        run_dir = ours.handler._runs.memory.run_dir if ours.handler._runs.memory else None
+        run_dir = ours.memory_dir
         ours.close()
     sync("store/closed")
     if run_dir is not None:

@@ -129,7 +129,7 @@ def _local_phases(
     finally:
         omngr.close()
         ours.close()
-    run_dir = ours.handler._runs.memory.run_dir if ours.handler._runs.memory else None
+    run_dir = ours.memory_dir
     sync("isolated/closed")
     if run_dir is not None:
         shutil.rmtree(run_dir, ignore_errors=True)  # the object-store phase has its own
@@ -216,15 +216,7 @@ def _jaxckpt_loop(
     persisted); its record and the host memory it used (`sampling`: the sampler and
     the no-save loop's peak RSS, which the peaks are counted above)."""
     sampler, floor = sampling
-    ours = Jaxckpt(
-        work / f"loop-{name}",
-        memory_root,
-        cfg,
-        persist_every=10**9,
-        memory_keep=1,
-        max_to_keep=2,
-        hold_cpu_arrays=hold,
-    )
+    ours = Jaxckpt.every_step(work / f"loop-{name}", memory_root, cfg, hold)
     sync(f"loop/{name}")
     with sampler.phase(name, rss_floor=floor) as peaks:
         record = _loop(tr, cfg["steps"], lambda s: ours.save(s, tr.state(s)))
@@ -244,7 +236,7 @@ def _jaxckpt_loop(
         "tmpfs_spare": sum(_baselines.tree_bytes(free) for free in memory_root.glob("*/.free")),
         "rss_after": _baselines.rss_bytes(),
     }
-    run_dir = ours.handler._runs.memory.run_dir if ours.handler._runs.memory else None
+    run_dir = ours.memory_dir
     ours.close()
     sync(f"loop/{name}/closed")
     if run_dir is not None:

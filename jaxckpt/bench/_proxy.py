@@ -101,22 +101,14 @@ def _jaxckpt_loop(
     hold: bool,
 ) -> dict[str, list[float]]:
     """A loop saving every step with jaxckpt (`hold`: `TierOptions.hold_cpu_arrays`)."""
-    ours = Jaxckpt(
-        directory,
-        memory_root,
-        cfg,
-        persist_every=10**9,
-        memory_keep=1,
-        max_to_keep=2,
-        hold_cpu_arrays=hold,
-    )
+    ours = Jaxckpt.every_step(directory, memory_root, cfg, hold)
     try:
         record = loop(tr, cfg["steps"], lambda s: ours.save(s, tr.state(s)))
         ours.mngr.wait_until_finished()
         ours.handler.wait_for_persistence(cfg["timeout_s"])
         return record
     finally:
-        run_dir = ours.handler._runs.memory.run_dir if ours.handler._runs.memory else None
+        run_dir = ours.memory_dir
         ours.close()
         if run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
