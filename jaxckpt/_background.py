@@ -52,7 +52,10 @@ class Background:
         self._closing.set()
         try:
             self.retainer.close()
-            self.persister.close()
+            try:
+                self.persister.close()
+            finally:
+                self.retainer.close()  # the runs the last persists queued (`again`)
         finally:
             self._closing.clear()
 
