@@ -96,7 +96,8 @@ class LandingSlab:
                 self._map = kept[0]
             else:
                 if kept is not None:
-                    kept[0].close()
+                    with contextlib.suppress(BufferError):  # a view still in use keeps it
+                        kept[0].close()
                 # Every page of a spare exists: its page tables are made in one call
                 # (~15 ms a 0.5 GiB, against a fault per page while receiving).
                 populate = mmap.MAP_POPULATE if whole else 0

@@ -60,11 +60,20 @@ def _fetcher(slab: bytes, calls: list | None = None):
     return fetch
 
 
-def _tier_with_spares(tmp_path, size: int) -> MemoryTier:
+def _tier_with_spares(tmp_path, size: int, spare: str = "sparse") -> MemoryTier:
+    """A tier whose step 1 slab is a spare: "sparse" (no page allocated), "filled"
+    (every page exists), or "kept" (filled by this process through a mapping it
+    keeps, as a save fills a reused slab)."""
     tier = MemoryTier(str(tmp_path), "run-a")
     tier.prepare("ckpt", 0)
     for step in (1, 2):
         commit_step(tier, step, owner=0, size=size)
+    if spare != "sparse":
+        slab = tier.part_dir(1, 0) / _slab.SLAB_FILE
+        junk = [np.full(size, 0xAB, np.uint8)]
+        _slab.write(slab, junk, [0], size)  # an existing file: filled through a kept mapping
+        if spare == "filled":
+            _slab.forget_all()
     tier.retain(1, upto=2)  # step 1's slab becomes a spare
     return tier
 
@@ -102,10 +111,11 @@ def _restore(tier: MemoryTier, slab: bytes, chunks, order=None, prefetch=False) 
     return arrays
 
 
+@pytest.mark.parametrize("spare", ["sparse", "filled", "kept"])
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_a_spare_slab_receives_the_chunks_and_is_lent_not_reused(tmp_path, prefetch):
+def test_a_spare_slab_receives_the_chunks_and_is_lent_not_reused(tmp_path, prefetch, spare):
     values, chunks, slab = _peer_part()
-    tier = _tier_with_spares(tmp_path, len(slab))
+    tier = _tier_with_spares(tmp_path, len(slab), spare)
     assert _spares(tier) == 1
     arrays = _restore(tier, slab, chunks, prefetch=prefetch)
     assert _spares(tier) == 0  # the restore took the spare: its pages existed already
