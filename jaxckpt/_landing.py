@@ -106,9 +106,9 @@ class LandingSlab:
         finally:
             os.close(fd)
         self._view = np.frombuffer(self._map, np.uint8, count=max(size, 1))
-        self._steps = -(-size // _STEP)
         self._lock = threading.Lock()
-        self._made = set(range(self._steps)) if whole else set()  # steps whose pages exist
+        # The steps whose pages exist (of `_STEP` bytes each).
+        self._made = set(range(-(-size // _STEP))) if whole else set()
         self._populate = True  # False on a kernel without MADV_POPULATE_WRITE
         self._stop = threading.Event()
         self._kept: list[tuple[int, int]] = []

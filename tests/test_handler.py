@@ -389,22 +389,10 @@ def test_retention_bounds_memory(memory_root, ckpt_dir):
             restore(mngr, 2, abstract(state))
 
 
-def test_without_spare_slabs_the_tier_holds_only_the_kept_steps(memory_root, ckpt_dir):
-    state = sharded_state(mesh_1d())
-    h = handler(memory_root, memory_keep=1, persist_every=1000, spare_slabs=False)
-    with manager(ckpt_dir, h) as mngr:
-        for step in range(4):
-            save(mngr, step, state)
-            mngr.wait_until_finished()
-        h.wait_for_persistence()
-        assert h._runs.memory.steps() == [3]
-        assert [p.parent.name for p in h._runs.memory.run_dir.rglob("slab")] == ["part_00000"]
-        assert_tree_equal(restore(mngr, 3, abstract(state)), state)
-
-
-def test_a_step_kept_while_persisting_is_retired_once_durable(memory_root, ckpt_dir, monkeypatch):
+def test_without_spare_slabs_the_tier_holds_only_the_kept_steps(memory_root, ckpt_dir, monkeypatch):
     """Step 0 is still being persisted when the later saves' retention runs, so they
-    keep it; once it is durable it leaves the tier without waiting for another save."""
+    keep it; once it is durable it leaves the tier without waiting for another save,
+    and only the kept step's slab is left (no spares)."""
     from jaxckpt._persister import Persister
 
     release = threading.Event()
@@ -427,6 +415,8 @@ def test_a_step_kept_while_persisting_is_retired_once_durable(memory_root, ckpt_
         release.set()
         h.wait_for_persistence()
         assert h._runs.memory.steps() == [3]
+        assert [p.parent.name for p in h._runs.memory.run_dir.rglob("slab")] == ["part_00000"]
+        assert_tree_equal(restore(mngr, 3, abstract(state)), state)
         assert_tree_equal(restore(mngr, 0, abstract(state)), state)
 
 

@@ -180,7 +180,7 @@ def _loops(
     # time for host memory (figures 1a/6b against 1e/6d).
     for name, hold in (("jaxckpt", False), ("jaxckpt_hold", True)):
         loops[name], used = _jaxckpt_loop(
-            cfg, tr, (sampler, floor), memory_root, work, sync, name, hold
+            cfg, tr, sampler, floor, memory_root, work, sync, name, hold
         )
         memory.update({k if name == "jaxckpt" else f"hold_{k}": v for k, v in used.items()})
     omngr = orbax_manager(work / "loop-orbax", cfg, max_to_keep=2)
@@ -205,7 +205,8 @@ def _loops(
 def _jaxckpt_loop(
     cfg: dict[str, Any],
     tr: _state.Training,
-    sampling: tuple[_baselines.MemorySampler, int],
+    sampler: _baselines.MemorySampler,
+    rss_floor: int,
     memory_root: Path,
     work: Path,
     sync: Sync,
@@ -213,12 +214,11 @@ def _jaxckpt_loop(
     hold: bool,
 ) -> tuple[Record, dict[str, int]]:
     """The training loop with a jaxckpt save every step (`memory_keep=1`, nothing
-    persisted); its record and the host memory it used (`sampling`: the sampler and
-    the no-save loop's peak RSS, which the peaks are counted above)."""
-    sampler, floor = sampling
+    persisted); its record and the host memory it used, counted above `rss_floor`
+    (the no-save loop's peak RSS)."""
     ours = Jaxckpt.every_step(work / f"loop-{name}", memory_root, cfg, hold)
     sync(f"loop/{name}")
-    with sampler.phase(name, rss_floor=floor) as peaks:
+    with sampler.phase(name, rss_floor=rss_floor) as peaks:
         record = _loop(tr, cfg["steps"], lambda s: ours.save(s, tr.state(s)))
         ours.mngr.wait_until_finished()
         # Retention of older steps runs in the background: the steady state is after it.

@@ -17,7 +17,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, Final
 
-from jaxckpt import _format, _slab
+from jaxckpt import _format, _landing, _slab
 from jaxckpt.peer import _wire
 
 _STATUS_ERRNO: Final = {400: errno.EINVAL, 409: errno.ESTALE, 413: errno.EFBIG, 507: errno.ENOSPC}
@@ -170,8 +170,9 @@ def _request(
 
 
 # With a `progress` callback, a body is received at most this much at a time, so that
-# the caller sees each piece while it is in cache (a landing slab's `_landing.PIECE`).
-PROGRESS_BYTES: Final = 1 << 20
+# the caller sees each piece while it is in cache (and a landing slab makes the pages
+# of the next piece exist first: the same size).
+PROGRESS_BYTES: Final = _landing.PIECE
 
 
 def _read_into(
