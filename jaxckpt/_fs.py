@@ -53,25 +53,47 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         raise
 
 
-def replace_dir(staging: Path, final: Path, *, make_parents: bool = True) -> None:
+def replace_dir(
+    staging: Path | str,
+    final: Path | str,
+    *,
+    make_parents: bool = True,
+    keep_old_at: Path | str | None = None,
+) -> bool:
     """Moves the complete directory `staging` to `final`, replacing what was there.
 
-    An existing `final` is first renamed away, then removed, so that `final`
-    names either the old complete directory or the new one (or, for an instant,
-    nothing).
+    An existing `final` is first renamed away, then removed (or left at
+    `keep_old_at` for the caller to dispose of), so that `final` names either the
+    old complete directory or the new one (or, for an instant, nothing).
+
+    Args:
+      staging: the complete new directory.
+      final: where it goes.
+      make_parents: create `final`'s parent when it is missing.
+      keep_old_at: where a replaced `final` is moved instead of being removed
+        (a name on the same filesystem that does not exist yet).
+
+    Returns:
+      Whether `final` existed and was replaced.
 
     Raises:
       FileNotFoundError: if `final`'s parent is missing and `make_parents` is False.
     """
+    staging, final = Path(staging), Path(final)
     if make_parents:
         final.parent.mkdir(parents=True, exist_ok=True)
     old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+    if os.path.lexists(final):
+        old = (
+            Path(keep_old_at)
+            if keep_old_at is not None
+            else final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        )
         os.rename(final, old)
     os.rename(staging, final)
-    if old is not None:
+    if old is not None and keep_old_at is None:
         remove_entry(old)
+    return old is not None
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:

@@ -208,18 +208,22 @@ def _kill_on_receive(step: int) -> None:
     after the first bytes of the first file arrived (a holder dying mid-push)."""
     import signal
 
-    from jaxckpt.peer import _request_handler as _peer_handler
+    from jaxckpt.peer import _push_receiver
 
-    original = _peer_handler.PeerRequestHandler._receive_file
+    original = _push_receiver.PushReceiver.receive
     marker = f"step_{step:012d}"
 
-    def receive(self, name, size, out, bufs, writer):
-        if marker in self.path:
-            self.rfile.read(min(size, 16))
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, name, size, out, bufs, writer)
+    def receive(self, rel, total):
+        if marker in rel:
 
-    _peer_handler.PeerRequestHandler._receive_file = receive
+            def die_after_the_first_bytes(name, size, slab, check, chunk):
+                self._rfile.read(min(size, 16))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            self.receive_slab = die_after_the_first_bytes
+        return original(self, rel, total)
+
+    _push_receiver.PushReceiver.receive = receive
 
 
 def scenario_save_faulty(args: dict) -> dict:

@@ -35,6 +35,16 @@ PUSH_VERSION: Final = 2
 _RUN_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
+class Refusal(Exception):
+    """A request the service refuses: answered with ``status`` and a JSON
+    ``{"error": message}`` body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
 @dataclasses.dataclass(frozen=True)
 class PeerAddress:
     """Where a process's peer service listens.
