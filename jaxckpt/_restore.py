@@ -198,9 +198,12 @@ class Restorer:
             try:
                 reader = self._reader(source, owner)
                 data = reader.read(leaf, record, expected, self._timeout_s)
-            except TimeoutError:
+            except TimeoutError as e:
                 self._dead.add(source)
-                tried.append(f"{source.describe()}: no answer within {self._timeout_s:g} s")
+                # The reader's own message states the bound it waited for (a peer's range
+                # read waits half the timeout), not the restore's.
+                why = self._redact(str(e)) or f"no answer within {self._timeout_s:g} s"
+                tried.append(f"{source.describe()}: {why}")
                 continue
             except Exception as e:
                 tried.append(f"{source.describe()}: {self._redact(str(e))}")

@@ -33,11 +33,12 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
       delete_newer: delete (`mngr.delete`) the finalized steps newer than the
         returned one: none of them can be restored, and the manager skips saving
         a step number that already exists, so the resumed job's next saves of
-        those steps would otherwise be lost.
+        those steps would otherwise be lost. When no step is restorable nothing
+        is deleted: the steps stay (a tier may come back), with a warning saying
+        so and what to do.
 
     Returns:
-      The step, or None if no step can be restored (then, with `delete_newer`,
-      every step is deleted).
+      The step, or None if no step can be restored.
 
     Raises:
       ValueError: if `mngr` has no item handled by a `TieredCheckpointHandler`.
@@ -62,19 +63,35 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
         # Any item directory will do: the handler looks at the step directories next to it.
         restorable &= set(handler.restorable_steps(root / "0" / item))
     newest = max(restorable, default=None)
+    if newest is None and steps:
+        # IMPORTANT: never delete the last steps there are. Nothing restorable now may
+        # be a tier that comes back (a host rebooting, a peer partitioned away), and a
+        # deleted step is gone for good; the job decides, told what is left.
+        log.warning(
+            "jaxckpt: [process %d] no step of %s is restorable: no tier holds a complete "
+            "verified copy of steps %s (own memory, peers' memory, persistent storage). "
+            "They are left in place; the manager saves no step number up to %d while they "
+            "exist. To start over, delete them (mngr.delete(step)) or use a new checkpoint "
+            "directory; to resume from the checkpoints an older loop wrote, see "
+            "jaxckpt.restore_existing.",
+            _multihost.process_index(),
+            mngr.directory,
+            steps,
+            steps[-1],
+        )
+        return None
     if delete_newer:
         for step in steps:
-            if newest is None or step > newest:
+            if step > newest:
                 log.warning(
                     "jaxckpt: [process %d] deleting step %d of %s: no tier holds a complete "
                     "verified copy of it (own memory, peers' memory, persistent storage), and "
-                    "the next saves must be able to write that step number again; %s",
+                    "the next saves must be able to write that step number again; the newest "
+                    "restorable step is %d",
                     _multihost.process_index(),
                     step,
                     mngr.directory,
-                    "nothing is restorable"
-                    if newest is None
-                    else f"the newest restorable step is {newest}",
+                    newest,
                 )
                 mngr.delete(step)
     return newest

@@ -70,14 +70,22 @@ def test_memory_loss_returns_the_newest_persisted_step_and_frees_newer(
     mngr.close()
 
 
-def test_nothing_restorable_returns_none_and_deletes_every_step(memory_root, ckpt_dir):
-    mngr, _ = _saved(memory_root, ckpt_dir, [1])  # persist_every=2: step 1 lives in memory only
+def test_nothing_restorable_returns_none_and_deletes_nothing(memory_root, ckpt_dir, caplog):
+    """The last steps there are stay when none is restorable (a tier may come back),
+    and the warning says so, naming them and what to do."""
+    mngr, _ = _saved(memory_root, ckpt_dir, [1, 3])  # persist_every=2: both in memory only
     mngr.close()
     shutil.rmtree(memory_root)
     handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
     mngr = manager(ckpt_dir, handler)
-    assert jaxckpt.latest_restorable_step(mngr) is None
-    assert mngr.all_steps() == []
+    with caplog.at_level("WARNING", logger="jaxckpt"):
+        assert jaxckpt.latest_restorable_step(mngr) is None
+    assert mngr.all_steps() == [1, 3]
+    warned = [r.getMessage() for r in caplog.records if "is restorable" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert "steps [1, 3]" in warned[0] and "left in place" in warned[0]
+    assert "mngr.delete(step)" in warned[0]
+    assert not any("deleting step" in r.getMessage() for r in caplog.records)
     mngr.close()
 
 
