@@ -388,6 +388,16 @@ def test_bad_peer_without_fallback_is_a_clear_error(kind, saved, tmp_path, monke
     assert TOKEN not in message and "b" * 64 not in message
 
 
+def test_a_silent_peer_is_reported_with_the_bound_the_restore_waited(saved, tmp_path, monkeypatch):
+    """A peer's range read waits half the run's timeout: the error (and the fallback
+    warning) says that bound, not the whole timeout."""
+    outcome, _ = restore_through_peer("hang", False, saved, tmp_path, monkeypatch)
+    assert outcome.kind == "error", outcome
+    message = str(outcome.error)
+    assert f"no answer within {TIMEOUT_S / 2:g} s" in message, message
+    assert f"within {TIMEOUT_S:g} s" not in message, message
+
+
 # ---- the peer service of a real `Peers.connect` ---------------------------------
 
 
