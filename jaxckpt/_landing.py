@@ -359,7 +359,9 @@ class LandingReader:
             else _checksum.matches(None, chunk.crc32, into)
         )
         if not matches:
-            raise ValueError(f"checksum mismatch of chunk {chunk.index} of {record.path}")
+            raise _readers.ChecksumMismatchError(
+                f"checksum mismatch of chunk {chunk.index} of {record.path}"
+            )
         data = _readers.from_bytes(into, record, chunk)
         self._landing.keep(offset, chunk.nbytes)
         return data

@@ -1,8 +1,9 @@
 """Peer service request handler: answers one peer's requests on the run directory.
 
 Authenticates each request by token and run, confines its path to the run
-directory, and serves files (with ``Range`` and ``ETag``), listings, deletions
-and pushes of memory-tier parts. A push is received into a temporary directory
+directory, and serves files (with ``Range`` and ``ETag``), listings, deletions,
+pushes of memory-tier parts and checks of a held part (``POST /check/...``: a
+peer read bad bytes from it; it is checked here and quarantined if damaged). A push is received into a temporary directory
 (its slab into a free slab of the memory tier when there is one), its chunks are
 checked against the pushed manifest while later ones still arrive, and it is
 committed with a rename. The wire format is defined in `_wire`. What a handler
@@ -26,7 +27,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from jaxckpt import _checksum, _format, _fs, _memory_tier, _resources, _slab
+from jaxckpt import (
+    _checksum,
+    _format,
+    _fs,
+    _memory_tier,
+    _multihost,
+    _quarantine,
+    _resources,
+    _slab,
+)
 from jaxckpt.peer import _wire
 
 logger = logging.getLogger(__name__)
@@ -164,6 +174,8 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
                 self._delete(rel)
             elif kind == "push" and self.command == "POST":
                 self._push(rel)
+            elif kind == "check" and self.command == "POST":
+                self._check(rel)
             else:
                 raise _HTTPError(405, f"{self.command} is not supported on {kind!r} paths.")
         except _HTTPError as e:
@@ -272,6 +284,17 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
             os.rename(path, trash)  # FileNotFoundError -> 404
         _fs.remove_entry(trash)
         self._reply(204, b"", "application/json")
+
+    def _check(self, rel: str) -> None:
+        """Checks the part at ``rel`` against its manifest's checksums, quarantining it
+        if damaged (a peer read bad bytes from it); answers what is wrong, or null."""
+        if not _PART_PLACE.fullmatch(rel):
+            raise _HTTPError(400, f"Check of {rel!r}: not a part's place (step_<n>/part_<n>).")
+        part_dir = Path(self._resolve(rel))
+        if not part_dir.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "no such part", rel)
+        damage = _quarantine.check_and_quarantine(part_dir, _multihost.process_index())
+        self._reply(200, json.dumps({"damage": damage}).encode(), "application/json")
 
     def _push_length(self) -> int:
         length = self.headers.get("Content-Length")
