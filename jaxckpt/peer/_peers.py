@@ -242,7 +242,7 @@ class Peers:
             step,
             holder,
             why,
-            f"that process found it damaged ({damage}) and quarantined it"
+            f"that process found it damaged ({damage}): it is quarantined"
             if damage is not None
             else "that process found its copy whole (damaged on the way): it stays",
         )
