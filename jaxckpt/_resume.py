@@ -42,10 +42,10 @@ def latest_restorable_step(
         own parts and the replicas it keeps for peers, of every finalized step)
         against the CRC-32Cs of its manifest, quarantining the damaged ones, so
         the answer is a step whose memory copies are known whole. Costs one read
-        of the memory tier on every process, at CRC-32C speed: about 1 s per
-        3 GB held (measured on 2 CPU cores: see docs/operations.md), all
-        processes at once. Persisted copies are not read (each chunk is checked
-        as a restore reads it, and falls back to another copy).
+        of what each process holds in memory, at CRC-32C speed, all processes
+        at once: measured 1.0-2.8 GB/s on a loaded 2-core host, so about 0.4-1 s
+        per GB held (docs/operations.md). Persisted copies are not read (a
+        restore checks each chunk it reads, and falls back to another copy).
       delete_newer: delete (`mngr.delete`) the finalized steps newer than the
         returned one: none of them can be restored, and the manager skips saving
         a step number that already exists, so the resumed job's next saves of
