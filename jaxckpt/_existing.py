@@ -111,8 +111,10 @@ def restore_existing(
             damaged = damaged or e
             continue
         return found.step, _restore_msgpack(found, saved, target)
-    if damaged is not None:
-        raise damaged  # every step there was is damaged: never a silent fresh start
+    if damaged is not None:  # every step there was is damaged: never a silent fresh start
+        raise ValueError(
+            f"Every checkpoint restore_existing finds in {root} is damaged; the newest: {damaged}"
+        ) from damaged
     return None
 
 
