@@ -96,7 +96,7 @@ def latest_restorable_step(
             steps[-1],
         )
         return None
-    if delete_newer:
+    if delete_newer and newest is not None:
         for step in steps:
             if step > newest:
                 log.warning(
