@@ -174,22 +174,16 @@ def _candidates(root: epath.Path, step: int | None, item: str | None) -> Iterato
 
 
 def _steps(root: epath.Path) -> dict[int, epath.Path]:
-    """step -> path of every finalized Orbax step directory and flax checkpoint in `root`."""
+    """step -> path of every finalized Orbax step directory and flax checkpoint in `root`
+    (Orbax's helper leaves out its temporary directories, and names that are no step)."""
     steps = {
         ocp.path.step.step_from_checkpoint_name(p.name): p
         for p in ocp.path.step.checkpoint_steps_paths(root)
-        if not _unfinished(p)
     }
     # flax's legacy msgpack checkpoints are files, which Orbax's helper does not list.
     for number, path in _existing_msgpack.steps(root).items():
         steps.setdefault(number, path)
     return steps
-
-
-def _unfinished(path: epath.Path) -> bool:
-    """Whether `path` is a temporary directory of a save in progress (Orbax's helper
-    judges by the default finalization of `path`'s filesystem only)."""
-    return ocp.path.step.is_tmp_checkpoint(path)
 
 
 # Why a step is not restored: it holds a jaxckpt item (`mngr.restore` reads it).
