@@ -105,7 +105,8 @@ def restore_latest(manager: Any, handler: Any, abstract_state: PyTree) -> PyTree
 
     Collective: every process calls it. `jaxckpt.latest_restorable_step` finds the step
     (own memory, a peer's memory or persistent storage) and deletes the newer steps that
-    no tier can restore, so that the manager saves those step numbers again.
+    no tier can restore, so that the manager saves those step numbers again; when no
+    step is restorable, this job starts over and deletes every step itself.
 
     Args:
         manager: From :func:`make_manager`.
@@ -123,6 +124,11 @@ def restore_latest(manager: Any, handler: Any, abstract_state: PyTree) -> PyTree
     start = time.perf_counter()
     step = jaxckpt.latest_restorable_step(manager)
     if step is None:
+        # Nothing is restorable, and latest_restorable_step leaves the steps there are (a
+        # tier may come back). This job starts over instead, so it deletes them: the
+        # manager saves no step number up to the newest that exists.
+        for stale in manager.all_steps():
+            manager.delete(stale)
         return None
     try:
         args = ocp.args.Composite(train=jaxckpt.TieredRestore(abstract_state))

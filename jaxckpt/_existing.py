@@ -9,13 +9,15 @@ of a target, so the first run on jaxckpt starts where the old loop stopped.
 Everything on disk is read by Orbax and flax themselves: Orbax's step-name
 helpers find the finalized steps, `PyTreeCheckpointHandler` (which also writes
 `StandardSave` items and flax's Orbax-format steps) reads an item, and
-`flax.training.checkpoints.restore_checkpoint` reads a msgpack file.
+`flax.serialization` reads a msgpack file (`_existing_msgpack`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -24,19 +26,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt import _format, _storage
+from jaxckpt import _existing_msgpack, _format, _storage
 
-# flax.training.checkpoints' default name prefix (`checkpoint_<N>`).
-_FLAX_PREFIX = "checkpoint_"
-
-
-def _flax_checkpoints() -> Any:
-    """`flax.training.checkpoints`, or None: flax is an extra, not a dependency of jaxckpt."""
-    try:
-        from flax.training import checkpoints
-    except ImportError:
-        return None
-    return checkpoints
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +61,15 @@ def restore_existing(
 
     and the job continues at `step + 1`; its next `mngr.save` writes the first
     jaxckpt step. `directory` may be an Orbax `CheckpointManager`'s directory
-    (`<step>/<item>`, any step prefix) or a `flax.training.checkpoints` directory
-    (`checkpoint_<N>`, Orbax-format or legacy msgpack). Steps holding a jaxckpt
-    item are skipped: those are restored with `mngr.restore`.
+    (`<step>/<item>`, any step prefix), a `flax.training.checkpoints` directory
+    (`checkpoint_<N>`, Orbax-format or legacy msgpack), or one checkpoint written
+    without steps (`ocp.PyTreeCheckpointer().save(directory, tree)`), returned as
+    step 0. Steps holding a jaxckpt item are skipped (those are restored with
+    `mngr.restore`), and so are step directories a save never finalized (an
+    Orbax temporary directory; a step whose item directories are empty) and
+    names that are not steps (`checkpoint_best`, `checkpoint_7.bak`). A damaged
+    newest msgpack file (truncated) is named in a warning and the next older
+    step is restored instead.
 
     Args:
       directory: the old checkpoints' directory (local, gs:// or s3://).
@@ -94,15 +92,30 @@ def restore_existing(
     Raises:
       FileNotFoundError: if `step` is given and `directory` has no such checkpoint.
       ValueError: if the step holds several items and `item` is None, has no item
-        `item`, or its tree does not match `target` (naming the leaf).
+        `item`, or its tree does not match `target` (naming the leaf: a leaf the
+        target has and the step lacks, or one the step holds and the target
+        lacks); if `step` was not finalized; if the file of `step`, or of every
+        step, is damaged (naming the file).
     """
     root = _as_epath(directory)
-    found = _find(root, step, item)
-    if found is None:
-        return None
-    if found.msgpack:
-        return found.step, _restore_msgpack(found, target)
-    return found.step, _restore_pytree(found, target)
+    damaged: _existing_msgpack.DamagedCheckpointError | None = None
+    for found in _candidates(root, step, item):
+        if not found.msgpack:
+            return found.step, _restore_pytree(found, target)
+        try:
+            saved = _existing_msgpack.read(found.step, found.path)
+        except _existing_msgpack.DamagedCheckpointError as e:
+            if step is not None:
+                raise
+            log.warning("jaxckpt: %s Trying the next older step.", e)
+            damaged = damaged or e
+            continue
+        return found.step, _restore_msgpack(found, saved, target)
+    if damaged is not None:  # every step there was is damaged: never a silent fresh start
+        raise ValueError(
+            f"Every checkpoint restore_existing finds in {root} is damaged; the newest: {damaged}"
+        ) from damaged
+    return None
 
 
 def _as_epath(directory: str | os.PathLike[str]) -> epath.Path:
@@ -112,11 +125,12 @@ def _as_epath(directory: str | os.PathLike[str]) -> epath.Path:
     return epath.Path(os.path.abspath(os.fspath(directory)))
 
 
-def _find(root: epath.Path, step: int | None, item: str | None) -> _Found | None:
-    """The step to restore in `root` (the newest, or `step`), or None if there is none."""
+def _candidates(root: epath.Path, step: int | None, item: str | None) -> Iterator[_Found]:
+    """What to restore in `root`: `step`, or every step newest first (the caller takes
+    the first it can read); nothing if there is none."""
     if not root.exists():
         if step is None:
-            return None
+            return
         raise FileNotFoundError(
             f"There is no directory {root} to restore step {step} from: pass the directory "
             "the old CheckpointManager or flax.training.checkpoints wrote."
@@ -126,6 +140,16 @@ def _find(root: epath.Path, step: int | None, item: str | None) -> _Found | None
             f"{root} is a file, not a checkpoint directory: pass the directory holding the "
             "step directories (or flax's checkpoint_<N> files)."
         )
+    if ocp.path.format_utils.is_pytree_checkpoint(root):
+        # One checkpoint written without steps (`PyTreeCheckpointer().save(root)`); its
+        # own subdirectories (`d`, `ocdbt.process_0`) are not steps.
+        if step not in (None, 0):
+            raise FileNotFoundError(
+                f"{root} is one checkpoint without steps (as PyTreeCheckpointer().save "
+                f"writes it), restored as step 0, not step {step}: pass step=None."
+            )
+        yield _Found(0, root, msgpack=False)
+        return
     steps = _steps(root)
     if step is not None:
         if step not in steps:
@@ -134,46 +158,52 @@ def _find(root: epath.Path, step: int | None, item: str | None) -> _Found | None
                 "Pass one of those, or step=None for the newest."
             )
         found = _item_of(root, step, steps[step], item)
-        if found is None:
+        if isinstance(found, str):
             raise ValueError(
-                f"Step {step} in {root} holds a jaxckpt item: restore it with "
-                "mngr.restore(step, args=ocp.args.Composite(...)), not restore_existing."
+                f"Step {step} in {root} {found}: restore_existing does not read it. Pass "
+                "another step, or step=None for the newest it reads."
             )
-        return found
+        yield found
+        return
     for number in sorted(steps, reverse=True):
         found = _item_of(root, number, steps[number], item)
-        if found is not None:
-            return found
-    return None
+        if isinstance(found, _Found):
+            yield found
+        elif found != _JAXCKPT:
+            log.warning("jaxckpt: step %d in %s %s; skipped.", number, root, found)
 
 
 def _steps(root: epath.Path) -> dict[int, epath.Path]:
-    """step -> path of every finalized Orbax step directory and flax checkpoint in `root`."""
+    """step -> path of every finalized Orbax step directory and flax checkpoint in `root`
+    (Orbax's helper leaves out its temporary directories, and names that are no step)."""
     steps = {
         ocp.path.step.step_from_checkpoint_name(p.name): p
         for p in ocp.path.step.checkpoint_steps_paths(root)
     }
-    # flax's legacy msgpack checkpoints are files, which Orbax's helper does not list (and
-    # which only flax reads: without flax installed there are none to find).
-    flax_checkpoints = _flax_checkpoints()
-    if flax_checkpoints is None:
-        return steps
-    for number in flax_checkpoints.available_steps(os.fspath(root), _FLAX_PREFIX):
-        path = root / f"{_FLAX_PREFIX}{number}"
-        if path.is_file():
-            steps.setdefault(int(number), path)
+    # flax's legacy msgpack checkpoints are files, which Orbax's helper does not list.
+    for number, path in _existing_msgpack.steps(root).items():
+        steps.setdefault(number, path)
     return steps
 
 
-def _item_of(root: epath.Path, step: int, path: epath.Path, item: str | None) -> _Found | None:
-    """What of step `step` (at `path`) to restore; None for a step holding a jaxckpt item."""
+# Why a step is not restored: it holds a jaxckpt item (`mngr.restore` reads it).
+_JAXCKPT = "holds a jaxckpt item: restore it with mngr.restore(step, args=...)"
+
+
+def _item_of(root: epath.Path, step: int, path: epath.Path, item: str | None) -> _Found | str:
+    """What of step `step` (at `path`) to restore, or why nothing of it is."""
     if path.is_file():
         return _Found(step, path, msgpack=True)
     if ocp.path.format_utils.is_pytree_checkpoint(path):
         return _Found(step, path, msgpack=False)  # flax's checkpoint_<N>: the step is the item
-    items = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    dirs = [p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    items = sorted(p.name for p in dirs)
     if any(_is_jaxckpt_item(path / name) for name in items):
-        return None
+        return _JAXCKPT
+    if not any(any(True for _ in p.iterdir()) for p in dirs):
+        # A save that died before its items were written (its step metadata and empty
+        # item directories are made first, and kept by commit-file finalization).
+        return f"was never finalized (its item directories, {items}, are empty)"
     pytrees = [name for name in items if ocp.path.format_utils.is_pytree_checkpoint(path / name)]
     if item is not None:
         if item not in pytrees:
@@ -292,15 +322,9 @@ def _names(flat: dict[tuple[str, ...], Any]) -> str:
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
-def _restore_msgpack(found: _Found, target: Any) -> Any:
-    """A legacy flax msgpack checkpoint, read by flax, placed as `target` asks."""
-    try:
-        restored = _flax_checkpoints().restore_checkpoint(os.fspath(found.path), target=target)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"Step {found.step} at {found.path} (a flax msgpack checkpoint) does not match "
-            f"the target: {e}. Pass a target with the tree the old loop saved."
-        ) from e
+def _restore_msgpack(found: _Found, saved: Any, target: Any) -> Any:
+    """A legacy flax msgpack checkpoint (its state dict `saved`), placed as `target` asks."""
+    restored = _existing_msgpack.restore(found.step, found.path, saved, target)
     return jax.tree_util.tree_map_with_path(
         lambda path, t, v: _place(found, path, t, v), target, restored
     )

@@ -35,7 +35,8 @@ of zlib's CRC-32; and keeps a memory or peer part in one slab file (`_slab`),
 each chunk at the `offset` its record gives.
 Versions 1 and 2 are still read (every field added since has a default; their
 arrays are named by leaf index). A field added within a version has a default
-that older manifests get, and older readers ignore it: `persist` (in 3).
+that older manifests get, and older readers ignore it: `persist`, `weak_types`
+(in 3).
 """
 
 from __future__ import annotations
@@ -272,6 +273,11 @@ class PartManifest:
       persist: whether the save asked for the step's persistence
         (`TieredSave(persist=True)`), whatever `TierOptions.persist_every` says.
         Added in version 3 with a default (False).
+      weak_types: the indices of the array leaves saved weakly typed (a learning
+        rate made from a Python float): the saved tree's metadata gives them
+        back weakly typed, so a restore through it keeps `lr * bf16` in
+        bfloat16. Added in version 3 with a default (none), written only when
+        there are some.
     """
 
     step: int
@@ -288,13 +294,14 @@ class PartManifest:
     scalars: Mapping[int, Any] = dataclasses.field(default_factory=dict)
     shardings: Mapping[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     persist: bool = False
+    weak_types: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for cs in self.chunks.values() for c in cs)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "step": self.step,
@@ -313,6 +320,9 @@ class PartManifest:
             "persist": self.persist,
             "jaxckpt_version": JAXCKPT_VERSION,
         }
+        if self.weak_types:
+            d["weak_types"] = list(self.weak_types)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PartManifest:
@@ -347,6 +357,7 @@ class PartManifest:
             scalars={int(i): v for i, v in d.get("scalars", {}).items()},
             shardings={int(i): s for i, s in d.get("shardings", {}).items()},
             persist=bool(d.get("persist", False)),
+            weak_types=tuple(int(i) for i in d.get("weak_types", ())),
         )
 
     def is_due(self, persist_every: int) -> bool:

@@ -206,7 +206,12 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             item.path, memory, self._runs.peers, step, plan.manifests, pi, self._options.timeout_s
         )
         restorer = _restore.Restorer(
-            plan, readers, pi, self._runs.redact, timeout_s=self._options.timeout_s
+            plan,
+            readers,
+            pi,
+            self._runs.redact,
+            timeout_s=self._options.timeout_s,
+            on_damaged=_restore.quarantiner(memory, self._runs.peers, step, pi),
         )
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)
@@ -273,16 +278,19 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._background.wait(self._options.timeout_s if timeout_s is None else timeout_s)
         self._background.raise_errors()
 
-    def restorable_steps(self, item_dir: epath.Path | Path) -> list[int]:
+    def restorable_steps(self, item_dir: epath.Path | Path, verify: bool = False) -> list[int]:
         """Every finalized step next to `item_dir` that can be restored from some tier.
 
         Collective: every process calls it; the processes exchange what their
         memory tiers hold (bounded by `TierOptions.timeout_s`) and all get the
-        same answer.
+        same answer. A memory-tier copy that failed its checksums (in a restore,
+        or here with `verify`) is quarantined and not counted.
 
         Args:
           item_dir: any `<checkpoint dir>/<step>/<item>` directory of this item
             (the step need not exist).
+          verify: first check every copy this process holds in memory against its
+            checksums (see `jaxckpt.latest_restorable_step`).
 
         Returns:
           The restorable steps, newest first.
@@ -291,7 +299,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         error: BaseException | None = None
         steps: list[int] = []
         try:
-            steps = self._runs.restorable_steps(item)
+            steps = self._runs.restorable_steps(item, verify)
         except Exception as e:  # agreed on below, so that every process raises
             error = e
         self._runs.agree("list", item, error, what="Finding the restorable steps")

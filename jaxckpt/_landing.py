@@ -341,7 +341,9 @@ class LandingReader:
             if not self._cond.wait_for(
                 lambda: offset in self._arrived or offset not in self._prefetched, timeout_s
             ):
-                raise TimeoutError(f"Chunk {chunk.index} of {record.path} did not arrive in time.")
+                raise TimeoutError(
+                    f"Chunk {chunk.index} of {record.path} did not arrive within {timeout_s:g} s."
+                )
             crc = self._arrived.get(offset)
             no_answer = self._no_answer
         if crc is None and no_answer is not None:
@@ -357,7 +359,9 @@ class LandingReader:
             else _checksum.matches(None, chunk.crc32, into)
         )
         if not matches:
-            raise ValueError(f"checksum mismatch of chunk {chunk.index} of {record.path}")
+            raise _readers.ChecksumMismatchError(
+                f"checksum mismatch of chunk {chunk.index} of {record.path}"
+            )
         data = _readers.from_bytes(into, record, chunk)
         self._landing.keep(offset, chunk.nbytes)
         return data

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from absl import logging as log
 
-from jaxckpt import _format, _fs, _liveness, _memory_budget, _slab
+from jaxckpt import _format, _fs, _liveness, _memory_budget, _quarantine, _slab
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PART_RE = re.compile(r"^part_(\d+)$")
@@ -273,7 +273,8 @@ class MemoryTier:
 
     def parts(self, step: int) -> list[int]:
         """Owners whose part of `step` this tier holds (parts of format versions
-        before the slab, left by an older jaxckpt, are not counted)."""
+        before the slab, left by an older jaxckpt, are not counted, nor parts found
+        damaged: `_quarantine`)."""
         step_dir = self.step_dir(step)
         if not step_dir.is_dir():
             return []
@@ -281,7 +282,9 @@ class MemoryTier:
         return sorted(
             int(m.group(1))
             for m in found
-            if m and (step_dir / m.group(0) / _slab.SLAB_FILE).exists()
+            if m
+            and (step_dir / m.group(0) / _slab.SLAB_FILE).exists()
+            and not _quarantine.is_quarantined(step_dir / m.group(0))
         )
 
     def slab(self, step: int, owner: int) -> Path:

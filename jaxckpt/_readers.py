@@ -24,6 +24,11 @@ import numpy as np
 from jaxckpt import _chunking, _format, _slab, _zarr
 
 
+class ChecksumMismatchError(ValueError):
+    """A chunk's bytes do not match the checksum its manifest records (raised by a
+    reader that checks as it receives: `verifies_checksums`)."""
+
+
 class ChunkReader(Protocol):
     def read(
         self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float

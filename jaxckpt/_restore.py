@@ -29,6 +29,7 @@ from jaxckpt import (
     _landing,
     _memory_tier,
     _plan,
+    _quarantine,
     _readers,
     _resources,
     _sharding,
@@ -36,6 +37,8 @@ from jaxckpt import (
 )
 
 ReaderFor = Callable[[_plan.Source, int], _readers.ChunkReader]  # (source, owner) -> reader
+# (source, owner, what is wrong): told once per copy whose bytes failed their checksum.
+OnDamaged = Callable[[_plan.Source, int, str], None]
 
 # Chunks of one leaf are read in parallel from this many bytes on (below, the
 # hand-off to a thread costs more than it saves).
@@ -48,9 +51,30 @@ class ChunkUnavailableError(OSError):
 
 
 class PeerRanges(Protocol):
-    """What the reader factory needs of a run's peers: byte ranges of a held slab."""
+    """What a restore needs of a run's peers: byte ranges of a held slab, and telling
+    a holder that its copy gave bytes that failed their checksum."""
 
     def slab_range_reader(self, holder: int, step: int, owner: int) -> Callable[..., None]: ...
+
+    def report_damaged(self, holder: int, step: int, owner: int, why: str) -> None: ...
+
+
+def quarantiner(
+    memory: _memory_tier.MemoryTier, peers: PeerRanges | None, step: int, process_index: int
+) -> OnDamaged:
+    """The `Restorer`'s `on_damaged` for one step: a copy in this process's memory tier
+    that gave bytes failing their checksum is quarantined here; a peer's copy is
+    checked (and quarantined) by its holder, told through its peer service. Either
+    way no inventory offers it again, so a resumed job does not pick that copy (or,
+    without another one, that step) again."""
+
+    def on_damaged(source: _plan.Source, owner: int, why: str) -> None:
+        if source.tier == _plan.MEMORY:
+            _quarantine.quarantine(memory.part_dir(step, owner), why, process_index)
+        elif source.tier == _plan.PEER and peers is not None and source.holder is not None:
+            peers.report_damaged(source.holder, step, owner, why)
+
+    return on_damaged
 
 
 def reader_factory(
@@ -134,8 +158,11 @@ class Restorer:
         process_index: int,
         redact: Callable[[str], str] = str,
         timeout_s: float = 120.0,
+        on_damaged: OnDamaged | None = None,
     ):
         self._plan = plan
+        self._on_damaged = on_damaged
+        self._damaged: set[tuple[_plan.Source, int]] = set()  # told to `on_damaged` already
         self._redact = redact
         self._reader_for = reader_for
         self._process_index = process_index
@@ -198,9 +225,16 @@ class Restorer:
             try:
                 reader = self._reader(source, owner)
                 data = reader.read(leaf, record, expected, self._timeout_s)
-            except TimeoutError:
+            except TimeoutError as e:
                 self._dead.add(source)
-                tried.append(f"{source.describe()}: no answer within {self._timeout_s:g} s")
+                # The reader's own message states the bound it waited for (a peer's range
+                # read waits half the timeout), not the restore's.
+                why = self._redact(str(e)) or f"no answer within {self._timeout_s:g} s"
+                tried.append(f"{source.describe()}: {why}")
+                continue
+            except _readers.ChecksumMismatchError as e:
+                tried.append(f"{source.describe()}: {self._redact(str(e))}")
+                self._damaged_copy(source, owner, str(e))
                 continue
             except Exception as e:
                 tried.append(f"{source.describe()}: {self._redact(str(e))}")
@@ -209,6 +243,9 @@ class Restorer:
             checked = getattr(reader, "verifies_checksums", False)
             if not checked and not _checksum.matches(expected.crc32c, expected.crc32, data):
                 tried.append(f"{source.describe()}: checksum mismatch")
+                self._damaged_copy(
+                    source, owner, f"checksum mismatch of chunk {index} of {record.path}"
+                )
                 continue
             with self._lock:
                 self.bytes_by_tier[source.tier] = (
@@ -229,6 +266,26 @@ class Restorer:
             f"(part of process {owner}) at step {self._plan.step}: "
             + ("; ".join(tried) if tried else "no source holds it")
         )
+
+    def _damaged_copy(self, source: _plan.Source, owner: int, why: str) -> None:
+        """Tells `on_damaged` (once per copy) that `source`'s copy of `owner`'s part
+        failed a checksum, so that it is quarantined and not offered again."""
+        with self._lock:
+            if self._on_damaged is None or (source, owner) in self._damaged:
+                return
+            self._damaged.add((source, owner))
+        try:
+            self._on_damaged(source, owner, why)
+        except Exception as e:  # the restore goes on with the other copies either way
+            log.warning(
+                "jaxckpt: [process %d] could not quarantine the damaged copy of part %d of "
+                "step %d (%s): %s",
+                self._process_index,
+                owner,
+                self._plan.step,
+                source.describe(),
+                self._redact(str(e)),
+            )
 
     def _read_regions(
         self, leaf: int, regions: Sequence[_chunking.Region], owner: int | None = None

@@ -32,6 +32,7 @@ from jaxckpt import (
     _paths,
     _persister,
     _placement,
+    _quarantine,
     _resources,
     _retention,
     _slab,
@@ -209,9 +210,14 @@ class Run:
         inventories = peers.exchange_inventories(local) if peers else {pi: local}
         return _index.GlobalView(steps, inventories, pi, known)
 
-    def restorable_steps(self, item: _paths.ItemDir) -> list[int]:
+    def restorable_steps(self, item: _paths.ItemDir, verify: bool = False) -> list[int]:
         """Every finalized step of `item` that some tier can restore, newest first
-        (collective: every process takes part in the exchange of inventories)."""
+        (collective: every process takes part in the exchange of inventories).
+
+        With `verify`, every part this process holds in memory for those steps is
+        first checked against its checksums, and a damaged one quarantined
+        (`_quarantine`), so that no process offers it.
+        """
         with self.taking_part(item, None, None):
             # The newest step's index records the run id its copies carry.
             finalized = item.finalized_steps()
@@ -219,6 +225,24 @@ class Run:
             pi = _multihost.process_index()
             recorded = index.get(pi) or next(iter(index.values()), None)
             memory = self.memory_for(item, recorded)
+            if verify:
+                held = [
+                    memory.part_dir(s, o)
+                    for s in memory.steps()
+                    if s in finalized
+                    for o in memory.parts(s)
+                ]
+                damaged, nbytes, seconds = _quarantine.verify_tier(held, pi)
+                log.info(
+                    "jaxckpt: [process %d] verified %d memory-tier parts (%.3f GB) in %.2f s "
+                    "(%.2f GB/s); %d damaged, quarantined",
+                    pi,
+                    len(held),
+                    nbytes / 1e9,
+                    seconds,
+                    nbytes / 1e9 / max(seconds, 1e-9),
+                    len(damaged),
+                )
         return self.global_view(item, memory).restorable_steps()
 
     def agree(

@@ -171,6 +171,7 @@ class Save:
                 created=time.time(),
                 metrics=self.metrics.to_dict(),
                 persist=self._asked_to_persist,
+                weak_types=snapshot.weak_types,
             )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
             _faults.maybe_crash("memory_write", step, pi)

@@ -61,6 +61,7 @@ class Snapshot:
     scalars: dict[int, Any] = dataclasses.field(default_factory=dict)  # per-process values
     shardings: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     staging: str = "none"  # how device shards reached host: see `_stage`
+    weak_types: tuple[int, ...] = ()  # array leaves that are weakly typed (`PartManifest`)
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +99,12 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
     pending: list[tuple[int, jax.Array, tuple[int, ...]]] = []
     local: list[tuple[int, jax.Array]] = []  # process-local arrays, saved whole as one chunk
     snap = Snapshot((), [], {}, 0.0)
+    # (A typed key array has no weak type to keep.)
+    snap.weak_types = tuple(
+        i
+        for i, ((_, leaf), kind) in enumerate(zip(pairs, kinds, strict=True))
+        if kind == _format.ARRAY and getattr(leaf, "weak_type", False) is True
+    )
     for i, ((path, leaf), kind) in enumerate(zip(pairs, kinds, strict=True)):
         if kind == _format.ARRAY:
             data = jax.random.key_data(leaf) if _tree.is_typed_key(leaf) else leaf

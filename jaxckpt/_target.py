@@ -114,7 +114,9 @@ def leaf_metadata(i: int, record: _format.LeafRecord, manifest: _format.PartMani
         else:
             dtype = np.dtype(record.dtype)
         sharding = _saved_sharding(i, record, manifest)
-        return jax.ShapeDtypeStruct(record.shape, dtype, sharding=sharding)
+        # Weakly typed as saved: a restore through this target keeps `lr * bf16` bfloat16.
+        weak = i in manifest.weak_types
+        return jax.ShapeDtypeStruct(record.shape, dtype, sharding=sharding, weak_type=weak)
     if record.kind == _format.NUMPY:
         assert record.shape is not None and record.dtype is not None
         return jax.ShapeDtypeStruct(record.shape, np.dtype(record.dtype))

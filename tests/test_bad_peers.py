@@ -42,10 +42,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _format, _index, _memory_tier
+from jaxckpt import _format, _index, _memory_tier, _quarantine
 from jaxckpt._options import TierOptions
 from jaxckpt.peer import _peers
-from jaxckpt.peer._client import fetch_file
+from jaxckpt.peer._client import check_part, fetch_file
 from jaxckpt.peer._server import PeerServer
 from jaxckpt.peer._wire import TOKEN_HEADER, PeerAddress
 
@@ -386,6 +386,52 @@ def test_bad_peer_without_fallback_is_a_clear_error(kind, saved, tmp_path, monke
     assert isinstance(outcome.error, FileNotFoundError), repr(outcome.error)
     assert "at step 1" in message and "peer of process 1" in message, message
     assert TOKEN not in message and "b" * 64 not in message
+
+
+def test_a_silent_peer_is_reported_with_the_bound_the_restore_waited(saved, tmp_path, monkeypatch):
+    """A peer's range read waits half the run's timeout: the error (and the fallback
+    warning) says that bound, not the whole timeout."""
+    outcome, _ = restore_through_peer("hang", False, saved, tmp_path, monkeypatch)
+    assert outcome.kind == "error", outcome
+    message = str(outcome.error)
+    assert f"no answer within {TIMEOUT_S / 2:g} s" in message, message
+    assert f"within {TIMEOUT_S:g} s" not in message, message
+
+
+def test_a_peer_copy_that_fails_its_checksum_is_quarantined_by_its_holder(
+    saved, tmp_path, monkeypatch
+):
+    """The restoring process tells the holder; the holder checks its copy itself and
+    quarantines it, so its inventory no longer offers it (the next resume does not
+    pick that copy, or that step, again)."""
+    outcome, _ = restore_through_peer("wrong_bytes", False, saved, tmp_path, monkeypatch)
+    assert outcome.kind == "error", outcome
+    held = _memory_tier.MemoryTier(str(tmp_path / "peer-wrong_bytes"), RUN)
+    assert _quarantine.is_quarantined(held.part_dir(1, 0))
+    assert held.parts(1) == [] and held.inventory() == {}
+
+
+def test_a_holder_checks_its_copy_before_quarantining_it(saved, tmp_path):
+    """Bytes damaged on the way are not the holder's copy's fault: a whole copy stays."""
+    memory_root, _ = saved
+    peer_root = tmp_path / "peer"
+    part = copy_part(memory_root, 1, peer_root)
+    server = PeerServer(peer_root, run_id=RUN, token=TOKEN)
+    server.start()
+    try:
+
+        def check() -> str | None:
+            relpath = "step_000000000001/part_00000"
+            return check_part(server.address, token=TOKEN, run_id=RUN, relpath=relpath, timeout=5)
+
+        assert check() is None
+        assert not _quarantine.is_quarantined(part)
+        flip_slab_byte(part, "['w']", (3, 0), at=1, bit=0x02)
+        assert check() == "checksum mismatch of chunk (3, 0) of ['w']"
+        assert _quarantine.is_quarantined(part)
+        assert _memory_tier.MemoryTier(str(peer_root), RUN).parts(1) == []
+    finally:
+        server.close()
 
 
 # ---- the peer service of a real `Peers.connect` ---------------------------------

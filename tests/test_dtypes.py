@@ -357,3 +357,30 @@ def test_a_weakly_typed_target_gets_a_weakly_typed_array(memory_root, ckpt_dir):
             np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
         strong = restore(mngr, 1, abstract(state))  # no weak type asked for
         assert not strong["lr"].weak_type
+
+
+def test_item_metadata_as_the_target_keeps_weak_types(memory_root, ckpt_dir):
+    """`mngr.item_metadata(step).train` is a ready restore target: it carries what the
+    save knew, weak types included, so after a resume through it `lr * bf16` stays
+    bfloat16 (in a new process too: the weak types are in the index manifests)."""
+    mesh = mesh_1d()
+    state = {
+        "lr": jax.device_put(jnp.asarray(1e-3), NamedSharding(mesh, P())),  # weak float32
+        "w": jax.device_put(jnp.ones((8, 2), jnp.bfloat16), NamedSharding(mesh, P("data"))),
+        "mu": jax.device_put(jnp.zeros((8, 2), jnp.float32), NamedSharding(mesh, P("data"))),
+    }
+    assert state["lr"].weak_type and not state["mu"].weak_type
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=1))
+    with manager(ckpt_dir, h) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=1))
+    with manager(ckpt_dir, h) as mngr:  # the resumed job
+        meta = mngr.item_metadata(1).train
+        assert meta["lr"].weak_type and not meta["w"].weak_type and not meta["mu"].weak_type
+        got = restore(mngr, 1, meta)
+    assert got["lr"].weak_type and not got["mu"].weak_type
+    assert (got["lr"] * got["w"]).dtype == jnp.bfloat16
+    for k in state:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))

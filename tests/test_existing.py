@@ -296,3 +296,122 @@ def test_an_old_orbax_checkpoint_becomes_the_first_jaxckpt_step(tmp_path, memory
     assert_tree_equal(back, full_state)
     _train_step(model, optimizer, jnp.ones((2, 4)))  # the job goes on, on the mesh
     assert int(optimizer.step[...]) == 4
+
+
+# ---- what a directory holds besides whole steps ------------------------------------------
+
+
+def _msgpack_save(directory, tree, step):
+    previous = flax_config.flax_use_orbax_checkpointing
+    flax_config.update("flax_use_orbax_checkpointing", False)
+    try:
+        checkpoints.save_checkpoint(os.fspath(directory), tree, step, keep=10)
+    finally:
+        flax_config.update("flax_use_orbax_checkpointing", previous)
+
+
+def _msgpack_tree(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {
+            "w": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(2), jnp.float32),
+        },
+        "count": jnp.asarray(seed, jnp.int32),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:Flax Checkpointing will soon be deprecated:DeprecationWarning")
+def test_a_msgpack_step_refuses_a_target_that_drops_saved_leaves(tmp_path):
+    saved = _msgpack_tree(5)
+    _msgpack_save(tmp_path / "old", saved, 5)
+    partial = {"params": {"w": jnp.zeros((3, 2))}, "count": jnp.asarray(0, jnp.int32)}
+    with pytest.raises(
+        ValueError, match=r"checkpoint_5 .*holds leaf 'params\.b' that the target lacks"
+    ) as raised:
+        jaxckpt.restore_existing(tmp_path / "old", partial)
+    assert "Pass a target with the tree the old loop saved" in str(raised.value)
+    extra = {**jax.tree.map(jnp.zeros_like, saved), "more": jnp.ones(1)}
+    with pytest.raises(ValueError, match=r"has no leaf 'more', which the target has"):
+        jaxckpt.restore_existing(tmp_path / "old", extra)
+    step, restored = jaxckpt.restore_existing(tmp_path / "old", jax.tree.map(jnp.zeros_like, saved))
+    assert step == 5
+    assert_tree_equal(restored, saved)
+
+
+@pytest.mark.filterwarnings("ignore:Flax Checkpointing will soon be deprecated:DeprecationWarning")
+@pytest.mark.parametrize("kind", ["flax_msgpack", "orbax_manager"])
+def test_names_that_are_not_steps_are_ignored(tmp_path, kind):
+    old = tmp_path / "old"
+    if kind == "flax_msgpack":
+        for step in (3, 7):
+            _msgpack_save(old, _msgpack_tree(step), step)
+    else:
+        _orbax_save(old, [(s, ocp.args.StandardSave(_msgpack_tree(s))) for s in (3, 7)])
+    (old / "checkpoint_best").write_bytes(b"a copy the old loop kept")
+    (old / "checkpoint_7.bak").write_bytes(b"an operator's backup")
+    (old / "checkpoint_9.bak").mkdir()
+    (old / "checkpoint_best_dir").mkdir()
+    step, restored = jaxckpt.restore_existing(old, jax.tree.map(jnp.zeros_like, _msgpack_tree(0)))
+    assert step == 7
+    assert_tree_equal(restored, _msgpack_tree(7))
+
+
+def test_a_checkpoint_written_without_steps_is_step_0(tmp_path):
+    tree = _msgpack_tree(4)
+    ocp.PyTreeCheckpointer().save(tmp_path / "plain", tree)
+    step, restored = jaxckpt.restore_existing(
+        tmp_path / "plain", jax.tree.map(jnp.zeros_like, tree)
+    )
+    assert step == 0
+    assert_tree_equal(restored, tree)
+    with pytest.raises(FileNotFoundError, match=r"one checkpoint without steps .* not step 3"):
+        jaxckpt.restore_existing(tmp_path / "plain", tree, step=3)
+
+
+@pytest.mark.filterwarnings("ignore:Flax Checkpointing will soon be deprecated:DeprecationWarning")
+def test_a_damaged_newest_msgpack_file_is_named_and_the_older_step_restored(tmp_path, caplog):
+    old = tmp_path / "old"
+    for step in (3, 7):
+        _msgpack_save(old, _msgpack_tree(step), step)
+    newest = old / "checkpoint_7"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    target = jax.tree.map(jnp.zeros_like, _msgpack_tree(0))
+    with caplog.at_level("WARNING", logger="jaxckpt"):
+        step, restored = jaxckpt.restore_existing(old, target)
+    assert step == 3
+    assert_tree_equal(restored, _msgpack_tree(3))
+    warned = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(warned) == 1 and os.fspath(newest) in warned[0], warned
+    assert "next older step" in warned[0]
+    # Asked for by number, or the only step there is: the file is blamed, never the target.
+    with pytest.raises(ValueError, match=rf"{newest} is damaged \(truncated"):
+        jaxckpt.restore_existing(old, target, step=7)
+    (old / "checkpoint_3").write_bytes(b"\x00" * 3)
+    with pytest.raises(ValueError, match=r"checkpoint_7 is damaged"):
+        jaxckpt.restore_existing(old, target)
+
+
+def test_unfinalized_step_directories_are_skipped(tmp_path, caplog):
+    """What a save killed in flight leaves: the step directory with its metadata and an
+    empty item directory (commit-file finalization keeps it where it is), or Orbax's
+    temporary directory; the newest finalized step before it restores."""
+    old = tmp_path / "old"
+    _orbax_save(old, [(11, ocp.args.StandardSave(_msgpack_tree(11)))])
+    (old / "13" / "train").mkdir(parents=True)
+    (old / "13" / "_CHECKPOINT_METADATA").write_text(
+        (old / "11" / "_CHECKPOINT_METADATA").read_text()
+    )
+    (old / "14").mkdir()
+    (old / "14" / "_CHECKPOINT_METADATA").write_text("{}")
+    (old / "15.orbax-checkpoint-tmp-1733200000").mkdir()
+    (old / "15.orbax-checkpoint-tmp-1733200000" / "default").mkdir()
+    target = jax.tree.map(jnp.zeros_like, _msgpack_tree(0))
+    with caplog.at_level("WARNING", logger="jaxckpt"):
+        step, restored = jaxckpt.restore_existing(old, target)
+    assert step == 11
+    assert_tree_equal(restored, _msgpack_tree(11))
+    skipped = [r.getMessage() for r in caplog.records if "never finalized" in r.getMessage()]
+    assert len(skipped) == 2 and "step 14" in skipped[0] and "step 13" in skipped[1], skipped
+    with pytest.raises(ValueError, match=r"Step 13 in .* was never finalized"):
+        jaxckpt.restore_existing(old, target, step=13)

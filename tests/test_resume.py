@@ -7,9 +7,19 @@ import shutil
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
+from helpers import (
+    abstract,
+    assert_tree_equal,
+    manager,
+    mesh_1d,
+    restore,
+    save,
+    sharded_state,
+    slab_chunk,
+)
 
 import jaxckpt
+from jaxckpt import _memory_tier, _quarantine, _resume
 
 
 def _state(step: int) -> dict:
@@ -70,14 +80,22 @@ def test_memory_loss_returns_the_newest_persisted_step_and_frees_newer(
     mngr.close()
 
 
-def test_nothing_restorable_returns_none_and_deletes_every_step(memory_root, ckpt_dir):
-    mngr, _ = _saved(memory_root, ckpt_dir, [1])  # persist_every=2: step 1 lives in memory only
+def test_nothing_restorable_returns_none_and_deletes_nothing(memory_root, ckpt_dir, caplog):
+    """The last steps there are stay when none is restorable (a tier may come back),
+    and the warning says so, naming them and what to do."""
+    mngr, _ = _saved(memory_root, ckpt_dir, [1, 3])  # persist_every=2: both in memory only
     mngr.close()
     shutil.rmtree(memory_root)
     handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
     mngr = manager(ckpt_dir, handler)
-    assert jaxckpt.latest_restorable_step(mngr) is None
-    assert mngr.all_steps() == []
+    with caplog.at_level("WARNING", logger="jaxckpt"):
+        assert jaxckpt.latest_restorable_step(mngr) is None
+    assert mngr.all_steps() == [1, 3]
+    warned = [r.getMessage() for r in caplog.records if "is restorable" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert "steps [1, 3]" in warned[0] and "left in place" in warned[0]
+    assert "mngr.delete(step)" in warned[0]
+    assert not any("deleting step" in r.getMessage() for r in caplog.records)
     mngr.close()
 
 
@@ -138,3 +156,79 @@ def test_a_step_not_due_or_already_durable_is_not_persisted_again(memory_root, c
         assert handler.last_persist_metrics == {}
     assert not (ckpt_dir / "3/train/part_00000").exists()
     assert (ckpt_dir / "2/train/part_00000").stat().st_mtime_ns == persisted
+
+
+# ---- a damaged newest copy ------------------------------------------------------------
+
+
+def _damage_newest(memory_root, ckpt_dir):
+    """Steps 1..3 with persist_every=2 (step 2 durable, step 3 in memory only), then
+    8 bytes of step 3's slab overwritten; the job restarts (a new handler and manager)."""
+    mngr, handler = _saved(memory_root, ckpt_dir, [1, 2, 3])
+    run_id = handler._runs.memory.run_id
+    mngr.close()
+    part = _memory_tier.MemoryTier(memory_root, run_id).part_dir(3, 0)
+    slab, offset, _ = slab_chunk(part, "['w']", (2, 0))
+    with open(slab, "r+b") as f:
+        f.seek(offset + 4)
+        f.write(b"\xa5" * 8)
+    handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    return manager(ckpt_dir, handler), part
+
+
+def handler_run(mngr) -> str:
+    """The run id of the memory tier `mngr`'s jaxckpt handler uses."""
+    (handler,) = _resume.tiered_handlers(mngr).values()
+    return handler._runs.memory.run_id
+
+
+def test_a_damaged_newest_copy_is_not_offered_again(memory_root, ckpt_dir):
+    """The restore of the damaged step fails (no other copy of it), and quarantines the
+    copy: the next resume gets step 2, restores it, and does not loop on step 3."""
+    mngr, part = _damage_newest(memory_root, ckpt_dir)
+    assert jaxckpt.latest_restorable_step(mngr) == 3  # unverified: the copy looks whole
+    with pytest.raises(FileNotFoundError, match=r"chunk \(2, 0\) of \['w'\].*checksum mismatch"):
+        restore(mngr, 3, abstract(_state(3)))
+    assert _quarantine.is_quarantined(part)
+    mngr.close()
+
+    # The next restart: the damaged step is no longer offered, the older one restores.
+    handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    mngr = manager(ckpt_dir, handler)
+    assert jaxckpt.latest_restorable_step(mngr) == 2
+    assert mngr.all_steps() == [1, 2]  # step 3 deleted: the job saves it again
+    assert_tree_equal(restore(mngr, 2, abstract(_state(2))), _state(2))
+    save(mngr, 3, _state(3))
+    mngr.wait_until_finished()
+    assert jaxckpt.latest_restorable_step(mngr) == 3
+    assert_tree_equal(restore(mngr, 3, abstract(_state(3))), _state(3))
+    mngr.close()
+
+
+def test_verify_finds_a_damaged_copy_before_answering(memory_root, ckpt_dir):
+    mngr, part = _damage_newest(memory_root, ckpt_dir)
+    assert jaxckpt.latest_restorable_step(mngr, verify=True, delete_newer=False) == 2
+    assert _quarantine.is_quarantined(part)
+    assert_tree_equal(restore(mngr, 2, abstract(_state(2))), _state(2))
+    # Whole copies pass verification and stay offered.
+    tier = _memory_tier.MemoryTier(memory_root, handler_run(mngr))
+    assert 2 in tier.inventory() and not _quarantine.is_quarantined(tier.part_dir(2, 0))
+    mngr.close()
+
+
+def test_a_damaged_copy_with_another_copy_falls_back_and_is_quarantined(memory_root, ckpt_dir):
+    """Step 2 is durable too: its damaged memory copy falls back to the persisted one,
+    and is quarantined, so later restores read the persisted copy directly."""
+    mngr, handler = _saved(memory_root, ckpt_dir, [1, 2])
+    part = handler._runs.memory.part_dir(2, 0)
+    slab, offset, _ = slab_chunk(part, "['w']", (0, 0))
+    with open(slab, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\x5a" * 8)
+    assert_tree_equal(restore(mngr, 2, abstract(_state(2))), _state(2))
+    assert handler.last_restore_metrics["fallbacks"] == 1
+    assert _quarantine.is_quarantined(part)
+    assert_tree_equal(restore(mngr, 2, abstract(_state(2))), _state(2))
+    assert handler.last_restore_metrics["fallbacks"] == 0
+    assert "memory" not in handler.last_restore_metrics["bytes_by_tier"]
+    mngr.close()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 from multiproc import run
+
+from jaxckpt import _format, _memory_tier, _paths, _quarantine
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -41,3 +44,34 @@ def test_latest_restorable_step_after_node_and_rack_loss(tmp_path):
             "bad": [],
             "saved": [1, 2, 3, 4],
         }, r.result
+
+
+def test_a_damaged_peer_replica_is_quarantined_and_the_older_step_resumed(tmp_path):
+    """2 processes, replicas=1, persist_every=2, steps 1..3: process 0's node is lost and
+    the replica of its step-3 part that process 1 holds is damaged. The restore of step 3
+    fails on both; process 1 (told by process 0) quarantines its replica, so the next
+    latest_restorable_step returns 2 on both, which restores: no restart loop."""
+    roots = [str(tmp_path / f"node{i}") for i in range(2)]
+    domains = ["node0", "node1"]
+    common = {"ckpt": str(tmp_path / "ckpt"), "replicas": 1, "persist_every": 2}
+    run("save", roots, domains, {**common, "steps": [1, 2, 3], "crash": True})
+
+    shutil.rmtree(roots[0])  # node loss
+    run_id = _paths.default_run_id(Path(common["ckpt"]) / "0" / "train")
+    replica = _memory_tier.MemoryTier(roots[1], run_id).part_dir(3, 0)
+    manifest = _format.PartManifest.from_json((replica / _format.MANIFEST_FILE).read_text())
+    chunk = next(c for cs in manifest.chunks.values() for c in cs)
+    assert chunk.offset is not None and chunk.nbytes >= 8
+    with open(replica / "slab", "r+b") as f:
+        f.seek(chunk.offset)
+        f.write(bytes(b ^ 0xFF for b in f.read(8)))
+
+    results = run("resume_damaged", roots, domains, common, worker="mp_resume.py")
+    for r in results:
+        assert r.result is not None
+        assert r.result["first"] == 3, r.result
+        assert r.result["failed"] and r.result["failed"].startswith("FileNotFoundError"), r.result
+        assert r.result["step"] == 2 and r.result["after_delete"] == [1, 2], r.result
+        assert r.result["bad"] == [], r.result
+    assert "checksum mismatch" in results[0].result["failed"], results[0].result
+    assert _quarantine.is_quarantined(replica)

@@ -266,6 +266,18 @@ def delete_path(
     _request(address, token, run_id, "DELETE", "files", relpath, timeout)
 
 
+def check_part(
+    address: _wire.PeerAddress, *, token: str, run_id: str, relpath: str, timeout: float
+) -> str | None:
+    """Asks a peer to check its copy of a part (``root/run_id/relpath``: a part's
+    place) against its manifest's checksums, quarantining it if it is damaged (the
+    peer's `_quarantine.check_and_quarantine`). Returns what is wrong with it, or None.
+    Arguments and errors are those of `fetch_file`."""
+    body = _request(address, token, run_id, "POST", "check", relpath, timeout)
+    damage = json.loads(body or b"{}").get("damage")
+    return None if damage is None else str(damage)
+
+
 def push_part(
     address: _wire.PeerAddress,
     *,

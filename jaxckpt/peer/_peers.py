@@ -205,6 +205,48 @@ class Peers:
 
         return read
 
+    def report_damaged(self, holder: int, step: int, owner: int, why: str) -> None:
+        """Tells `holder` that the bytes read from its copy of `owner`'s part of `step`
+        failed their checksum (`why`): it checks its copy and quarantines it if it is
+        damaged (bytes damaged on the way are not its copy's fault), so that no
+        inventory offers it again. Bounded by half the timeout; a holder that does
+        not answer is logged, not raised (its copy is not read again by this restore).
+        """
+        relpath = f"{_memory_tier.MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
+        me = _multihost.process_index()
+        try:
+            damage = _client.check_part(
+                self.addresses[holder],
+                token=self._token,
+                run_id=self.run_id,
+                relpath=relpath,
+                timeout=self._peer_timeout_s,
+            )
+        except OSError as e:
+            log.warning(
+                "jaxckpt: [process %d] the copy of part %d of step %d held by process %d "
+                "failed its checksum (%s), and that process could not check it: %s",
+                me,
+                owner,
+                step,
+                holder,
+                why,
+                self.redact(str(e)),
+            )
+            return
+        log.warning(
+            "jaxckpt: [process %d] the copy of part %d of step %d held by process %d "
+            "failed its checksum (%s); %s",
+            me,
+            owner,
+            step,
+            holder,
+            why,
+            f"that process found it damaged ({damage}): it is quarantined"
+            if damage is not None
+            else "that process found its copy whole (damaged on the way): it stays",
+        )
+
     async def push_replicas(self, part_dir: Path, step: int, owner: int) -> int:
         """Copies a committed part to every holder of `owner`'s replicas at once; bytes sent.
 

@@ -22,7 +22,7 @@ _MAX_PUSH_HEADER_BYTES: Final = 1 << 16
 _MAX_MANIFEST_BYTES: Final = 1 << 30  # read into memory whole
 _RECV_STEP: Final = 8 << 20  # bytes received between hand-offs of complete chunks to checks
 _DRAIN_BYTES: Final = 1 << 20
-_PART_PLACE: Final = re.compile(r"step_[0-9]+/part_[0-9]+")
+PART_PLACE: Final = re.compile(r"step_[0-9]+/part_[0-9]+")
 # Checks chunks of received slabs (CRC-32C releases the GIL): shared by all pushes.
 _verify_pool: Final = _resources.SHARED.pool(min(4, os.cpu_count() or 1), "jaxckpt-peer-verify")
 
@@ -75,7 +75,7 @@ class PushReceiver:
 
     def destination(self, rel: str) -> str:
         """The path a push to ``rel`` writes; 400 unless ``rel`` is a part's place."""
-        if not _PART_PLACE.fullmatch(rel):
+        if not PART_PLACE.fullmatch(rel):
             raise _wire.Refusal(
                 400, f"Push destination {rel!r} is not a part's place (step_<n>/part_<n>)."
             )

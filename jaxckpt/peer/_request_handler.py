@@ -1,9 +1,10 @@
 """Peer service request handler: answers one peer's requests on the run directory.
 
 Authenticates each request by token and run, confines its path to the run
-directory, and serves files (with ``Range`` and ``ETag``), listings, deletions
-and pushes of memory-tier parts (received by `_push_receiver`). The wire format
-is defined in `_wire`. What a handler
+directory, and serves files (with ``Range`` and ``ETag``), listings, deletions,
+pushes of memory-tier parts (received by `_push_receiver`) and checks of a held
+part (``POST /check/...``: a peer read bad bytes from it; it is checked here and
+quarantined if damaged). The wire format is defined in `_wire`. What a handler
 needs to know about the service it answers for (run directory, run, token,
 limits) comes in a `ServiceConfig`.
 """
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _fs
+from jaxckpt import _fs, _multihost, _quarantine
 from jaxckpt.peer import _push_receiver, _wire
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,8 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
                 self._delete(rel)
             elif kind == "push" and self.command == "POST":
                 self._push(rel)
+            elif kind == "check" and self.command == "POST":
+                self._check(rel)
             else:
                 raise _wire.Refusal(405, f"{self.command} is not supported on {kind!r} paths.")
         except _wire.Refusal as e:
@@ -158,6 +161,17 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
             self._reply_error(
                 _wire.Refusal(status, f"{e.strerror or e}: {self._relpath_for_log()!r}.")
             )
+
+    def _check(self, rel: str) -> None:
+        """Checks the part at ``rel`` against its manifest's checksums, quarantining it
+        if damaged (a peer read bad bytes from it); answers what is wrong, or null."""
+        if not _push_receiver.PART_PLACE.fullmatch(rel):
+            raise _wire.Refusal(400, f"Check of {rel!r}: not a part's place (step_<n>/part_<n>).")
+        part_dir = Path(self._resolve(rel))
+        if not part_dir.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "no such part", rel)
+        damage = _quarantine.check_and_quarantine(part_dir, _multihost.process_index())
+        self._reply(200, json.dumps({"damage": damage}).encode(), "application/json")
 
     def _receiver(self) -> _push_receiver.PushReceiver:
         return _push_receiver.PushReceiver(self.config, self.rfile, self._resolve, self._temp_path)
