@@ -136,27 +136,27 @@ class Choreography:
         every process (an exchange that raises an agreed error ends the rest at once)."""
         exchanges: dict[str, Callable[[], object]] = {
             "meet": lambda: self._meet(error, place=False),
-            "inventories": lambda: self.inventories(error=error),
+            "inventories": lambda: self._inventories(error),
             "agree": lambda: self._agree(error, self._what()),
         }
         for name in self.EXCHANGES[len(self._done) :]:
             exchanges[name]()
         raise error
 
-    def inventories(
-        self,
-        indexes: dict[int, _index.Index] | None = None,
-        error: BaseException | None = None,
+    def _inventories(
+        self, error: BaseException | None, indexes: dict[int, _index.Index] | None = None
     ) -> _index.GlobalView:
         """The exchange `inventories`: what every process holds in memory (collective).
-
-        Args:
-          indexes: step -> index manifests read already (not read again).
-          error: this process's error; it then offers what its tier holds, or nothing
-            without one, and fails afterwards (in `agree`).
-        """
+        With a local error, this process offers what its tier holds, or nothing without
+        one, and fails afterwards (in `agree`)."""
         self._enter("inventories", error)
         return self._run.inventories(self._required_item(), self.memory, indexes)
+
+    def _raise_kept(self) -> None:
+        """After an exchange the operation's own work called: a local error taken to it
+        (one injected there) ends that work; the exchanges left run as the block ends."""
+        if self.error is not None:
+            raise self.error
 
     def _what(self) -> str:
         return f"The {self.VERB} of step {self.step}"
@@ -200,7 +200,30 @@ class Choreography:
             self.error = error
 
 
-class RestoreChoreography(Choreography):
+class _Collective(Choreography):
+    """A restore or a listing: 1. `meet` (once per run), 2. `inventories`, 3. `agree`,
+    around the operation's own work (a context manager: see the module docstring)."""
+
+    EXCHANGES = ("meet", "inventories", "agree")
+
+    def meet(self) -> _peers.Peers | None:
+        """1. The peers, met once per run (reading needs no placement)."""
+        peers = self._meet(None, place=False)
+        self._raise_kept()
+        return peers
+
+    def inventories(self, indexes: dict[int, _index.Index] | None = None) -> _index.GlobalView:
+        """2. What every process holds in memory, for every finalized step (collective).
+
+        Args:
+          indexes: step -> index manifests read already (not read again).
+        """
+        view = self._inventories(None, indexes)
+        self._raise_kept()
+        return view
+
+
+class RestoreChoreography(_Collective):
     """A restore: 1. `meet` (once per run), 2. `inventories`, 3. `agree` (the verdict).
 
     Used as a context manager around the restore's own work (see the module
@@ -208,7 +231,6 @@ class RestoreChoreography(Choreography):
     """
 
     VERB = "restore"
-    EXCHANGES = ("meet", "inventories", "agree")
 
     def __init__(self, run: _run.Run, item: _paths.ItemDir, publisher: _metrics.Publisher):
         super().__init__(run, item, item.step)
@@ -217,30 +239,21 @@ class RestoreChoreography(Choreography):
     def __enter__(self) -> RestoreChoreography:
         return self
 
-    def meet(self) -> _peers.Peers | None:
-        """1. The peers, met once per run (a restore needs no placement)."""
-        return self._meet(None, place=False)
-
     def _failed(self, error: BaseException) -> None:
         super()._failed(error)
         self._publisher.failure("restore", self.step, self._run.redact(str(error)))
 
 
-class ListChoreography(Choreography):
+class ListChoreography(_Collective):
     """A listing of the restorable steps: 1. `meet`, 2. `inventories`, 3. `agree`."""
 
     VERB = "list"
-    EXCHANGES = ("meet", "inventories", "agree")
 
     def __init__(self, run: _run.Run, item: _paths.ItemDir):
         super().__init__(run, item, item.step)
 
     def __enter__(self) -> ListChoreography:
         return self
-
-    def meet(self) -> _peers.Peers | None:
-        """1. The peers, met once per run."""
-        return self._meet(None, place=False)
 
     def _what(self) -> str:
         return "Finding the restorable steps"

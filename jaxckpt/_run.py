@@ -190,10 +190,9 @@ class Run:
         except OSError as e:
             log.warning("jaxckpt: [process %d] cannot list what it holds: %s", pi, e)
             local = {}
-        inventories = {pi: local}
-        if _multihost.process_count() > 1:
-            assert self.peers is not None  # met in the exchange before (`meet`)
-            inventories = self.peers.exchange_inventories(local)
+        # The run's peers, met in the exchange before (`meet`; `connect` meets no one again).
+        peers = self.connect(memory) if memory is not None else self.peers
+        inventories = peers.exchange_inventories(local) if peers is not None else {pi: local}
         return _index.GlobalView(steps, inventories, pi, known)
 
     def global_view(
