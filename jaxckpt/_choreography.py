@@ -75,6 +75,9 @@ class Choreography:
         self.peers: _peers.Peers | None = None
         self._recorded: _format.PartManifest | None = None
         self._done: list[str] = []  # the exchanges taken part in, in order
+        # The meeting failed (every process that took part in it got the failure): there
+        # are no peers to exchange inventories with; the verdict is still agreed on.
+        self._unmet = False
 
     # ---- the local steps ------------------------------------------------------
 
@@ -118,7 +121,11 @@ class Choreography:
         run_id = self._required_item().run_id(
             self._options.run_id, self._recorded.run_id if self._recorded else None
         )
-        self.peers = self._run.meet(self.memory, run_id, error, place)
+        try:
+            self.peers = self._run.meet(self.memory, run_id, error, place)
+        except Exception:
+            self._unmet = True
+            raise
         return self.peers
 
     def _agree(self, error: BaseException | None, what: str) -> None:
@@ -140,6 +147,9 @@ class Choreography:
             "agree": lambda: self._agree(error, self._what()),
         }
         for name in self.EXCHANGES[len(self._done) :]:
+            if name == "inventories" and self._unmet:
+                self._enter(name, error)
+                continue
             exchanges[name]()
         raise error
 

@@ -1,5 +1,6 @@
 """`TieredCheckpointHandler`: the Orbax handler, an adapter from Orbax's calls to the
-save (`_save`), the run (`_run`) and the restore (`_index`, `_restore`)."""
+operations' choreographies (`_choreography`), the save (`_save`) and the restore
+(`_index`, `_restore`)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             train=jaxckpt.TieredRestore(abstract_state))).train
 
     An adapter: each call parses its item directory once (`_paths.ItemDir`) and
-    hands it to the save (`_save.Save`), the run (`_run.Run`) or the restore's
-    index and reads (`_index`, `_restore`).
+    runs its operation under that operation's choreography (`_choreography`: the
+    run opened, the exchanges in order), handing the work to the save
+    (`_save.Save`) or the restore's index and reads (`_index`, `_restore`).
     """
 
     def __init__(
