@@ -18,9 +18,11 @@ with an optional local error:
 Between exchanges, a process does its own work. A failure there ends that
 work, not the choreography: a restore's or a listing's choreography is a
 context manager, and an error that leaves its block takes part in every
-exchange not yet run (offering nothing, declining the meeting) and is then
-raised on every process by the last one (`agree`); a save keeps its error
-(`local`) and takes it to the next exchange. An exchange that raises an
+exchange not yet run (declining the meeting without a memory tier, offering
+the inventories only what its tier holds) and is then raised on every process
+by the last one (`agree`); a save keeps its error (`local`) and takes it to the
+next exchange. A local error taken to an exchange the work called (one
+injected there) ends that work after the exchange, the same way. An exchange that raises an
 agreed error (`_agreement`) ends the choreography on every process at once.
 So a failing process takes part by construction, wherever it fails.
 
