@@ -1,5 +1,6 @@
 """`TieredCheckpointHandler`: the Orbax handler, an adapter from Orbax's calls to the
-save (`_save`), the run (`_run`) and the restore (`_index`, `_restore`)."""
+operations' choreographies (`_choreography`), the save (`_save`) and the restore
+(`_index`, `_restore`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from etils import epath
 from orbax.checkpoint import checkpoint_args
 
 from jaxckpt import (
-    _agreement,
     _aio,
     _background,
+    _choreography,
     _index,
     _metrics,
     _multihost,
@@ -47,8 +48,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             train=jaxckpt.TieredRestore(abstract_state))).train
 
     An adapter: each call parses its item directory once (`_paths.ItemDir`) and
-    hands it to the save (`_save.Save`), the run (`_run.Run`) or the restore's
-    index and reads (`_index`, `_restore`).
+    runs its operation under that operation's choreography (`_choreography`: the
+    run opened, the exchanges in order), handing the work to the save
+    (`_save.Save`) or the restore's index and reads (`_index`, `_restore`).
     """
 
     def __init__(
@@ -93,36 +95,29 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         started = time.perf_counter()
         item = _paths.ItemDir.parse(directory)
         # At once, not through the commit: no step, no save (every process sees the same
-        # directory, so all refuse alike, before any collective).
+        # directory, so all refuse alike, before any exchange).
         step = item.require_step(args.step)
-        memory, snapshot, save = None, None, None
-        refused: Exception | None = None
-        try:
-            memory = self._runs.memory_for(item)
+        op = _choreography.SaveChoreography(self._runs, item, step, self._publisher)
+        snapshot, save = None, None
+        # 1. Open the run; refuse what the tier cannot take; the snapshot (validates every
+        # leaf first). An error is this process's refusal, raised by the commit future.
+        with op.local():
+            memory = op.open()
             memory.require_writable(step)
-            # Validates every leaf first.
             snapshot = _snapshot.take(
                 args.state, _multihost.process_index(), self._options.pinned_host_staging
             )
-        except Exception as error:
-            refused = error
-        try:
-            # IMPORTANT: a process that refused the save still meets its peers (collective,
-            # once per run), so that every process takes part in the same exchanges; the
-            # refusal is agreed on in the commit, where every process raises it.
-            peers = self._runs.meet(item, memory, refused)
-            if refused is None and memory is not None and snapshot is not None:
+        # 2. Exchange `meet`: the peers (collective, once per run), a refusing process too.
+        op.meet()
+        # 3. The save takes over; on CPU its slab is filled now (the end of the stall).
+        if op.ok and snapshot is not None and op.memory is not None:
+            with op.local():
                 save = _save.Save(
-                    item, step, snapshot, memory, peers, self._services, started, args.persist
+                    item, step, snapshot, op.memory, op, self._services, started, args.persist
                 )
                 save.stage()
-        except Exception as error:
-            refused = refused or error
-        if save is None or refused is not None:
-            refused = refused or RuntimeError("no memory tier")
-            commit = _save.refused(item, step, refused, self._services, self._runs.peers)
-        else:
-            commit = save.commit()
+        # 4. The commit future, with the exchange `agree` (or this process's refusal).
+        commit = op.commit(save.commit if save is not None else None)
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
                 self._background.in_flight.track(commit),
@@ -159,21 +154,20 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           TimeoutError: if another process does not take part within the timeout.
         """
         item = _paths.ItemDir.parse(directory)
-        try:
-            # A tree of thousands of leaves allocates some 10^5 small objects here: Python's
-            # cyclic collector would walk every object of the process hundreds of times.
-            with _resources.SHARED.gc_paused():
-                result = self._restore_locally(item, args if args is not None else TieredRestore())
-        except Exception as error:
-            self._publisher.failure("restore", item.step, self._runs.redact(str(error)))
-            if not _agreement.is_agreed(error):
-                self._runs.agree("restore", item, error)
-            raise
-        self._runs.agree("restore", item, None)
-        return result
+        # Its exchanges in order, a failing process's too; the verdict when the block ends
+        # (after the collector resumes). A tree of thousands of leaves allocates some 10^5
+        # small objects: Python's cyclic collector would walk every object of the process
+        # hundreds of times.
+        with (
+            _choreography.RestoreChoreography(self._runs, item, self._publisher) as op,
+            _resources.SHARED.gc_paused(),
+        ):
+            return self._restore_locally(op, item, args if args is not None else TieredRestore())
 
-    def _restore_locally(self, item: _paths.ItemDir, args: TieredRestore) -> Any:
-        """`restore` on this process; a failing process still takes part in the exchanges."""
+    def _restore_locally(
+        self, op: _choreography.RestoreChoreography, item: _paths.ItemDir, args: TieredRestore
+    ) -> Any:
+        """`restore` on this process, in order; `op` runs its exchanges."""
         start = time.perf_counter()
         # 1. Slabs removed since the last save (a lost memory tier, another process's
         # retention) are still mapped here, their pages held: let them go before the
@@ -184,16 +178,17 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # 2. The step's index, read once: its parts, and the run its copies carry.
         index = _index.read_index(item.path)
         recorded = index.get(pi) or next(iter(index.values()), None)
-        with self._runs.taking_part(item, recorded, None):
-            memory = self._runs.memory_for(item, recorded)
-        # 3. The target, validated before anything is read (agreed on in `restore`).
+        indexes = {step: index}  # read once: the recovery and the inventories reuse it
+        # 3. Open the run: its memory tier, under the run id the index records.
+        memory = op.open(recorded, indexes)
+        # 4. The target, validated before anything is read (agreed on at the end).
         fns = (args.iterator_state_fn, args.per_process_fn)
         if index:
             ctx = _target.Context(index, pi, count, step, *fns)
-            with self._runs.taking_part(item, recorded, memory):
-                _target.check(next(iter(index.values())).leaves, args.abstract_state, ctx)
-        # 4. Every process's inventory (collective), and the plan: a source for each part.
-        view = self._runs.global_view(item, memory, {step: index})
+            _target.check(next(iter(index.values())).leaves, args.abstract_state, ctx)
+        # 5. Exchanges `meet` (once per run) and `inventories`; the plan: a source per part.
+        op.meet()
+        view = op.inventories(indexes)
         plan = view.plan(step, item.path)
         if not plan.restorable:
             raise FileNotFoundError(view.not_restorable_message(item.path, plan))
@@ -201,9 +196,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # arrays; a pin keeps the step from being retired (by any process sharing the
         # memory root) before they are marked lent, which keeps them from being reused.
         plan, pin = _restore.pin_memory(memory, plan, pi)
-        # 5. The reads, fastest source first, into the target's shardings.
+        # 6. The reads, fastest source first, into the target's shardings.
         readers = _restore.reader_factory(
-            item.path, memory, self._runs.peers, step, plan.manifests, pi, self._options.timeout_s
+            item.path, memory, op.peers, step, plan.manifests, pi, self._options.timeout_s
         )
         restorer = _restore.Restorer(
             plan,
@@ -226,6 +221,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 pin.release()
         seconds = time.perf_counter() - start
         self._publisher.publish(_metrics.restore_metrics(step, seconds, restorer))
+        # 7. Exchange `agree` (the verdict): when the choreography's block ends.
         return result
 
     # ---- metadata and lifecycle --------------------------------------------
@@ -296,14 +292,18 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           The restorable steps, newest first.
         """
         item = _paths.ItemDir.parse(item_dir)
-        error: BaseException | None = None
-        steps: list[int] = []
-        try:
-            steps = self._runs.restorable_steps(item, verify)
-        except Exception as e:  # agreed on below, so that every process raises
-            error = e
-        self._runs.agree("list", item, error, what="Finding the restorable steps")
-        return steps
+        with _choreography.ListChoreography(self._runs, item) as op:
+            # The newest step's index records the run id its copies carry.
+            finalized = item.finalized_steps()
+            newest = max(finalized, default=None)
+            index = _index.read_index(finalized[newest]) if newest is not None else {}
+            indexes = {newest: index} if newest is not None else {}
+            pi = _multihost.process_index()
+            memory = op.open(index.get(pi) or next(iter(index.values()), None), indexes)
+            if verify:
+                self._runs.verify_held(memory, finalized)
+            op.meet()
+            return op.inventories(indexes).restorable_steps()
 
     def release_memory(self, timeout_s: float | None = None) -> list[int]:
         """Frees this host's memory tier at the end of a run, once the newest step is
@@ -317,8 +317,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           RuntimeError: if the newest step is in memory tiers only (save it with
             `TieredSave(state, persist=True)` first); nothing is removed.
         """
-        self.wait_for_persistence(timeout_s)
-        return self._runs.release_memory()
+        with _choreography.ReleaseChoreography(self._runs):
+            self.wait_for_persistence(timeout_s)
+            return self._runs.release_memory()
 
     def pending_persistence(self) -> set[int]:
         """Steps queued or being written to persistent storage."""

@@ -42,7 +42,6 @@ from jaxckpt import (
     _faults,
     _format,
     _fs,
-    _index,
     _memory_tier,
     _paths,
     _readers,
@@ -66,47 +65,12 @@ class PersistJob:
     item_dir: Path  # where the manager is writing the step now
     final_item_dir: Path  # where it will be once the manager finalizes the step
     pin: _memory_tier.Pin | None = None  # memory-tier pin on the source step, released when done
-    # Resumed after a restart (`unpersisted_jobs`): the step was finalized long ago, and
+    # Resumed after a restart (`_recovery.Recovery`): the step was finalized long ago, and
     # its deletion since (nobody restores it any more) is no failure.
     resumed: bool = False
     # Set by the save once its commit ended (True: it succeeded); the job is queued as
     # soon as the part is in memory, and makes nothing durable before it is True.
     committed: concurrent.futures.Future[bool] | None = None
-
-
-def unpersisted_jobs(
-    memory: _memory_tier.MemoryTier, root: Path, item: str, owner: int, persist_every: int
-) -> list[PersistJob]:
-    """Jobs that persist what a crash left unpersisted: `owner`'s part of every step
-    due for persistence (by `persist_every`, or asked for by its save) that the
-    manager finalized, that `memory` still holds from that very save, and that is
-    not durable."""
-    jobs = []
-    finalized = _paths.finalized_steps(root, item)
-    for step in memory.steps():
-        if step not in finalized:
-            continue
-        item_dir = finalized[step]
-        recorded = {o: m for o, m in _index.read_index(item_dir).items() if o == owner}
-        if not any(m.is_due(persist_every) for m in recorded.values()):
-            continue
-        if not _index.memory_parts(memory, step, recorded) - _index.persisted_parts(
-            item_dir, recorded
-        ):
-            continue
-        manifest = memory.read_manifest(step, owner)
-        assert manifest is not None  # memory_parts read it
-        jobs.append(
-            PersistJob(
-                manifest,
-                memory.part_dir(step, owner),
-                item_dir,
-                item_dir,
-                pin=memory.pin(step),
-                resumed=True,
-            )
-        )
-    return jobs
 
 
 class Persister:

@@ -1,29 +1,28 @@
-"""This process's side of a run: its memory tier, its peers, and how it meets the others.
+"""This process's side of a run: its memory tier, its peers, and the exchanges with the others.
 
 A run is one checkpoint directory's saves and restores (its run id names its
 memory tier, `_paths.ItemDir.run_id`). `Run` holds the run in use and does, for
-the handler, everything that involves the other processes or a crashed run:
+the operations' choreographies (`_choreography`), everything that involves the
+other processes or a crashed run:
 
-- the memory tier of the run (opened on first use, when the run changes), with
-  the clean-up of a crashed run's leftovers: staging older than the timeout, and
-  the persistence of the steps it left due but unpersisted;
-- the peers (met once per run, a collective) and the placement check;
-- the choreography that keeps every process's exchanges in step: a process that
-  fails before an exchange still takes part in it (`taking_part`, `decline`),
-  and the verdict of a restore or a listing is agreed on (`agree`);
-- the exchange of inventories behind every restore plan (`global_view`).
+- opening the run (`open`, step 1 of every save and restore): its memory tier,
+  and once per run the crashed run's leftovers taken over (`_recovery`);
+  `memory_for` only looks the open tier up;
+- the meeting of the peers (once per run, a collective) and the placement check;
+- the exchange of inventories behind every restore plan (`inventories`).
+
+Which process runs which exchange, and when, is the choreographies' business:
+each exchange here runs as it is asked to, with or without a local error.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 from absl import logging as log
 
 from jaxckpt import (
-    _agreement,
     _format,
     _fs,
     _index,
@@ -33,6 +32,7 @@ from jaxckpt import (
     _persister,
     _placement,
     _quarantine,
+    _recovery,
     _resources,
     _retention,
     _slab,
@@ -53,30 +53,56 @@ class Run:
         self, options: TierOptions, persister: _persister.Persister, keeper: _retention.Keeper
     ):
         self._options = options
-        self._persister = persister  # takes what a crashed run left unpersisted
+        # Takes over what a crashed run left: old staging, steps left unpersisted.
+        self._recovery = _recovery.Recovery(persister, options.persist_every, options.timeout_s)
         self._keeper = keeper  # told of every checkpoint directory and item used
         self.memory: _memory_tier.MemoryTier | None = None
         self.peers: _peers.Peers | None = None
         self._items: dict[str, set[tuple[Path, str]]] = {}  # run id -> (root, item) used
         _resources.SHARED.acquire(self)
 
+    @property
+    def options(self) -> TierOptions:
+        return self._options
+
     # ---- the run's tiers ----------------------------------------------------
 
     def memory_for(
         self, item: _paths.ItemDir, recorded: _format.PartManifest | None = None
-    ) -> _memory_tier.MemoryTier:
-        """The memory tier of the run that `item` belongs to.
+    ) -> _memory_tier.MemoryTier | None:
+        """The open memory tier of the run that `item` belongs to, or None if that run is
+        not open here (a lookup: it opens nothing; see `open`).
 
         The run id is the one `recorded` in the step's index manifest (a restore:
         the copies to read carry it, whatever the directory is called now), else
         `TierOptions.run_id`, else one derived from the checkpoint directory's
         real path (so a symlink to it finds the same tier).
         """
+        run_id = item.run_id(self._options.run_id, recorded.run_id if recorded else None)
+        return self.memory if self.memory is not None and self.memory.run_id == run_id else None
+
+    def open(
+        self,
+        item: _paths.ItemDir,
+        recorded: _format.PartManifest | None = None,
+        indexes: dict[int, _index.Index] | None = None,
+    ) -> _memory_tier.MemoryTier:
+        """Opens the run that `item` belongs to (step 1 of a save, a restore or a listing):
+        its memory tier, prepared (`MemoryTier.prepare`: RUN.json, writable or not), and,
+        once per run, the crashed run's leftovers taken over (`_recovery.Recovery`).
+
+        Args:
+          item: the item directory of the operation.
+          recorded: a manifest of the step's index (its run id wins; see `memory_for`).
+          indexes: step -> index manifests the caller read already: the recovery
+            does not read them again (and adds those it reads).
+        """
         self._keeper.note(item)
         _resources.SHARED.acquire(self)  # again, if used after `close`
         run_id = item.run_id(self._options.run_id, recorded.run_id if recorded else None)
         self._items.setdefault(run_id, set()).add((item.root, item.item))
-        if self.memory is None or self.memory.run_id != run_id:
+        memory = self.memory_for(item, recorded)
+        if memory is None:
             memory = _memory_tier.MemoryTier(
                 self._options.memory_root,
                 run_id,
@@ -86,44 +112,38 @@ class Run:
             memory.prepare(
                 str(item.root), _multihost.process_index(), self._options.resolved_failure_domain
             )
-            memory.clear_staging(older_than_s=self._options.timeout_s)
             self.memory = memory
-            self._resume_persistence(memory, item)
-        return self.memory
-
-    def _resume_persistence(self, memory: _memory_tier.MemoryTier, item: _paths.ItemDir) -> None:
-        """Queues what a crash left unpersisted (steps due, finalized, still in this
-        process's memory): a restarted job persists them as the lost one would have."""
-        try:
-            jobs = _persister.unpersisted_jobs(
-                memory,
-                item.root,
-                item.item,
-                _multihost.process_index(),
-                self._options.persist_every,
+            self._recovery.run(
+                memory, item, _multihost.process_index(), indexes if indexes is not None else {}
             )
-        except Exception:  # the look is a convenience: never fail a save or restore over it
-            log.exception("jaxckpt: could not look for unpersisted steps in %s", memory.run_dir)
-            return
-        for job in jobs:
-            log.info("jaxckpt: persisting step %d, left unpersisted by a crash", job.manifest.step)
-            self._persister.submit(job)
+        return memory
 
-    # ---- meeting the other processes -------------------------------------------
+    # ---- the exchanges (in the order of `_choreography`) -----------------------
 
     def meet(
         self,
-        item: _paths.ItemDir,
         memory: _memory_tier.MemoryTier | None,
+        run_id: str,
         error: BaseException | None,
+        place: bool,
     ) -> _peers.Peers | None:
-        """A save's meeting with its peers (collective, once per run): with a memory tier,
-        connects and checks that the replicas can be placed; without one (`error` says
-        why), takes part all the same so that every process raises."""
+        """Meets the other processes, once per run (collective): with a memory tier,
+        connects (and with `place`, checks that the replicas can be placed); without
+        one (`error` says why), takes part all the same, and every process raises.
+
+        Raises:
+          `error` (or another process's, marked as agreed) where a meeting happened
+          without a memory tier; what `connect` or the placement raises.
+        """
         if memory is None:
-            self.decline(item, error or RuntimeError("no memory tier"))
+            if _multihost.process_count() > 1 and (
+                self.peers is None or self.peers.run_id != run_id
+            ):
+                _peers.Peers.decline(run_id, self._options, error or RuntimeError("no memory tier"))
             return None
         peers = self.connect(memory)
+        if not place:
+            return peers
         if peers is not None:
             peers.holders  # noqa: B018 -- computing the placement validates it
         else:
@@ -142,40 +162,40 @@ class Run:
             self.peers = _peers.Peers.connect(memory, self._options)
         return self.peers
 
-    def decline(
-        self, item: _paths.ItemDir, error: BaseException, run_id: str | None = None
-    ) -> None:
-        """Where the others meet their peers, takes part without a memory tier (collective):
-        all raise `error`. Nothing to do if this run's peers were met already."""
-        if _multihost.process_count() == 1:
-            return
-        run_id = run_id or item.run_id(self._options.run_id)
-        if self.peers is None or self.peers.run_id != run_id:
-            _peers.Peers.decline(run_id, self._options, error)
-
-    @contextlib.contextmanager
-    def taking_part(
+    def inventories(
         self,
         item: _paths.ItemDir,
-        recorded: _format.PartManifest | None,
         memory: _memory_tier.MemoryTier | None,
-    ) -> Iterator[None]:
-        """On an error inside, takes part in the restore's exchange of inventories all the
-        same (with nothing to offer), then raises it: the restore agrees on it afterwards."""
+        indexes: dict[int, _index.Index] | None = None,
+    ) -> _index.GlobalView:
+        """What every process holds in memory, for every finalized step (collective, once
+        the run's peers are met). Without a memory tier, or if it cannot be listed, this
+        process offers nothing (the others read from peers or persistent storage).
+
+        `indexes` are index manifests read already (step -> index): not read again.
+        """
+        pi = _multihost.process_index()
+        steps: dict[int, Path] = {}
+        local: _peers.Inventory = {}
+        known: dict[int, _index.Index] = indexes if indexes is not None else {}
         try:
-            yield
-        except Exception as error:
-            # IMPORTANT: the other processes are about to meet in `global_view`; skipping
-            # it would leave them waiting and this process's exchanges out of step.
+            steps = item.finalized_steps()
+            if item.step is not None and item.path.is_dir():
+                steps[item.step] = item.path
             if memory is not None:
-                self.global_view(item, memory)
-            elif _multihost.process_count() > 1:
-                run_id = item.run_id(self._options.run_id, recorded.run_id if recorded else None)
-                if self.peers is None or self.peers.run_id != run_id:
-                    self.decline(item, error, run_id)
-                else:
-                    self.peers.exchange_inventories({})
-            raise
+                mine = _index.GlobalView(steps, {}, pi, known)
+                local = {
+                    s: _index.memory_parts(memory, s, mine.index(s))
+                    for s in memory.steps()
+                    if s in steps
+                }
+        except OSError as e:
+            log.warning("jaxckpt: [process %d] cannot list what it holds: %s", pi, e)
+            local = {}
+        # The run's peers, met in the exchange before (`meet`; `connect` meets no one again).
+        peers = self.connect(memory) if memory is not None else self.peers
+        inventories = peers.exchange_inventories(local) if peers is not None else {pi: local}
+        return _index.GlobalView(steps, inventories, pi, known)
 
     def global_view(
         self,
@@ -183,77 +203,28 @@ class Run:
         memory: _memory_tier.MemoryTier,
         indexes: dict[int, _index.Index] | None = None,
     ) -> _index.GlobalView:
-        """What every process holds in memory, for every finalized step (collective).
+        """`meet` (once per run) and `inventories`: both collective."""
+        self.connect(memory)
+        return self.inventories(item, memory, indexes)
 
-        `indexes` are index manifests read already (step -> index): not read again.
-        """
-        pi = _multihost.process_index()
-        steps: dict[int, Path] = {}
-        local: _peers.Inventory = {}
-        known: dict[int, _index.Index] = dict(indexes or {})  # shared with the views below
-        try:
-            steps = item.finalized_steps()
-            if item.step is not None and item.path.is_dir():
-                steps[item.step] = item.path
-            mine = _index.GlobalView(steps, {}, pi, known)
-            local = {
-                s: _index.memory_parts(memory, s, mine.index(s))
-                for s in memory.steps()
-                if s in steps
-            }
-        except OSError as e:
-            # IMPORTANT: still take part in the exchange below (the others wait in it),
-            # offering nothing: the restore reads from peers or persistent storage instead.
-            log.warning("jaxckpt: [process %d] cannot list what it holds: %s", pi, e)
-            local = {}
-        peers = self.connect(memory)
-        inventories = peers.exchange_inventories(local) if peers else {pi: local}
-        return _index.GlobalView(steps, inventories, pi, known)
-
-    def restorable_steps(self, item: _paths.ItemDir, verify: bool = False) -> list[int]:
-        """Every finalized step of `item` that some tier can restore, newest first
-        (collective: every process takes part in the exchange of inventories).
-
-        With `verify`, every part this process holds in memory for those steps is
-        first checked against its checksums, and a damaged one quarantined
-        (`_quarantine`), so that no process offers it.
-        """
-        with self.taking_part(item, None, None):
-            # The newest step's index records the run id its copies carry.
-            finalized = item.finalized_steps()
-            index = _index.read_index(finalized[max(finalized)]) if finalized else {}
-            pi = _multihost.process_index()
-            recorded = index.get(pi) or next(iter(index.values()), None)
-            memory = self.memory_for(item, recorded)
-            if verify:
-                held = [
-                    memory.part_dir(s, o)
-                    for s in memory.steps()
-                    if s in finalized
-                    for o in memory.parts(s)
-                ]
-                damaged, nbytes, seconds = _quarantine.verify_tier(held, pi)
-                log.info(
-                    "jaxckpt: [process %d] verified %d memory-tier parts (%.3f GB) in %.2f s "
-                    "(%.2f GB/s); %d damaged, quarantined",
-                    pi,
-                    len(held),
-                    nbytes / 1e9,
-                    seconds,
-                    nbytes / 1e9 / max(seconds, 1e-9),
-                    len(damaged),
-                )
-        return self.global_view(item, memory).restorable_steps()
-
-    def agree(
-        self, verb: str, item: _paths.ItemDir, error: BaseException | None, what: str = ""
-    ) -> None:
-        """Raises on every process if `error` or another process's error is set (collective)."""
-        _agreement.agree(
-            error,
-            tag=item.tag(verb, self._options.run_id),
-            what=what or f"The {verb} of step {item.step}",
-            timeout_s=self._options.timeout_s,
+    def verify_held(self, memory: _memory_tier.MemoryTier, steps: Iterable[int]) -> None:
+        """Checks every part this process holds in memory for `steps` against its
+        checksums and quarantines a damaged one (`_quarantine`), so that no inventory
+        offers it (`latest_restorable_step(verify=True)`)."""
+        pi, wanted = _multihost.process_index(), set(steps)
+        held = [
+            memory.part_dir(s, o) for s in memory.steps() if s in wanted for o in memory.parts(s)
+        ]
+        damaged, nbytes, seconds = _quarantine.verify_tier(held, pi)
+        log.info(
+            "jaxckpt: [process %d] verified %d memory-tier parts (%.3f GB) in %.2f s "
+            "(%.2f GB/s); %d damaged, quarantined",
+            pi,
+            len(held),
+            nbytes / 1e9,
+            seconds,
+            nbytes / 1e9 / max(seconds, 1e-9),
+            len(damaged),
         )
 
     def redact(self, text: str) -> str:

@@ -9,11 +9,12 @@ only takes the snapshot, meets the peers and hands over. In order:
 2. `commit` (the commit future): the slab (filled now, with each block's
    CRC-32C, or only checksummed where `stage` filled it), its manifest and the
    atomic commit into the memory tier; the push to the replica holders; the
-   persist job of a step that is due; the agreement of every process; the index
-   manifest in the step directory; then memory retention.
+   persist job of a step that is due; the agreement of every process (the
+   exchange `agree` of `_choreography.SaveChoreography`); the index manifest in
+   the step directory; then memory retention.
 
-Any failure before the index is agreed on, so every process raises and the
-manager finalizes the step on all of them or on none. `SaveMetrics` records
+Any failure before the index is agreed on (by the choreography), so every
+process raises and the manager finalizes the step on all of them or on none. `SaveMetrics` records
 each phase.
 """
 
@@ -24,13 +25,10 @@ import concurrent.futures
 import dataclasses
 import time
 import uuid
-from collections.abc import Awaitable
 from pathlib import Path
 
-from absl import logging as log
-
 from jaxckpt import (
-    _agreement,
+    _choreography,
     _faults,
     _format,
     _fs,
@@ -45,7 +43,6 @@ from jaxckpt import (
     _storage,
 )
 from jaxckpt._options import TierOptions
-from jaxckpt.peer import _peers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,15 +64,17 @@ class Save:
         step: int,
         snapshot: _snapshot.Snapshot,
         memory: _memory_tier.MemoryTier,
-        peers: _peers.Peers | None,
+        choreography: _choreography.SaveChoreography,
         services: Services,
         started: float,
         persist: bool = False,
     ):
-        """Args (beside the collaborators): `persist` asks for the step's persistence
-        whatever `TierOptions.persist_every` says (`TieredSave(persist=True)`)."""
+        """Args (beside the collaborators): `choreography` runs the save's exchanges (its
+        peers met already); `persist` asks for the step's persistence whatever
+        `TierOptions.persist_every` says (`TieredSave(persist=True)`)."""
         self._item, self._step, self._snapshot = item, step, snapshot
-        self._memory, self._peers, self._services = memory, peers, services
+        self._memory, self._services = memory, services
+        self._choreography, self._peers = choreography, choreography.peers
         self._options = services.options
         self._asked_to_persist = persist
         self._persist = persist or step % services.options.persist_every == 0
@@ -83,7 +82,6 @@ class Save:
         self._process = _multihost.process_index()
         self._staged: _memory_tier.StagedSlab | None = None
         self._checksummed = False  # whether the staged slab's CRC-32Cs are computed
-        self._agreed = False
         self.metrics = _metrics.SaveMetrics(
             step=step,
             process=self._process,
@@ -107,17 +105,8 @@ class Save:
         self.metrics.stall_s = time.perf_counter() - self._started
 
     async def commit(self) -> None:
-        """The commit of this save, agreed on: every process fails it if one fails before
-        its index manifest or saved another tree (see `_agreement`)."""
-        try:
-            await self._commit()
-        except Exception as error:
-            self._services.publisher.failure("save", self._step, self._redact(str(error)))
-            if not self._agreed:
-                await self._agree(error)
-            raise
-
-    async def _commit(self) -> None:
+        """The commit of this save; its agreement is the choreography's exchange `agree`
+        (a failure before it is agreed on by `_choreography.SaveChoreography.commit`)."""
         manifest, part = await self._commit_in_memory()
         self.metrics.safe_in_memory_s = time.perf_counter() - self._started
         # Set once the commit has ended: a persist job (queued after the push) makes
@@ -219,57 +208,12 @@ class Save:
             )
         # IMPORTANT: every process agrees that all committed the same tree before any writes
         # its index manifest: a step is indexed by every process or by none.
-        await self._agree(None)
+        agree_start = time.perf_counter()
+        await self._choreography.agree(self._snapshot.leaves)
+        self.metrics.agree_s = time.perf_counter() - agree_start
         # IMPORTANT: the index manifest is written only after the memory part is committed
         # (and replicated), so an index never points at copies that do not exist yet.
         manifest = dataclasses.replace(manifest, metrics=metrics.to_dict())
         _storage.write_file(self._item.path / _format.index_file(pi), manifest.to_json())
         _faults.maybe_crash("index", step, pi)
         self._services.publisher.publish(metrics.to_dict())
-
-    async def _agree(self, error: BaseException | None) -> None:
-        self._agreed = True
-        start = time.perf_counter()
-        await asyncio.to_thread(
-            _agreement.agree_on_save,
-            self._snapshot.leaves,
-            error,
-            tag=self._item.tag("save", self._options.run_id),
-            step=self._step,
-            timeout_s=self._options.timeout_s,
-        )
-        self.metrics.agree_s = time.perf_counter() - start
-
-    def _redact(self, text: str) -> str:
-        return self._peers.redact(text) if self._peers is not None else text
-
-
-def refused(
-    item: _paths.ItemDir,
-    step: int | None,
-    error: BaseException,
-    services: Services,
-    peers: _peers.Peers | None,
-) -> Awaitable[None]:
-    """Logs a save this process refused at once; returns its commit, which raises `error`
-    on every process."""
-    pi = _multihost.process_index()
-    log.error("jaxckpt: [process %d] save into %s refused: %s", pi, item.path, error)
-    redacted = peers.redact(str(error)) if peers is not None else str(error)
-    return _refused(item, step, error, services, redacted)
-
-
-async def _refused(
-    item: _paths.ItemDir, step: int | None, error: BaseException, services: Services, said: str
-) -> None:
-    services.publisher.failure("save", step, said)
-    if not _agreement.is_agreed(error):
-        await asyncio.to_thread(
-            _agreement.agree_on_save,
-            None,
-            error,
-            tag=item.tag("save", services.options.run_id),
-            step=step,
-            timeout_s=services.options.timeout_s,
-        )
-    raise error

@@ -56,9 +56,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_index",
         ),
     ),
-    ("save and restore steps", ("_persister", "_retention", "_snapshot", "_restore", "_target")),
+    (
+        "save and restore steps",
+        ("_persister", "_recovery", "_retention", "_snapshot", "_restore", "_target"),
+    ),
     ("peer service", ("peer", "peer.*")),
-    ("handler", ("_args", "_run", "_save", "_background", "_handler")),
+    ("handler", ("_args", "_run", "_choreography", "_save", "_background", "_handler")),
     (
         "public API",
         (
