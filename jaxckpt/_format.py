@@ -35,7 +35,8 @@ of zlib's CRC-32; and keeps a memory or peer part in one slab file (`_slab`),
 each chunk at the `offset` its record gives.
 Versions 1 and 2 are still read (every field added since has a default; their
 arrays are named by leaf index). A field added within a version has a default
-that older manifests get, and older readers ignore it: `persist` (in 3).
+that older manifests get, and older readers ignore it: `persist` (in 3),
+`nonfinite` (in 3; absent: not counted).
 """
 
 from __future__ import annotations
@@ -272,6 +273,10 @@ class PartManifest:
       persist: whether the save asked for the step's persistence
         (`TieredSave(persist=True)`), whatever `TierOptions.persist_every` says.
         Added in version 3 with a default (False).
+      nonfinite: leaf index -> how many NaN/Inf values `owner`'s chunks of that
+        floating leaf hold, for the leaves that hold any; None: not counted
+        (`TierOptions.count_nonfinite` off, or a manifest from before it).
+        Added in version 3 with a default (None).
     """
 
     step: int
@@ -288,6 +293,7 @@ class PartManifest:
     scalars: Mapping[int, Any] = dataclasses.field(default_factory=dict)
     shardings: Mapping[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     persist: bool = False
+    nonfinite: Mapping[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -312,7 +318,11 @@ class PartManifest:
             "metrics": dict(self.metrics),
             "persist": self.persist,
             "jaxckpt_version": JAXCKPT_VERSION,
-        }
+        } | (
+            {}
+            if self.nonfinite is None
+            else {"nonfinite": {str(i): n for i, n in self.nonfinite.items()}}
+        )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PartManifest:
@@ -347,6 +357,11 @@ class PartManifest:
             scalars={int(i): v for i, v in d.get("scalars", {}).items()},
             shardings={int(i): s for i, s in d.get("shardings", {}).items()},
             persist=bool(d.get("persist", False)),
+            nonfinite=(
+                {int(i): int(n) for i, n in d["nonfinite"].items()}
+                if d.get("nonfinite") is not None
+                else None
+            ),
         )
 
     def is_due(self, persist_every: int) -> bool:

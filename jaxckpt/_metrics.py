@@ -36,6 +36,7 @@ class SaveMetrics:
     replicate_bytes_per_s: float | None = None
     safe_on_peers_s: float | None = None
     agree_s: float | None = None
+    nonfinite: int | None = None  # NaN/Inf values in this part (None: not counted)
 
     def to_dict(self) -> dict[str, Any]:
         """The `save` event as the log, the callback and the manifest carry it."""

@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jaxckpt import _internals, _multihost, _paths, _storage
+from jaxckpt import _finite, _index, _internals, _multihost, _paths, _storage
 from jaxckpt._handler import TieredCheckpointHandler
 
 log = logging.getLogger(__name__)
 
 
-def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | None:
+def latest_restorable_step(
+    mngr: Any, *, delete_newer: bool = True, finite: bool = False
+) -> int | None:
     """The newest step of `mngr` that every jaxckpt item can restore, from any tier.
 
     After a process crash the newest step is usually still in memory; after a
@@ -34,6 +36,11 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
         returned one: none of them can be restored, and the manager skips saving
         a step number that already exists, so the resumed job's next saves of
         those steps would otherwise be lost.
+      finite: skip the steps whose saves counted NaN or Inf values in a floating
+        leaf (`TierOptions.count_nonfinite`, on by default): the newest restorable
+        step without them. With `delete_newer`, the newer steps holding them are
+        deleted too. A step saved without counting (the option off, or a jaxckpt
+        from before it) is taken as finite.
 
     Returns:
       The step, or None if no step can be restored (then, with `delete_newer`,
@@ -61,10 +68,29 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
     for item, handler in sorted(handlers.items()):
         # Any item directory will do: the handler looks at the step directories next to it.
         restorable &= set(handler.restorable_steps(root / "0" / item))
-    newest = max(restorable, default=None)
+    poisoned = _nonfinite_steps(root, handlers, restorable) if finite else {}
+    newest = max(restorable - set(poisoned), default=None)
+    for step, count in sorted(poisoned.items()):
+        log.warning(
+            "jaxckpt: [process %d] step %d of %s is restorable but holds %d NaN/Inf values: "
+            "skipped (finite=True)",
+            _multihost.process_index(),
+            step,
+            mngr.directory,
+            count,
+        )
     if delete_newer:
         for step in steps:
-            if newest is None or step > newest:
+            if step in poisoned and (newest is None or step > newest):
+                log.warning(
+                    "jaxckpt: [process %d] deleting step %d of %s: it holds NaN/Inf values, "
+                    "and the next saves must be able to write that step number again",
+                    _multihost.process_index(),
+                    step,
+                    mngr.directory,
+                )
+                mngr.delete(step)
+            elif newest is None or step > newest:
                 log.warning(
                     "jaxckpt: [process %d] deleting step %d of %s: no tier holds a complete "
                     "verified copy of it (own memory, peers' memory, persistent storage), and "
@@ -78,6 +104,24 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
                 )
                 mngr.delete(step)
     return newest
+
+
+def _nonfinite_steps(
+    root: Any, handlers: dict[str, TieredCheckpointHandler], steps: set[int]
+) -> dict[int, int]:
+    """Step -> its NaN/Inf count, for the `steps` whose index manifests (of any jaxckpt
+    item) record any. Every process reads the same files, so all agree."""
+    out: dict[int, int] = {}
+    for item in handlers:
+        for step, item_dir in _paths.finalized_steps(root, item).items():
+            if step not in steps:
+                continue
+            count = sum(
+                _finite.total(m.nonfinite) or 0 for m in _index.read_index(item_dir).values()
+            )
+            if count:
+                out[step] = out.get(step, 0) + count
+    return out
 
 
 def tiered_handlers(mngr: Any) -> dict[str, TieredCheckpointHandler]:

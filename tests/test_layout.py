@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_metrics",
             "_resources",
             "_weak_type",
+            "_finite",
         ),
     ),
     (
