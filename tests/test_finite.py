@@ -163,3 +163,35 @@ def test_counting_off_records_nothing_and_counts_as_finite(memory_root, ckpt_dir
 def test_count_nonfinite_option_is_validated(memory_root):
     with pytest.raises(ValueError, match="count_nonfinite must be a bool"):
         jaxckpt.TierOptions(memory_root, count_nonfinite="yes")  # type: ignore[arg-type]
+
+
+def test_ls_and_inspect_show_the_counts(memory_root, ckpt_dir, capsys):
+    import json
+
+    from jaxckpt import cli
+
+    handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=1))
+    mngr = manager(ckpt_dir, handler)
+    save(mngr, 1, _state(1))
+    save(mngr, 2, _state(2, np.inf))
+    mngr.wait_until_finished()
+    handler.wait_for_persistence()
+    mngr.close()
+
+    assert cli.main(["ls", str(ckpt_dir), "--json"]) == 0
+    steps = {s["step"]: s for s in json.loads(capsys.readouterr().out)["steps"]}
+    assert (steps[1]["nonfinite"], steps[2]["nonfinite"]) == (0, 3)
+    assert cli.main(["ls", str(ckpt_dir)]) == 0
+    text = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in text.splitlines() if line[:4].strip().isdigit()}
+    assert "FINITE" in text and lines["1"].rstrip().endswith("yes")
+    assert lines["2"].rstrip().endswith("NO: 3 NaN/Inf")
+
+    assert cli.main(["inspect", str(ckpt_dir), "2", "--json"]) == 0
+    leaves = {x["path"]: x["nonfinite"] for x in json.loads(capsys.readouterr().out)["leaves"]}
+    assert leaves["['w']"] == 2 and leaves["['h']"] == 1 and leaves["['b']"] == 0
+    assert cli.main(["inspect", str(ckpt_dir), "2"]) == 0
+    text = capsys.readouterr().out
+    assert "finite: NO: 3 NaN/Inf" in text
+    (w_line,) = [line for line in text.splitlines() if line.startswith("w ")]
+    assert w_line.rstrip().endswith("2 NaN/Inf")
