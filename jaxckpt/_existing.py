@@ -15,7 +15,9 @@ helpers find the finalized steps, `PyTreeCheckpointHandler` (which also writes
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import time
 from typing import Any
 
 import jax
@@ -25,6 +27,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt import _format, _storage
+
+log = logging.getLogger(__name__)
 
 # flax.training.checkpoints' default name prefix (`checkpoint_<N>`).
 _FLAX_PREFIX = "checkpoint_"
@@ -96,13 +100,22 @@ def restore_existing(
       ValueError: if the step holds several items and `item` is None, has no item
         `item`, or its tree does not match `target` (naming the leaf).
     """
+    start = time.perf_counter()
     root = _as_epath(directory)
     found = _find(root, step, item)
     if found is None:
+        log.info("jaxckpt: restore_existing found no Orbax or flax checkpoint in %s", root)
         return None
-    if found.msgpack:
-        return found.step, _restore_msgpack(found, target)
-    return found.step, _restore_pytree(found, target)
+    restored = _restore_msgpack(found, target) if found.msgpack else _restore_pytree(found, target)
+    log.info(
+        "jaxckpt: [process %d] restored step %d from the old format (%s %s) in %.2f s",
+        jax.process_index(),
+        found.step,
+        "flax msgpack" if found.msgpack else "Orbax PyTree",
+        found.path,
+        time.perf_counter() - start,
+    )
+    return found.step, restored
 
 
 def _as_epath(directory: str | os.PathLike[str]) -> epath.Path:

@@ -261,7 +261,26 @@ class Save:
         manifest = dataclasses.replace(manifest, metrics=metrics.to_dict())
         _storage.write_file(self._item.path / _format.index_file(pi), manifest.to_json())
         _faults.maybe_crash("index", step, pi)
+        self._services.publisher.announce(self._set_up())
         self._services.publisher.publish(metrics.to_dict())
+
+    def _set_up(self) -> str:
+        """The first save's one INFO line: the tiers, the replicas, the persist cadence."""
+        o, every = self._options, self._options.persist_every
+        due = (self._step // every + 1) * every
+        replicas = (
+            f"{o.replicas} replica(s) in other failure domains"
+            if self._peers is not None and o.replicas
+            else "no replicas"
+        )
+        return (
+            f"[process {self._process}] first save (step {self._step}, "
+            f"{self.metrics.bytes / 2**20:.1f} MiB): memory tier {self._memory.run_dir} keeps "
+            f"{o.memory_keep} step(s); {replicas}; persisted to {self._item.root} when "
+            f"step % {every} == 0 (next: step {due}) or asked"
+            + ("; NaN/Inf counted" if o.count_nonfinite else "")
+            + ". Each save and persist is logged at DEBUG."
+        )
 
     async def _agree(self, error: BaseException | None) -> None:
         self._agreed = True
