@@ -51,7 +51,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("save and restore steps", ("_persister", "_retention", "_snapshot", "_restore", "_target")),
     ("peer service", ("peer", "peer.*")),
     ("handler", ("_args", "_run", "_save", "_background", "_handler")),
-    ("public API", ("_resume", "_existing", "_prometheus", "_manager_options", "__init__")),
+    (
+        "public API",
+        ("_resume", "_existing", "_export", "_prometheus", "_manager_options", "__init__"),
+    ),
     ("operator tools and launcher", ("tools", "tools.*", "launch", "launch.*")),
     ("benchmark", ("bench", "bench.*")),
     ("command line", ("cli",)),
