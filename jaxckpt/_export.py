@@ -34,18 +34,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxckpt import _checksum, _chunking, _format, _index, _paths, _readers, _storage
+from jaxckpt import _durable_step, _format, _storage
 
 FORMATS: Final = ("orbax", "safetensors")
 ORBAX_ITEM: Final = "default"  # a single-item CheckpointManager's item name
@@ -134,7 +133,7 @@ def export(
         raise ValueError(f"export: max_shard_bytes must be an int, got {max_shard_bytes!r}.")
     if max_shard_bytes < 1:
         raise ValueError(f"export: max_shard_bytes must be positive, got {max_shard_bytes}.")
-    source = _Source.open(_storage.as_path(directory), step, item, timeout_s)
+    source = _durable_step.DurableStep.open(_storage.as_path(directory), step, item, timeout_s)
     out_dir = Path(os.path.abspath(os.fspath(out)))
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"export: the output directory {out_dir} is not empty.")
@@ -143,117 +142,13 @@ def export(
     return write(source, out_dir, max_shard_bytes, on_progress or (lambda *_: None))
 
 
-@dataclasses.dataclass
-class _Source:
-    """A durable step's parts, read chunk by chunk with checks."""
-
-    item_dir: Path
-    step: int
-    index: _index.Index
-    leaves: tuple[_format.LeafRecord, ...]
-    names: list[str]  # per leaf: the exported name
-    timeout_s: float
-
-    @classmethod
-    def open(cls, root: Path, step: int, item: str | None, timeout_s: float) -> _Source:
-        item = item or _only_item(root, step)
-        steps = _paths.finalized_steps(root, item)
-        if step not in steps:
-            raise FileNotFoundError(
-                f"export: step {step} of item {item!r} is not in {root} (finalized steps: "
-                f"{sorted(steps)})."
-            )
-        item_dir = steps[step]
-        index = _index.read_index(item_dir)
-        if not index:
-            raise FileNotFoundError(f"export: {item_dir} holds no jaxckpt index manifest.")
-        first = index[min(index)]
-        missing = sorted(set(range(first.process_count)) - _index.persisted_parts(item_dir, index))
-        if missing:
-            raise FileNotFoundError(
-                f"export: step {step} is not durable: the part(s) of process(es) {missing} are "
-                f"not persisted in {item_dir}. Export reads persistent storage only: choose a "
-                "durable step (`jaxckpt ls` shows them) or save one with "
-                "jaxckpt.TieredSave(state, persist=True)."
-            )
-        return cls(item_dir, step, index, first.leaves, _names(first.leaves), timeout_s)
-
-    def nbytes(self, i: int) -> int:
-        rec = self.leaves[i]
-        if rec.kind not in (_format.ARRAY, _format.NUMPY):
-            return 0
-        assert rec.stored_shape is not None and rec.stored_dtype is not None
-        return math.prod(rec.stored_shape) * np.dtype(rec.stored_dtype).itemsize
-
-    def chunks(self, i: int) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
-        """(region, values) of every saved chunk of array leaf `i`, checked against its
-        CRC-32C (a per-process leaf: process 0's)."""
-        rec = self.leaves[i]
-        assert rec.stored_shape is not None and rec.chunk_shape is not None
-        owners = [min(self.index)] if rec.per_process else sorted(self.index)
-        for owner in owners:
-            part = self.item_dir / _format.part_dir_name(owner)
-            reader = _readers.ZarrReader(_storage.kvstore(part))
-            for chunk in self.index[owner].chunks.get(i, ()):
-                where = f"chunk {chunk.index} of {rec.path} in process {owner}'s part of step "
-                where += f"{self.step} ({part})"
-                try:
-                    data = reader.read(i, rec, chunk, self.timeout_s)
-                except (OSError, ValueError, TimeoutError) as e:  # tensorstore: ValueError
-                    raise ValueError(f"export: {where} cannot be read: {e}") from e
-                if not _checksum.matches(chunk.crc32c, chunk.crc32, data):
-                    raise ValueError(
-                        f"export: {where} does not match its checksum: the copy is damaged "
-                        "(`jaxckpt verify` checks every copy)."
-                    )
-                yield _chunking.chunk_region(chunk.index, rec.stored_shape, rec.chunk_shape), data
-
-    def fill(self, i: int, dest: np.ndarray) -> None:
-        for region, data in self.chunks(i):
-            dest[region] = data
-
-    def scalar(self, i: int) -> Any:
-        rec = self.leaves[i]
-        return self.index[min(self.index)].scalars.get(i) if rec.per_process else rec.value
-
-
-def _only_item(root: Path, step: int) -> str:
-    """The one jaxckpt item (a directory with an index manifest) of `step` in `root`."""
-    items: set[str] = set()
-    if root.is_dir():
-        for step_dir in root.iterdir():
-            if _paths.is_temporary(step_dir.name) or _paths.step_of_name(step_dir.name) != step:
-                continue
-            items |= {p.parent.name for p in step_dir.glob(f"*/{_format.index_file(0)}")}
-    if len(items) != 1:
-        raise ValueError(
-            f"export: step {step} in {root} holds {len(items)} jaxckpt items "
-            f"({sorted(items)}): name one (--item, item=)."
-            if items
-            else f"export: {root} holds no jaxckpt step {step}."
-        )
-    return items.pop()
-
-
-def _names(leaves: tuple[_format.LeafRecord, ...]) -> list[str]:
-    """Each leaf's exported name: its tree path's keys joined by dots (unique)."""
-    out, seen = [], set()
-    for i, rec in enumerate(leaves):
-        name = ".".join(str(k) for _, k in rec.keys) or "_"
-        if name in seen:
-            name = f"{name}~{i}"
-        seen.add(name)
-        out.append(name)
-    return out
-
-
 def _skip_reason(rec: _format.LeafRecord) -> str | None:
     if rec.kind == _format.ITERATOR:
         return "an iterator state (a data pipeline's position), which neither format holds"
     return None
 
 
-def _orbax(source: _Source, out: Path, _cap: int, progress: Progress) -> Exported:
+def _orbax(source: _durable_step.DurableStep, out: Path, _cap: int, progress: Progress) -> Exported:
     scratch = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     scratch.mkdir()
     try:
@@ -295,7 +190,7 @@ def _orbax(source: _Source, out: Path, _cap: int, progress: Progress) -> Exporte
     return Exported(out, "orbax", source.step, leaves, skipped, impls, (item_dir,), total)
 
 
-def _staged(source: _Source, i: int, path: Path) -> np.ndarray:
+def _staged(source: _durable_step.DurableStep, i: int, path: Path) -> np.ndarray:
     """Leaf `i` assembled chunk by chunk in a file at `path`, then mapped read-only.
 
     The file is written through a shared mapping that is flushed and dropped once
@@ -329,7 +224,9 @@ def _nest(entries: list[tuple[tuple[tuple[str, Any], ...], Any]]) -> Any:
     return {str(k): v for k, v in nested.items()}
 
 
-def _safetensors(source: _Source, out: Path, cap: int, progress: Progress) -> Exported:
+def _safetensors(
+    source: _durable_step.DurableStep, out: Path, cap: int, progress: Progress
+) -> Exported:
     try:
         import safetensors
     except ImportError as e:

@@ -48,7 +48,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "storage and planning",
         ("_zarr", "_memory_budget", "_memory_tier", "_plan", "_readers", "_landing", "_index"),
     ),
-    ("save and restore steps", ("_persister", "_retention", "_snapshot", "_restore", "_target")),
+    (
+        "save and restore steps",
+        ("_persister", "_retention", "_snapshot", "_restore", "_target", "_durable_step"),
+    ),
     ("peer service", ("peer", "peer.*")),
     ("handler", ("_args", "_run", "_save", "_background", "_handler")),
     (
