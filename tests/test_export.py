@@ -239,3 +239,29 @@ def test_export_of_a_sharded_two_process_step(tmp_path):
     got = read_without_jaxckpt("safetensors", tmp_path / "st", 2)
     assert got.pop("step") == digest(np.asarray(2))
     assert got == want
+
+
+# ---- from an object store -------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_export_from_an_object_store(kind, tmp_path, memory_root, monkeypatch):
+    from object_stores import reset_clients, running
+    from test_tools_object_stores import save_steps
+
+    with running(kind, tmp_path) as emulator:
+        for key, value in emulator.env().items():
+            monkeypatch.setenv(key, value)
+        reset_clients()
+        url = emulator.url("run")
+        save_steps(url, memory_root)  # steps 1-3 of sharded_state(mesh_1d()); step 2 durable
+        reset_clients()
+        jaxckpt.export(url, 2, tmp_path / "orbax")
+        jaxckpt.export(url, 2, tmp_path / "st", format="safetensors")
+    reset_clients()
+    want = expected_digests(sharded_state(mesh_1d()))
+    assert read_without_jaxckpt("orbax", tmp_path / "orbax", 2) == want
+    want["step"] = digest(np.asarray(7))
+    want["scale"] = digest(np.float32(0.5))
+    assert read_without_jaxckpt("safetensors", tmp_path / "st", 2) == want
