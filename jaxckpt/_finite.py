@@ -10,7 +10,9 @@ The test of a block is one cheap reduction that is exact when it says "finite":
 for float32/float64 (and complex) the block's max and min (NaN propagates, ±Inf
 is the max or the min); for the 16-bit floats the largest magnitude bits. Only a
 block that fails it is counted element by element. Measured here on 1 MiB
-blocks: ~30 µs for the test against ~40 µs for the block's CRC-32C. Other
+blocks: ~30 µs for the test against ~40 µs for the block's CRC-32C; the whole
+checksum pass over a 256 MiB float32 slab took 0.33 s with the count against
+0.28 s without (2 loaded cores). Other
 floating dtypes (the float8/float4 families of `ml_dtypes`) are counted with
 `np.isfinite` on every block (slower: they are rare in a training state).
 """
