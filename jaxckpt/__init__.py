@@ -3,6 +3,7 @@
 from jaxckpt._args import TieredRestore as TieredRestore
 from jaxckpt._args import TieredSave as TieredSave
 from jaxckpt._existing import restore_existing as restore_existing
+from jaxckpt._export import export as export
 from jaxckpt._format import JAXCKPT_VERSION as __version__
 from jaxckpt._handler import TieredCheckpointHandler as TieredCheckpointHandler
 from jaxckpt._manager_options import manager_options as manager_options
@@ -17,6 +18,7 @@ __all__ = [
     "TieredRestore",
     "TieredSave",
     "__version__",
+    "export",
     "latest_restorable_step",
     "manager_options",
     "restore_existing",

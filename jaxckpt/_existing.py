@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,24 +98,36 @@ def restore_existing(
         lacks); if `step` was not finalized; if the file of `step`, or of every
         step, is damaged (naming the file).
     """
+    start = time.perf_counter()
     root = _as_epath(directory)
     damaged: _existing_msgpack.DamagedCheckpointError | None = None
     for found in _candidates(root, step, item):
-        if not found.msgpack:
-            return found.step, _restore_pytree(found, target)
-        try:
-            saved = _existing_msgpack.read(found.step, found.path)
-        except _existing_msgpack.DamagedCheckpointError as e:
-            if step is not None:
-                raise
-            log.warning("jaxckpt: %s Trying the next older step.", e)
-            damaged = damaged or e
-            continue
-        return found.step, _restore_msgpack(found, saved, target)
+        if found.msgpack:
+            try:
+                saved = _existing_msgpack.read(found.step, found.path)
+            except _existing_msgpack.DamagedCheckpointError as e:
+                if step is not None:
+                    raise
+                log.warning("jaxckpt: %s Trying the next older step.", e)
+                damaged = damaged or e
+                continue
+            restored = _restore_msgpack(found, saved, target)
+        else:
+            restored = _restore_pytree(found, target)
+        log.info(
+            "jaxckpt: [process %d] restored step %d from the old format (%s %s) in %.2f s",
+            jax.process_index(),
+            found.step,
+            "flax msgpack" if found.msgpack else "Orbax PyTree",
+            found.path,
+            time.perf_counter() - start,
+        )
+        return found.step, restored
     if damaged is not None:  # every step there was is damaged: never a silent fresh start
         raise ValueError(
             f"Every checkpoint restore_existing finds in {root} is damaged; the newest: {damaged}"
         ) from damaged
+    log.info("jaxckpt: restore_existing found no Orbax or flax checkpoint in %s", root)
     return None
 
 

@@ -36,7 +36,7 @@ each chunk at the `offset` its record gives.
 Versions 1 and 2 are still read (every field added since has a default; their
 arrays are named by leaf index). A field added within a version has a default
 that older manifests get, and older readers ignore it: `persist`, `weak_types`
-(in 3).
+and `nonfinite` (in 3; `nonfinite` absent: not counted).
 """
 
 from __future__ import annotations
@@ -278,6 +278,10 @@ class PartManifest:
         back weakly typed, so a restore through it keeps `lr * bf16` in
         bfloat16. Added in version 3 with a default (none), written only when
         there are some.
+      nonfinite: leaf index -> how many NaN/Inf values `owner`'s chunks of that
+        floating leaf hold, for the leaves that hold any; None: not counted
+        (`TierOptions.count_nonfinite` off, or a manifest from before it).
+        Added in version 3 with a default (None).
     """
 
     step: int
@@ -295,6 +299,7 @@ class PartManifest:
     shardings: Mapping[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     persist: bool = False
     weak_types: tuple[int, ...] = ()
+    nonfinite: Mapping[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -319,7 +324,11 @@ class PartManifest:
             "metrics": dict(self.metrics),
             "persist": self.persist,
             "jaxckpt_version": JAXCKPT_VERSION,
-        }
+        } | (
+            {}
+            if self.nonfinite is None
+            else {"nonfinite": {str(i): n for i, n in self.nonfinite.items()}}
+        )
         if self.weak_types:
             d["weak_types"] = list(self.weak_types)
         return d
@@ -358,6 +367,11 @@ class PartManifest:
             shardings={int(i): s for i, s in d.get("shardings", {}).items()},
             persist=bool(d.get("persist", False)),
             weak_types=tuple(int(i) for i in d.get("weak_types", ())),
+            nonfinite=(
+                {int(i): int(n) for i, n in d["nonfinite"].items()}
+                if d.get("nonfinite") is not None
+                else None
+            ),
         )
 
     def is_due(self, persist_every: int) -> bool:

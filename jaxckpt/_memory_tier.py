@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from absl import logging as log
 
-from jaxckpt import _format, _fs, _liveness, _memory_budget, _quarantine, _slab
+from jaxckpt import _finite, _format, _fs, _liveness, _memory_budget, _quarantine, _slab
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PART_RE = re.compile(r"^part_(\d+)$")
@@ -185,11 +185,17 @@ class MemoryTier:
         return path
 
     def stage_slab(
-        self, step: int, owner: int, chunks: Sequence[np.ndarray], checksum: bool = True
+        self,
+        step: int,
+        owner: int,
+        chunks: Sequence[np.ndarray],
+        checksum: bool = True,
+        tally: _finite.Tally | None = None,
     ) -> StagedSlab:
         """A new staging directory for part (step, owner) whose slab holds `chunks`
         (in a retired slab if there is one: `take_free_slab`), with their CRC-32Cs
-        if `checksum` (else `_slab.checksums` computes them later, in place).
+        if `checksum` (else `_slab.checksums` computes them later, in place) and
+        their NaN/Inf counted into `tally` in the same pass.
 
         Raises:
           OSError: if the slab cannot be written (the staging directory is removed);
@@ -201,7 +207,7 @@ class MemoryTier:
             slab = staging / _slab.SLAB_FILE
             offsets, size = _slab.layout([c.nbytes for c in chunks])
             self.take_free_slab(slab, size)
-            crcs = _slab.write(slab, chunks, offsets, size, checksum=checksum)
+            crcs = _slab.write(slab, chunks, offsets, size, checksum=checksum, tally=tally)
         except BaseException as e:
             # The slab's writes are done when `_slab.write` returns or raises.
             _fs.remove_entry(staging)

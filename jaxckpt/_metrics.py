@@ -36,6 +36,7 @@ class SaveMetrics:
     replicate_bytes_per_s: float | None = None
     safe_on_peers_s: float | None = None
     agree_s: float | None = None
+    nonfinite: int | None = None  # NaN/Inf values in this part (None: not counted)
 
     def to_dict(self) -> dict[str, Any]:
         """The `save` event as the log, the callback and the manifest carry it."""
@@ -54,12 +55,25 @@ class Publisher:
     def __init__(self, on_metrics: Callable[[dict[str, Any]], None] | None = None):
         self._on_metrics = on_metrics
         self.last: dict[str, dict[str, Any]] = {"save": {}, "restore": {}, "persist": {}}
+        self._announced = False
 
     def publish(self, metrics: dict[str, Any]) -> None:
-        """Logs `metrics` (a dict with an "event") and hands a copy to the callback."""
-        if metrics["event"] in self.last:
-            self.last[metrics["event"]] = metrics
-        log.info("jaxckpt: %s", metrics)
+        """Logs `metrics` (a dict with an "event") and hands a copy to the callback.
+
+        Quiet by default: a save's and a persist's measurements are logged at DEBUG
+        (the first save says what is set up: `announce`), a restore as one INFO line
+        naming the step, where it came from and how long it took; failures at INFO.
+        """
+        event = metrics["event"]
+        if event in self.last:
+            self.last[event] = metrics
+        if event == "restore":
+            log.info("jaxckpt: %s", restore_line(metrics))
+            log.debug("jaxckpt: %s", metrics)
+        elif event in ("save", "persist"):
+            log.debug("jaxckpt: %s", metrics)
+        else:
+            log.info("jaxckpt: %s", metrics)
         if self._on_metrics is not None:
             # The user's callback is no part of checkpointing: its failure must not fail
             # a save or a restore, nor be taken for a failed persist.
@@ -72,6 +86,12 @@ class Publisher:
                     metrics.get("event"),
                     metrics.get("step"),
                 )
+
+    def announce(self, line: str) -> None:
+        """Logs `line` at INFO, the first time only (the first save's set-up)."""
+        if not self._announced:
+            self._announced = True
+            log.info("jaxckpt: %s", line)
 
     def failure(self, operation: str, step: int | None, error_text: str) -> None:
         """Publishes a failed save or restore (`<operation>_failed`); `error_text` is
@@ -91,6 +111,22 @@ class Restored(Protocol):
 
     bytes_by_tier: dict[str, int]
     failures: list[str]
+
+
+def restore_line(metrics: dict[str, Any]) -> str:
+    """One line for a `restore` event: the step, its sources by share of bytes, the time."""
+    by_tier = metrics.get("bytes_by_tier") or {}
+    total = sum(by_tier.values())
+    sources = " + ".join(
+        f"{tier} {n / total:.0%}" if len(by_tier) > 1 else tier
+        for tier, n in sorted(by_tier.items(), key=lambda kv: -kv[1])
+    )
+    fallbacks = metrics.get("fallbacks") or 0
+    return (
+        f"[process {metrics.get('process')}] restored step {metrics.get('step')} from "
+        f"{sources or 'no array bytes'} in {metrics.get('seconds', 0.0):.2f} s"
+        + (f" ({fallbacks} chunk read(s) fell back to another copy)" if fallbacks else "")
+    )
 
 
 def restore_metrics(step: int, seconds: float, restorer: Restored) -> dict[str, Any]:

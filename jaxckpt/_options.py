@@ -86,6 +86,11 @@ class TierOptions:
         and during a save the tier holds one step more whatever the budget. A
         budget of (memory_keep + 1) x (1 + replicas) x each process's bytes keeps
         every spare.
+      count_nonfinite: count the NaN and Inf values of every floating leaf in the
+        pass the save already makes over every byte (off the training thread),
+        record them in the step's manifests and save metrics, and log a warning
+        for a step that has any; `latest_restorable_step(..., finite=True)` then
+        skips such steps. On by default (its cost is a figure of the benchmark).
     """
 
     memory_root: str
@@ -101,6 +106,7 @@ class TierOptions:
     hold_cpu_arrays: bool = False
     spare_slabs: bool = True
     memory_budget: int | None = None
+    count_nonfinite: bool = True
 
     def __post_init__(self) -> None:
         # Every field is checked here, so that a bad value fails on this line, naming
@@ -147,7 +153,7 @@ class TierOptions:
                 "TierOptions.pinned_host_staging must be None (automatic), True or False, "
                 f"got {self.pinned_host_staging!r}."
             )
-        for name in ("hold_cpu_arrays", "spare_slabs"):
+        for name in ("hold_cpu_arrays", "spare_slabs", "count_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TierOptions.{name} must be a bool, got {getattr(self, name)!r}.")
         if self.memory_budget is not None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jaxckpt import _internals, _multihost, _paths, _storage
+from jaxckpt import _finite, _index, _internals, _multihost, _paths, _storage
 from jaxckpt._handler import TieredCheckpointHandler
 
 log = logging.getLogger(__name__)
 
 
 def latest_restorable_step(
-    mngr: Any, *, delete_newer: bool = True, verify: bool = False
+    mngr: Any, *, delete_newer: bool = True, verify: bool = False, finite: bool = False
 ) -> int | None:
     """The newest step of `mngr` that every jaxckpt item can restore, from any tier.
 
@@ -52,6 +52,12 @@ def latest_restorable_step(
         those steps would otherwise be lost. When no step is restorable nothing
         is deleted: the steps stay (a tier may come back), with a warning saying
         so and what to do.
+      finite: skip the steps whose saves counted NaN or Inf values in a floating
+        leaf (`TierOptions.count_nonfinite`, on by default): the newest restorable
+        step without them. With `delete_newer`, the newer steps holding them are
+        deleted too (none is deleted when no step without them is left). A step
+        saved without counting (the option off, or a jaxckpt from before it) is
+        taken as finite.
 
     Returns:
       The step, or None if no step can be restored.
@@ -78,13 +84,23 @@ def latest_restorable_step(
     for item, handler in sorted(handlers.items()):
         # Any item directory will do: the handler looks at the step directories next to it.
         restorable &= set(handler.restorable_steps(root / "0" / item, verify=verify))
-    newest = max(restorable, default=None)
+    poisoned = _nonfinite_steps(root, handlers, restorable) if finite else {}
+    for step, count in sorted(poisoned.items()):
+        log.warning(
+            "jaxckpt: [process %d] step %d of %s is restorable but holds %d NaN/Inf values: "
+            "skipped (finite=True)",
+            _multihost.process_index(),
+            step,
+            mngr.directory,
+            count,
+        )
+    newest = max(restorable - set(poisoned), default=None)
     if newest is None and steps:
         # IMPORTANT: never delete the last steps there are. Nothing restorable now may
         # be a tier that comes back (a host rebooting, a peer partitioned away), and a
         # deleted step is gone for good; the job decides, told what is left.
         log.warning(
-            "jaxckpt: [process %d] no step of %s is restorable: no tier holds a complete "
+            "jaxckpt: [process %d] no step of %s is restorable%s: no tier holds a complete "
             "verified copy of steps %s (own memory, peers' memory, persistent storage). "
             "They are left in place; the manager saves no step number up to %d while they "
             "exist. To start over, delete them (mngr.delete(step)) or use a new checkpoint "
@@ -92,13 +108,23 @@ def latest_restorable_step(
             "jaxckpt.restore_existing.",
             _multihost.process_index(),
             mngr.directory,
+            " without NaN/Inf values" if poisoned else "",
             steps,
             steps[-1],
         )
         return None
     if delete_newer and newest is not None:
         for step in steps:
-            if step > newest:
+            if step in poisoned and step > newest:
+                log.warning(
+                    "jaxckpt: [process %d] deleting step %d of %s: it holds NaN/Inf values, "
+                    "and the next saves must be able to write that step number again",
+                    _multihost.process_index(),
+                    step,
+                    mngr.directory,
+                )
+                mngr.delete(step)
+            elif step > newest:
                 log.warning(
                     "jaxckpt: [process %d] deleting step %d of %s: no tier holds a complete "
                     "verified copy of it (own memory, peers' memory, persistent storage), and "
@@ -111,6 +137,24 @@ def latest_restorable_step(
                 )
                 mngr.delete(step)
     return newest
+
+
+def _nonfinite_steps(
+    root: Any, handlers: dict[str, TieredCheckpointHandler], steps: set[int]
+) -> dict[int, int]:
+    """Step -> its NaN/Inf count, for the `steps` whose index manifests (of any jaxckpt
+    item) record any. Every process reads the same files, so all agree."""
+    out: dict[int, int] = {}
+    for item in handlers:
+        for step, item_dir in _paths.finalized_steps(root, item).items():
+            if step not in steps:
+                continue
+            count = sum(
+                _finite.total(m.nonfinite) or 0 for m in _index.read_index(item_dir).values()
+            )
+            if count:
+                out[step] = out.get(step, 0) + count
+    return out
 
 
 def tiered_handlers(mngr: Any) -> dict[str, TieredCheckpointHandler]:

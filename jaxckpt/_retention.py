@@ -276,7 +276,7 @@ class KeepDurable:
             return [True] * len(checkpoints)
         saved = sorted(s for s, p in zip(steps, preserved, strict=True) if not p and s in keep)
         if saved and saved != self._said:
-            log.info(
+            log.debug(
                 "jaxckpt: keeping steps %s (newest durable, or to be persisted) that the "
                 "preservation policy would delete",
                 saved,

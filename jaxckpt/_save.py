@@ -27,9 +27,12 @@ import time
 import uuid
 from pathlib import Path
 
+from absl import logging as log
+
 from jaxckpt import (
     _choreography,
     _faults,
+    _finite,
     _format,
     _fs,
     _memory_tier,
@@ -82,6 +85,12 @@ class Save:
         self._process = _multihost.process_index()
         self._staged: _memory_tier.StagedSlab | None = None
         self._checksummed = False  # whether the staged slab's CRC-32Cs are computed
+        # NaN/Inf counted in the slab's checksum pass (`_finite`), if asked.
+        self._tally = (
+            _finite.Tally([snapshot.leaves[s.leaf].stored_dtype for s in snapshot.shards])
+            if self._options.count_nonfinite
+            else None
+        )
         self.metrics = _metrics.SaveMetrics(
             step=step,
             process=self._process,
@@ -129,19 +138,24 @@ class Save:
         staged = self._staged
         if staged is None:
             chunks_data = [s.release() for s in snapshot.shards]
-            staged = await asyncio.to_thread(memory.stage_slab, step, pi, chunks_data)
+            staged = await asyncio.to_thread(
+                memory.stage_slab, step, pi, chunks_data, tally=self._tally
+            )
         staging = staged.staging
         try:
             crcs = staged.crcs
             if crcs is None:  # filled by `stage`: checksummed here, in place
                 sizes = [s.nbytes for s in snapshot.shards]
                 slab = staging / _slab.SLAB_FILE
-                crcs = await asyncio.to_thread(_slab.checksums, slab, staged.offsets, sizes)
+                crcs = await asyncio.to_thread(
+                    _slab.checksums, slab, staged.offsets, sizes, self._tally
+                )
             chunks: dict[int, list[_format.ChunkRecord]] = {}
             for s, crc, offset in zip(snapshot.shards, crcs, staged.offsets, strict=True):
                 chunks.setdefault(s.leaf, []).append(
                     _format.ChunkRecord(s.index, s.nbytes, crc32c=crc, offset=offset)
                 )
+            nonfinite = self._nonfinite()
             memory_s = time.perf_counter() - start + (self.metrics.slab_copy_s or 0.0)
             self.metrics.memory_write_s = memory_s
             self.metrics.memory_write_bytes_per_s = snapshot.nbytes / max(memory_s, 1e-9)
@@ -161,6 +175,7 @@ class Save:
                 metrics=self.metrics.to_dict(),
                 persist=self._asked_to_persist,
                 weak_types=snapshot.weak_types,
+                nonfinite=nonfinite,
             )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
             _faults.maybe_crash("memory_write", step, pi)
@@ -172,6 +187,30 @@ class Save:
                 raise memory.full_error(e, step, pi) from e
             raise
         return manifest, part
+
+    def _nonfinite(self) -> dict[int, int] | None:
+        """Leaf index -> NaN/Inf count of this part's floating leaves that hold any
+        (None if not counted); warns once for a step that has any."""
+        if self._tally is None:
+            return None
+        found = self._tally.by_leaf([s.leaf for s in self._snapshot.shards])
+        self.metrics.nonfinite = sum(found.values())
+        if found:
+            leaves = self._snapshot.leaves
+            named = ", ".join(
+                f"{leaves[i].path} ({n})" for i, n in sorted(found.items(), key=lambda x: -x[1])[:5]
+            )
+            more = f" and {len(found) - 5} more leaves" if len(found) > 5 else ""
+            log.warning(
+                "jaxckpt: [process %d] step %d holds %d NaN/Inf values in %s%s. The step is "
+                "saved as it is; latest_restorable_step(..., finite=True) skips such steps.",
+                self._process,
+                self._step,
+                self.metrics.nonfinite,
+                named,
+                more,
+            )
+        return found
 
     async def _replicate_agree_index(
         self,
@@ -216,4 +255,23 @@ class Save:
         manifest = dataclasses.replace(manifest, metrics=metrics.to_dict())
         _storage.write_file(self._item.path / _format.index_file(pi), manifest.to_json())
         _faults.maybe_crash("index", step, pi)
+        self._services.publisher.announce(self._set_up())
         self._services.publisher.publish(metrics.to_dict())
+
+    def _set_up(self) -> str:
+        """The first save's one INFO line: the tiers, the replicas, the persist cadence."""
+        o, every = self._options, self._options.persist_every
+        due = (self._step // every + 1) * every
+        replicas = (
+            f"{o.replicas} replica(s) in other failure domains"
+            if self._peers is not None and o.replicas
+            else "no replicas"
+        )
+        return (
+            f"[process {self._process}] first save (step {self._step}, "
+            f"{self.metrics.bytes / 2**20:.1f} MiB): memory tier {self._memory.run_dir} keeps "
+            f"{o.memory_keep} step(s); {replicas}; persisted to {self._item.root} when "
+            f"step % {every} == 0 (next: step {due}) or asked"
+            + ("; NaN/Inf counted" if o.count_nonfinite else "")
+            + ". Each save and persist is logged at DEBUG."
+        )

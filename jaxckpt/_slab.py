@@ -26,7 +26,7 @@ from typing import Any, Final, Literal, overload
 
 import numpy as np
 
-from jaxckpt import _checksum, _resources
+from jaxckpt import _checksum, _finite, _resources
 
 SLAB_FILE: Final = "slab"
 ALIGN: Final = 64  # a cache line: every chunk starts aligned for vectorized copies
@@ -58,9 +58,11 @@ def write(
     offsets: Sequence[int],
     size: int,
     checksum: bool = True,
+    tally: _finite.Tally | None = None,
 ) -> list[int]:
     """Writes `chunks` at `offsets` into the slab file at `path`; their CRC-32Cs
-    (none if not `checksum`: see `checksums`).
+    (none if not `checksum`: see `checksums`). With `checksum`, `tally` counts each
+    block's NaN/Inf in the same pass.
 
     An existing file (a reused slab) is resized, its pages allocated up front
     unless they all exist (`posix_fallocate`: a full tmpfs fails here with
@@ -98,6 +100,8 @@ def write(
                 block = src[start : start + _BLOCK]
                 put(block, offsets[i] + start)
                 crc = _checksum.crc32c(block, crc)
+                if tally is not None:
+                    tally.add(i, block)
             return crc
 
         def fill_all(indices: range) -> list[int]:
@@ -114,21 +118,27 @@ def write(
         os.close(fd)  # a mapping is kept (`kept_view`)
 
 
-def checksums(path: Path, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+def checksums(
+    path: Path,
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    tally: _finite.Tally | None = None,
+) -> list[int]:
     """The CRC-32Cs of the byte ranges [offset, offset + size) of the slab at `path`,
-    computed in parallel (of a slab `write` filled without them)."""
+    computed in parallel (of a slab `write` filled without them); `tally` counts each
+    block's NaN/Inf in the same pass."""
     with open(path, "rb") as f:
         total = os.fstat(f.fileno()).st_size
         if not total:
             return [0] * len(sizes)
         kept = kept_view(f.fileno(), total, keep=False)
         if kept is not None:  # the one `write` filled it through: no mapping to set up
-            return _checksums_of(kept, offsets, sizes)
+            return _checksums_of(kept, offsets, sizes, tally)
         mapped = mmap.mmap(
             f.fileno(), total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
         )
     try:
-        return _checksums_of(np.frombuffer(mapped, np.uint8), offsets, sizes)
+        return _checksums_of(np.frombuffer(mapped, np.uint8), offsets, sizes, tally)
     finally:
         # Every checksum is done or failed. A failure's traceback may still hold a view:
         # then the mapping goes with it.
@@ -136,9 +146,25 @@ def checksums(path: Path, offsets: Sequence[int], sizes: Sequence[int]) -> list[
             mapped.close()
 
 
-def _checksums_of(data: np.ndarray, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+def _checksums_of(
+    data: np.ndarray,
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    tally: _finite.Tally | None,
+) -> list[int]:
+    def crc(i: int) -> int:
+        chunk = data[offsets[i] : offsets[i] + sizes[i]]
+        if tally is None:
+            return _checksum.crc32c(chunk)
+        value = 0
+        for start in range(0, chunk.nbytes, _BLOCK):  # both while the block is in cache
+            block = chunk[start : start + _BLOCK]
+            value = _checksum.crc32c(block, value)
+            tally.add(i, block)
+        return value
+
     def crcs(indices: range) -> list[int]:
-        return [_checksum.crc32c(data[offsets[i] : offsets[i] + sizes[i]]) for i in indices]
+        return [crc(i) for i in indices]
 
     futures = [_pool.submit(crcs, r) for r in _batches(sizes)]
     concurrent.futures.wait(futures)

@@ -4,6 +4,7 @@
     jaxckpt inspect DIR STEP                        the saved tree, versions, save metrics
     jaxckpt verify DIR STEP [--memory-root PATH ...]  CRC-32 of every copy in reach
     jaxckpt advise DIR --mtbf-hours H               intervals from Young/Daly
+    jaxckpt export DIR STEP OUT --format orbax|safetensors  a durable step, without jaxckpt
     jaxckpt bench ...                               the benchmark suite
 
 DIR is a local directory or an object-store URL (gs://bucket/path,
@@ -32,6 +33,7 @@ from typing import Any, TextIO
 import rich.console
 from rich import progress
 
+from jaxckpt import _export
 from jaxckpt.tools import _advise, _catalog, _inspect, _table, _verify
 
 OK, BAD_COPY, ERROR, NOT_IN_REACH = 0, 1, 2, 3
@@ -93,6 +95,22 @@ def _parser() -> argparse.ArgumentParser:
         "verify", _verify_cmd, "read every chunk of every copy in reach, check CRC-32s", True
     )
     roots(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    p = command(
+        "export",
+        _export_cmd,
+        "write a durable step as a plain Orbax checkpoint or safetensors files",
+        True,
+    )
+    p.add_argument("out", metavar="OUT", help="the output directory (new or empty)")
+    p.add_argument("--format", choices=_export.FORMATS, default="orbax")
+    p.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=_export.DEFAULT_MAX_SHARD_BYTES,
+        help="safetensors: the size cap of one shard file (default 5e9, as large models ship)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     p = command("advise", _advise_cmd, "checkpoint intervals from measured costs (Young/Daly)")
@@ -177,6 +195,43 @@ def _verify_cmd(args: argparse.Namespace) -> int:
     return NOT_IN_REACH if report["parts_without_good_copy"] else OK
 
 
+def _export_cmd(args: argparse.Namespace) -> int:
+    def run(update: Any = None) -> Any:
+        return _export.export(
+            args.directory,
+            args.step,
+            args.out,
+            format=args.format,
+            item=args.item,
+            max_shard_bytes=args.max_shard_bytes,
+            on_progress=update,
+        )
+
+    if args.no_progress:
+        done = run()
+    else:
+        with _progress(sys.stderr, f"export step {args.step}", "leaves") as update:
+            done = run(update)
+    report = {
+        "out": str(done.out),
+        "format": done.format,
+        "step": done.step,
+        "bytes": done.bytes,
+        "files": [str(f) for f in done.files],
+        "leaves": dict(done.leaves),
+        "skipped": dict(done.skipped),
+        "key_impls": dict(done.key_impls),
+    }
+    lines = [
+        f"exported step {done.step} as {done.format} to {done.out}: {len(done.leaves)} leaves, "
+        f"{_table.size(done.bytes)}, {len(done.files)} file(s)"
+    ]
+    lines += [f"  key data (wrap_key_data impl={v!r}): {k}" for k, v in done.key_impls.items()]
+    lines += [f"  skipped {path}: {why}" for path, why in done.skipped.items()]
+    _emit(args, report, "\n".join(lines))
+    return OK
+
+
 def _advise_cmd(args: argparse.Namespace) -> int:
     for name in ("mtbf_hours", "persistent_mtbf_hours", "step_seconds", "persist_mbps"):
         value = getattr(args, name)
@@ -241,13 +296,13 @@ def _bench(argv: list[str]) -> int:
 
 
 @contextlib.contextmanager
-def _progress(stream: TextIO, description: str) -> Iterator[_verify.Progress]:
+def _progress(stream: TextIO, description: str, unit: str = "chunks") -> Iterator[_verify.Progress]:
     """A rich progress bar on `stream` (redrawn on a terminal, printed once when done
     otherwise); yields the callback `_verify.verify` reports to."""
     columns = (
         progress.TextColumn("{task.description}"),
         progress.BarColumn(),
-        progress.TextColumn("{task.fields[chunks]} chunks"),
+        progress.TextColumn("{task.fields[chunks]} " + unit),
         progress.DownloadColumn(binary_units=True),
         progress.TransferSpeedColumn(),
         progress.TimeRemainingColumn(),

@@ -20,6 +20,7 @@ FIGURE_IDS = {
     "1c",
     "1d",
     "1e",
+    "1f",
     "2a",
     "2b",
     "2c",
@@ -214,9 +215,12 @@ def _check_floor_memory_and_proxy(report, figures):
     assert figures["1a"]["target"] == f"<= {figures['1d']['ratio'] + 0.05:.3f}"
     assert figures["1d"]["baseline"] == figures["1a"]["baseline"]
     assert figures["1e"]["target"] == figures["1a"]["target"]
+    assert figures["1f"]["value"] == figures["1a"]["value"]
+    assert figures["1f"]["target"] == "<= 1.03"
     for p in report["processes"]:
         assert len(p["loops"]["floor"]["step_s"]) == report["config"]["steps"]
         assert len(p["loops"]["jaxckpt_hold"]["step_s"]) == report["config"]["steps"]
+        assert len(p["loops"]["jaxckpt_uncounted"]["step_s"]) == report["config"]["steps"]
         assert p["memory"]["memory_keep"] == 1
         assert p["memory"]["hold_jaxckpt_combined_peak"] > 0
     assert figures["6b"]["baseline"] == 2 * 2 and figures["6b"]["target"] == "<= 1.05"

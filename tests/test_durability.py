@@ -235,10 +235,14 @@ def test_the_steps_kept_against_the_policy_are_logged_once_per_change(
     memory_root, ckpt_dir, caplog
 ):
     """Saving every step with max_to_keep=1 and persist_every=4: step 4 is kept against
-    the policy from step 5 to 8, then step 8: two lines, not one per save."""
+    the policy from step 5 to 8, then step 8: two DEBUG lines, not one per save."""
     state = {"x": jax.device_put(np.arange(16.0), NamedSharding(mesh_1d(), P("data")))}
     h = handler(memory_root, persist_every=4)
-    with caplog.at_level("INFO"), manager(ckpt_dir, h, use_async=False, max_to_keep=1) as mngr:
+    with (
+        caplog.at_level("DEBUG"),
+        caplog.at_level("DEBUG", logger="absl"),
+        manager(ckpt_dir, h, use_async=False, max_to_keep=1) as mngr,
+    ):
         for step in range(1, 12):
             save(mngr, step, state)
             h.wait_for_persistence()

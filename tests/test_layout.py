@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_metrics",
             "_resources",
             "_weak_type",
+            "_finite",
         ),
     ),
     (
@@ -58,7 +59,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "save and restore steps",
-        ("_persister", "_recovery", "_retention", "_snapshot", "_restore", "_target"),
+        (
+            "_persister",
+            "_recovery",
+            "_retention",
+            "_snapshot",
+            "_restore",
+            "_target",
+            "_durable_step",
+        ),
     ),
     ("peer service", ("peer", "peer.*")),
     ("handler", ("_args", "_run", "_choreography", "_save", "_background", "_handler")),
@@ -68,6 +77,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_resume",
             "_existing",
             "_existing_msgpack",
+            "_export",
             "_prometheus",
             "_manager_options",
             "__init__",

@@ -38,10 +38,15 @@ class Jaxckpt:
 
     @classmethod
     def every_step(
-        cls, directory: Path, memory_root: Path, cfg: dict[str, Any], hold: bool = False
+        cls,
+        directory: Path,
+        memory_root: Path,
+        cfg: dict[str, Any],
+        hold: bool = False,
+        count_nonfinite: bool = True,
     ) -> Jaxckpt:
         """As the training loops save: every step, `memory_keep=1`, nothing persisted
-        (`hold`: `TierOptions.hold_cpu_arrays`)."""
+        (`hold`: `TierOptions.hold_cpu_arrays`; `count_nonfinite`: the option)."""
         return cls(
             directory,
             memory_root,
@@ -50,6 +55,7 @@ class Jaxckpt:
             memory_keep=1,
             max_to_keep=2,
             hold_cpu_arrays=hold,
+            count_nonfinite=count_nonfinite,
         )
 
     @property

@@ -362,6 +362,15 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
             bound,
         ),
         Figure(
+            "1f",
+            "step time, jaxckpt save every step, NaN/Inf counted (the default)",
+            t(lambda p: loop(p, "jaxckpt")),
+            "s",
+            t(lambda p: loop(p, "jaxckpt_uncounted")),
+            "the same, count_nonfinite=False",
+            "<= 1.03",
+        ),
+        Figure(
             "2a",
             "stall: jaxckpt mngr.save() blocks (isolated)",
             t(lambda p: saves(p, "save_wall_s")),

@@ -117,6 +117,18 @@ class StepInfo:
         return max((m.process_count for m in self.index.values()), default=0)
 
     @property
+    def nonfinite(self) -> dict[int, int] | None:
+        """Leaf index -> NaN/Inf values its parts counted, for the leaves that hold any;
+        None if a part did not count (`TierOptions.count_nonfinite` off, older jaxckpt)."""
+        out: dict[int, int] = {}
+        for m in self.index.values():
+            if m.nonfinite is None:
+                return None
+            for leaf, n in m.nonfinite.items():
+                out[leaf] = out.get(leaf, 0) + n
+        return out if self.index else None
+
+    @property
     def domains(self) -> dict[int, str]:
         return {o: m.failure_domain for o, m in self.index.items()}
 

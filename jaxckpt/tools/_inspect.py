@@ -54,6 +54,8 @@ def step_summary(info: _catalog.StepInfo, now: float) -> dict[str, Any]:
         "missing": list(info.missing),
         "stale": [{"root": str(r), "part": o, "why": why} for r, o, why in info.stale],
         "incomplete": list(info.incomplete),
+        # NaN/Inf values the saves counted (None: not counted).
+        "nonfinite": None if info.nonfinite is None else sum(info.nonfinite.values()),
     }
 
 
@@ -104,6 +106,11 @@ def _persistent_cell(s: dict[str, Any]) -> str:
     return f"{done} durable" if s["durable"] else f"{done} partial"
 
 
+def _finite_cell(s: dict[str, Any]) -> str:
+    n = s.get("nonfinite")
+    return "-" if n is None else "yes" if not n else f"NO: {n} NaN/Inf"
+
+
 def _restorable_cell(s: dict[str, Any]) -> str:
     if not s["finalized"]:
         return "NO: not in the directory (unfinalized or deleted)"
@@ -147,12 +154,14 @@ def render_listing(report: dict[str, Any]) -> str:
             _in_memory_cell(s),
             _persistent_cell(s),
             _restorable_cell(s),
+            _finite_cell(s),
         ]
         for s in reversed(steps)
     ]
     out = [head, ""]
     if rows:
         headers = ["STEP", "AGE", "SIZE", "PROCS", "IN MEMORY", "PERSISTENT", "RESTORABLE"]
+        headers.append("FINITE")
         out.append(_table.table(headers, rows, right=(0, 1, 2, 3)))
     else:
         out.append("no steps")
@@ -272,6 +281,7 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
         except (OSError, ValueError):
             raw = {}
     leaves = []
+    nonfinite = info.nonfinite
     for i, rec in enumerate(first.leaves):
         chunks = [c for m in info.index.values() for c in m.chunks.get(i, ())]
         leaves.append(
@@ -290,6 +300,7 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
                 "value": first.scalars.get(i) if rec.per_process else rec.value,
                 "scalar_type": rec.scalar_type,
                 "per_process": rec.per_process,
+                "nonfinite": None if nonfinite is None else nonfinite.get(i, 0),
             }
         )
     iterators = {
@@ -352,6 +363,7 @@ def render_step(report: dict[str, Any]) -> str:
     ]
     if not report["memory_roots"]:
         out.append("(no --memory-root given: only the copies in the checkpoint directory count)")
+    out.append(f"finite: {_finite_cell(loc)} (NaN/Inf values counted at save; - not counted)")
     if loc["incomplete"]:
         remote = _storage.is_remote(report["directory"])
         out.append(_incomplete_note({"remote": remote}, loc["incomplete"]))
@@ -383,7 +395,8 @@ def render_step(report: dict[str, Any]) -> str:
                 leaf["dtype"],
                 sharding_text(leaf["sharding"]),
                 _table.size(leaf["bytes"]),
-                f"{leaf['chunks']} chunk(s)",
+                f"{leaf['chunks']} chunk(s)"
+                + (f", {leaf['nonfinite']} NaN/Inf" if leaf.get("nonfinite") else ""),
             ]
         )
     out.append(
