@@ -159,21 +159,36 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           TimeoutError: if another process does not take part within the timeout.
         """
         item = _paths.ItemDir.parse(directory)
+        agreed: list[bool] = []  # held already: before the reshard of replicated leaves
+
+        def agree(error: BaseException | None) -> None:
+            agreed.append(True)
+            self._runs.agree("restore", item, error)
+
         try:
             # A tree of thousands of leaves allocates some 10^5 small objects here: Python's
             # cyclic collector would walk every object of the process hundreds of times.
             with _resources.SHARED.gc_paused():
-                result = self._restore_locally(item, args if args is not None else TieredRestore())
+                result = self._restore_locally(
+                    item, args if args is not None else TieredRestore(), agree
+                )
         except Exception as error:
             self._publisher.failure("restore", item.step, self._runs.redact(str(error)))
-            if not _agreement.is_agreed(error):
-                self._runs.agree("restore", item, error)
+            if not _agreement.is_agreed(error) and not agreed:
+                agree(error)
             raise
-        self._runs.agree("restore", item, None)
+        if not agreed:
+            agree(None)
         return result
 
-    def _restore_locally(self, item: _paths.ItemDir, args: TieredRestore) -> Any:
-        """`restore` on this process; a failing process still takes part in the exchanges."""
+    def _restore_locally(
+        self,
+        item: _paths.ItemDir,
+        args: TieredRestore,
+        agree: Callable[[BaseException | None], None],
+    ) -> Any:
+        """`restore` on this process; a failing process still takes part in the exchanges.
+        `agree` is the restore's agreement, held before a collective reshard (if any)."""
         start = time.perf_counter()
         # 1. Slabs removed since the last save (a lost memory tier, another process's
         # retention) are still mapped here, their pages held: let them go before the
@@ -206,7 +221,12 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             item.path, memory, self._runs.peers, step, plan.manifests, pi, self._options.timeout_s
         )
         restorer = _restore.Restorer(
-            plan, readers, pi, self._runs.redact, timeout_s=self._options.timeout_s
+            plan,
+            readers,
+            pi,
+            self._runs.redact,
+            timeout_s=self._options.timeout_s,
+            agree=agree if count > 1 else None,
         )
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import jax
+import numpy as np
 
 from jaxckpt import _chunking
 
@@ -51,6 +52,7 @@ class Split:
       cut: the dimension the shards are cut along; None if not cut.
       slices: chunks per shard along `cut` (1: not cut).
       chunks: process -> the chunk indices it saves.
+      regions: each shard's region -> the distinct processes that hold it.
     """
 
     chunk_shape: tuple[int, ...]
@@ -58,6 +60,7 @@ class Split:
     cut: int | None
     slices: int
     chunks: Mapping[int, tuple[tuple[int, ...], ...]]
+    regions: Mapping[RegionKey, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 def choose_cut(shard_shape: Sequence[int], replicas: int, itemsize: int) -> tuple[int | None, int]:
@@ -78,8 +81,11 @@ def choose_cut(shard_shape: Sequence[int], replicas: int, itemsize: int) -> tupl
             best = (imbalance, k, d)
     if best is not None:
         return best[2], best[1]
+    # Every dimension shorter than R: one chunk per index of the longest, if not too small.
     longest = max(range(len(shard_shape)), key=lambda d: (shard_shape[d], -d), default=None)
     if longest is None or shard_shape[longest] <= 1:
+        return None, 1
+    if nbytes // shard_shape[longest] < MIN_CHUNK_BYTES:
         return None, 1
     return longest, shard_shape[longest]
 
@@ -142,6 +148,7 @@ def split_regions(
         cut,
         slices,
         {p: tuple(cs) for p, cs in chunks.items()},
+        {key: tuple(procs) for key, procs in holders.items()},
     )
 
 
@@ -173,7 +180,7 @@ def split_of(
     )
 
 
-def partners(held: Sequence[Mapping[Any, int]], process_count: int) -> tuple[tuple[int, ...], ...]:
+def partners(held: Sequence[Mapping[int, Any]], process_count: int) -> tuple[tuple[int, ...], ...]:
     """For each process, the others that hold the same replicated shards (pure).
 
     Args:
@@ -198,3 +205,46 @@ def partners(held: Sequence[Mapping[Any, int]], process_count: int) -> tuple[tup
         for k, p in enumerate(members):
             out[p] = tuple(members[k + 1 :] + members[:k])
     return tuple(out)
+
+
+def read_sharding(
+    sharding: jax.sharding.Sharding, stored_shape: Sequence[int]
+) -> jax.sharding.NamedSharding | None:
+    """A sharding under which the processes that all hold one region of `sharding` (its
+    replicas across processes) each hold a distinct 1/R of it; None where there is
+    none (no replication across processes, not a NamedSharding, sizes that do not divide).
+
+    A restore reads each region once across the job this way and reshards onto
+    `sharding` over the replica axes (a collective: NCCL/ICI, gloo on CPU): the
+    mesh axes the spec leaves unused and along which processes differ are added,
+    minor, to the first dimension they divide with its own axes.
+    """
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not math.prod(stored_shape):
+        return None
+    mesh = sharding.mesh
+    spec = list(sharding.spec) + [None] * (len(stored_shape) - len(sharding.spec))
+    used = {a for entry in spec if entry is not None for a in _axes(entry)}
+    procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    across = tuple(
+        a
+        for k, a in enumerate(mesh.axis_names)
+        if a not in used
+        and mesh.shape[a] > 1
+        and bool((procs != np.take(procs, [0], axis=k)).any())
+    )
+    if not across:
+        return None
+    for d, entry in enumerate(spec):
+        axes = _axes(entry) + across
+        if stored_shape[d] % math.prod(mesh.shape[a] for a in axes) == 0:
+            spec[d] = axes
+            return jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
+            )
+    return None
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)

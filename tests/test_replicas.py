@@ -152,8 +152,12 @@ def test_no_dimension_divisible_by_r() -> None:
     split = _replicas.split_regions(shape, shape, {((0, 3), (0, 1), (0, 50005)): [0, 1, 2, 3]}, 4)
     assert split.cut == 2 and split.slices == 5  # 50005 = 5 x 10001: 5 the smallest >= 4
     _check_covers_once(split, shape)
-    tiny = _replicas.choose_cut((3,), 4, 1 << 20)
-    assert tiny == (0, 3)  # three 1 MiB rows over 4 replicas: one each, one idle
+    rows = _replicas.choose_cut((3,), 4, 1 << 20)
+    assert rows == (0, 3)  # three 1 MiB rows over 4 replicas: one each, one idle
+    # Never chunks under MIN_CHUNK_BYTES: 3 x 24003 float32 cut in 3 rows, 3 x 12003 not.
+    assert _replicas.choose_cut((3, 24003), 2, 4) == (0, 3)
+    assert _replicas.choose_cut((3, 12003), 2, 4) == (None, 1)
+    assert _replicas.choose_cut((3, 5), 4, 4) == (None, 1)
 
 
 def test_zero_size_and_small_shards_are_not_cut_but_rotate() -> None:
