@@ -312,6 +312,17 @@ class PartManifest:
     def nbytes(self) -> int:
         return sum(c.nbytes for cs in self.chunks.values() for c in cs)
 
+    @property
+    def slices(self) -> int:
+        """How many of this part's chunks are its owner's share of shards it holds with
+        other data-parallel replicas (leaves with `replicas`)."""
+        return sum(len(cs) for i, cs in self.chunks.items() if self.leaves[i].replicas)
+
+    @property
+    def replicas(self) -> int:
+        """The most processes any shard of the step is held by (1: no replicated leaf)."""
+        return max((r.replicas or 1 for r in self.leaves), default=1)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,

@@ -7,11 +7,14 @@ deleting its memory root.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 from multiproc import run
+
+from jaxckpt import cli
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -38,7 +41,40 @@ def _ok(restores: list[dict]) -> bool:
     return all("error" not in r and r["bad"] == [] for r in restores)
 
 
-def test_dp2_fsdp4_on_4_processes(tmp_path: Path) -> None:
+def _cli(capsys, *argv) -> tuple[int, str]:
+    code = cli.main([str(a) for a in argv])
+    return code, capsys.readouterr().out
+
+
+def _tools_show_slices(capsys, ckpt: str, roots: list[str]) -> None:
+    """`jaxckpt ls/inspect/verify` say who holds which slice of step 2 (R = 2)."""
+    memory = [a for r in roots for a in ("--memory-root", r)]
+    code, text = _cli(capsys, "ls", ckpt, *memory, "--json")
+    assert code == 0
+    (step2,) = [s for s in json.loads(text)["steps"] if s["step"] == 2]
+    assert step2["replicas"] == 4 and len(step2["slices"]) == 4  # "full" is on all 4
+    code, text = _cli(capsys, "ls", ckpt, *memory)
+    assert code == 0 and "SLICES" in text and "R=4:" in text
+    code, text = _cli(capsys, "inspect", ckpt, 2, *memory, "--json")
+    leaves = {leaf["path"]: leaf for leaf in json.loads(text)["leaves"]}
+    w = leaves["['w']"]
+    assert (w["replicas"], w["cut"], w["slices_per_shard"]) == (2, 0, 2)
+    # Each process holds one slice of each of its two fsdp shards: 4 x 2 = 8 slices.
+    assert sorted(w["slices"]) == ["0", "1", "2", "3"]
+    assert sorted(tuple(i) for idx in w["slices"].values() for i in idx) == [
+        (i, 0) for i in range(8)
+    ]
+    assert leaves["['odd']"]["slices_per_shard"] == 3  # 3 rows a shard, R = 2
+    # Zero-size: never cut, each (empty) shard saved by one of its replicas.
+    empty = leaves["['empty']"]
+    assert empty["cut"] is None and empty["bytes"] == 0 and len(empty["slices"]) == 4
+    code, text = _cli(capsys, "inspect", ckpt, 2, *memory)
+    assert "SLICES (shards held by R processes" in text and "['w']  R=2, 2 slices a shard" in text
+    code, text = _cli(capsys, "verify", ckpt, 2, *memory, "--no-progress")
+    assert code == 0 and "SLICES" in text, text
+
+
+def test_dp2_fsdp4_on_4_processes(tmp_path: Path, capsys) -> None:
     base = tmp_path / "hosts"
     ckpt = str(tmp_path / "ckpt")
     roots = [str(base / f"node{i}") for i in range(4)]
@@ -60,6 +96,8 @@ def test_dp2_fsdp4_on_4_processes(tmp_path: Path) -> None:
     # 0 <-> 2 and 1 <-> 3 (dp rows are processes 0-1 and 2-3).
     for owner, partner in ((0, 2), (1, 3), (2, 0), (3, 1)):
         assert _holders(base, 2, owner) == sorted([f"node{owner}", f"node{partner}"])
+
+    _tools_show_slices(capsys, ckpt, roots)
 
     # A restart of every process: all from memory, nothing over the network (each reads
     # its own slices, a collective over dp carries them to the partner); then the same

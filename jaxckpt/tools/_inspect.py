@@ -54,6 +54,10 @@ def step_summary(info: _catalog.StepInfo, now: float) -> dict[str, Any]:
         "missing": list(info.missing),
         "stale": [{"root": str(r), "part": o, "why": why} for r, o, why in info.stale],
         "incomplete": list(info.incomplete),
+        # Data-parallel replicas: R, and how many slices (chunks of shards held by R
+        # processes, each saved by one of them) each part holds.
+        "replicas": max((m.replicas for m in info.index.values()), default=1),
+        "slices": {str(o): m.slices for o, m in sorted(info.index.items()) if m.slices},
     }
 
 
@@ -132,6 +136,15 @@ def _incomplete_note(report: dict[str, Any], owners: list[int]) -> str:
     )
 
 
+def _slices_cell(s: dict[str, Any]) -> str:
+    """How a step's replicated shards were shared: R, and the slices each part holds."""
+    if not s.get("slices"):
+        return "-"
+    counts = sorted(set(s["slices"].values()))
+    each = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return f"R={s['replicas']}: {each} a part"
+
+
 def render_listing(report: dict[str, Any]) -> str:
     steps, roots = report["steps"], report["memory_roots"]
     head = (
@@ -153,6 +166,10 @@ def render_listing(report: dict[str, Any]) -> str:
     out = [head, ""]
     if rows:
         headers = ["STEP", "AGE", "SIZE", "PROCS", "IN MEMORY", "PERSISTENT", "RESTORABLE"]
+        if any(s.get("slices") for s in steps):  # data-parallel replicas shared the save
+            headers.append("SLICES")
+            for row, s in zip(rows, reversed(steps), strict=True):
+                row.append(_slices_cell(s))
         out.append(_table.table(headers, rows, right=(0, 1, 2, 3)))
     else:
         out.append("no steps")
@@ -290,6 +307,19 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
                 "value": first.scalars.get(i) if rec.per_process else rec.value,
                 "scalar_type": rec.scalar_type,
                 "per_process": rec.per_process,
+                # Shared by data-parallel replicas: who holds which slice (chunk indices).
+                "replicas": rec.replicas,
+                "slices_per_shard": rec.slices,
+                "cut": rec.cut,
+                "slices": (
+                    {
+                        str(o): [list(c.index) for c in info.index[o].chunks.get(i, ())]
+                        for o in owners
+                        if info.index[o].chunks.get(i)
+                    }
+                    if rec.replicas
+                    else None
+                ),
             }
         )
     iterators = {
@@ -309,6 +339,7 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
                 "failure_domain": m.failure_domain,
                 "bytes": m.nbytes,
                 "chunks": sum(len(cs) for cs in m.chunks.values()),
+                "slices": m.slices,
                 "metrics": metrics,
             }
         )
@@ -383,7 +414,7 @@ def render_step(report: dict[str, Any]) -> str:
                 leaf["dtype"],
                 sharding_text(leaf["sharding"]),
                 _table.size(leaf["bytes"]),
-                f"{leaf['chunks']} chunk(s)",
+                f"{leaf['chunks']} chunk(s)" + _shared_text(leaf),
             ]
         )
     out.append(
@@ -410,7 +441,26 @@ def render_step(report: dict[str, Any]) -> str:
         )
     headers = ["PROCESS", "DOMAIN", "BYTES", "CHUNKS"] + [h for _, h in METRIC_COLUMNS]
     out += ["", "SAVE METRICS", _table.table(headers, rows, right=tuple(range(2, len(headers))))]
+    shared = [leaf for leaf in report["leaves"] if leaf.get("slices")]
+    if shared:
+        out += ["", "SLICES (shards held by R processes, each saving a share)"]
+        for leaf in shared:
+            held = ", ".join(
+                f"process {o}: {len(idx)}"
+                for o, idx in sorted(leaf["slices"].items(), key=lambda x: int(x[0]))
+            )
+            out.append(f"  {leaf['path']}  R={leaf['replicas']}{_cut_text(leaf)}; {held}")
     return "\n".join(out)
+
+
+def _shared_text(leaf: dict[str, Any]) -> str:
+    return f", R={leaf['replicas']}{_cut_text(leaf)}" if leaf.get("replicas") else ""
+
+
+def _cut_text(leaf: dict[str, Any]) -> str:
+    if leaf.get("cut") is None:
+        return ", shards whole"
+    return f", {leaf['slices_per_shard']} slices a shard (dim {leaf['cut']})"
 
 
 def _number(value: Any) -> float | None:
