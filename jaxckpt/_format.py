@@ -40,7 +40,8 @@ leaf's `replicas`, `cut` and `slices` (in 3): a shard held by R > 1 processes
 (data-parallel replicas) is cut into chunks that its holders save a share each
 (`_replicas`), so its `chunk_shape` is finer than the shard shape; the chunk
 grid says everything a reader needs, and each part's `chunks` say who holds
-which slice.
+which slice (a jaxckpt from before these leaf fields refuses them; leaf fields
+a reader does not know are ignored from them on).
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ class LeafRecord:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LeafRecord:
-        kw = dict(d)
+        kw = {k: v for k, v in d.items() if k in _LEAF_FIELD_SET}  # later fields: ignored
         kw["keys"] = tuple((str(t), v) for t, v in kw.get("keys", ()))
         for k in ("shape", "stored_shape", "chunk_shape"):
             if kw.get(k) is not None:
@@ -212,6 +213,7 @@ class LeafRecord:
 
 
 _LEAF_FIELDS: Final = tuple(f.name for f in dataclasses.fields(LeafRecord))
+_LEAF_FIELD_SET: Final = frozenset(_LEAF_FIELDS)
 _KEY_CHARS: Final = frozenset(string.ascii_letters + string.digits + "_-")
 _MAX_KEY_CHARS: Final = 200  # a file name has at most 255 bytes
 
