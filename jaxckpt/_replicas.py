@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import jax
 import numpy as np
 
-from jaxckpt import _chunking
+from jaxckpt import _chunking, _resources
 
 # A shard is cut only while each of its R slices keeps at least this many bytes: a
 # chunk costs a manifest record, a CRC and a slab alignment, which small leaves
@@ -205,6 +205,62 @@ def partners(held: Sequence[Mapping[int, Any]], process_count: int) -> tuple[tup
         for k, p in enumerate(members):
             out[p] = tuple(members[k + 1 :] + members[:k])
     return tuple(out)
+
+
+def partners_of(splits: Iterable[Split], process_count: int) -> tuple[tuple[int, ...], ...]:
+    """`partners` of a tree's replicated leaves (their splits): which shards each process
+    holds, leaf by leaf."""
+    held = []
+    for split in splits:
+        by_process: dict[int, list[Any]] = {}
+        for key, procs in split.regions.items():
+            for p in set(procs):
+                by_process.setdefault(p, []).append(key)
+        held.append({p: tuple(sorted(keys)) for p, keys in by_process.items()})
+    return partners(held, process_count)
+
+
+def shares(
+    data: jax.Array, record: Any, split: Split, process_index: int
+) -> list[tuple[jax.Array, tuple[int, ...], _chunking.Region | None]]:
+    """(shard buffer, chunk index, the chunk's region within the shard; None: all of it)
+    of each chunk of a replicated leaf (`record`: its `_format.LeafRecord`) that
+    process `process_index` saves."""
+    shape, chunk_shape = record.stored_shape, record.chunk_shape
+    assert shape is not None and chunk_shape is not None
+    shards: dict[RegionKey, Any] = {}
+    for shard in data.addressable_shards:
+        key = _chunking.region_key(_chunking.normalize_region(shard.index, shape))
+        shards.setdefault(key, shard)
+    out = []
+    for index in split.chunks.get(process_index, ()):
+        where = _chunking.chunk_region(index, shape, chunk_shape)
+        for key, shard in shards.items():
+            if all(a <= w.start and w.stop <= b for w, (a, b) in zip(where, key, strict=True)):
+                outer = tuple(slice(a, b) for a, b in key)
+                whole = _chunking.region_key(where) == key
+                out.append((shard.data, index, None if whole else _chunking.relative(where, outer)))
+                break
+        else:  # the split is computed from the same sharding: it names only held shards
+            raise AssertionError(f"process {process_index} holds no shard of chunk {index}")
+    return out
+
+
+def reshard(arrays: list[jax.Array], shardings: list[jax.sharding.Sharding]) -> Sequence[jax.Array]:
+    """`arrays` laid out with `shardings`, by one compiled identity: a collective over the
+    replica axes, each process contributing the 1/R it read (`read_sharding`).
+    Collective: every process calls it with the same leaves."""
+    key = tuple(shardings)
+    fn = _RESHARD.get(key)
+    if fn is None:
+        if len(_RESHARD) >= 8:
+            _RESHARD.pop(next(iter(_RESHARD)), None)
+        fn = _RESHARD[key] = jax.jit(lambda *xs: xs, out_shardings=key)
+    return fn(*arrays)
+
+
+# The reshard of the last few trees (its compiled programs are kept with it).
+_RESHARD: dict[tuple[jax.sharding.Sharding, ...], Any] = _resources.SHARED.cache({})
 
 
 def read_sharding(

@@ -357,7 +357,7 @@ class Restorer:
             key_impl = d.record.key_impl
             out[k] = jax.random.wrap_key_data(data, impl=key_impl) if key_impl else data
         if resharded:
-            gathered = _reshard([a for _, a, _ in resharded], [s for _, _, s in resharded])
+            gathered = _replicas.reshard([a for _, a, _ in resharded], [s for _, _, s in resharded])
             for (k, _, _), whole in zip(resharded, gathered, strict=True):
                 key_impl = out[k].record.key_impl
                 out[k] = jax.random.wrap_key_data(whole, impl=key_impl) if key_impl else whole
@@ -385,23 +385,6 @@ class Deferred:
     sharding: jax.sharding.Sharding
     reading: concurrent.futures.Future[dict[tuple[tuple[int, int], ...], np.ndarray]]
     then: jax.sharding.Sharding | None = None  # the target, resharded onto from `sharding`
-
-
-def _reshard(
-    arrays: list[jax.Array], shardings: list[jax.sharding.Sharding]
-) -> Sequence[jax.Array]:
-    """`arrays` laid out with `shardings`, by one compiled identity (a collective over the
-    replica axes: each process contributes the 1/R it read)."""
-    key = tuple(shardings)
-    fn = _RESHARD.get(key)
-    if fn is None:
-        if len(_RESHARD) >= 8:
-            _RESHARD.pop(next(iter(_RESHARD)), None)
-        fn = _RESHARD[key] = jax.jit(lambda *xs: xs, out_shardings=key)
-    return fn(*arrays)
-
-
-_RESHARD: dict[tuple[jax.sharding.Sharding, ...], Any] = _resources.SHARED.cache({})
 
 
 # Leaves of this many bytes on are read on `LEAF_POOL`, several at once (a peer's

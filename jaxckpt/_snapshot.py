@@ -133,7 +133,12 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
             chunk_shape = records[-1].chunk_shape
             assert chunk_shape is not None
             if i in splits:  # shared with other replicas: this process's chunks only
-                pending.extend(_my_chunks(i, data, records[-1], splits[i], process_index))
+                pending.extend(
+                    (i, buf, index, cut)
+                    for buf, index, cut in _replicas.shares(
+                        data, records[-1], splits[i], process_index
+                    )
+                )
                 continue
             for shard in data.addressable_shards:
                 if shard.replica_id == 0:
@@ -178,7 +183,7 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
                 for r, (_, keys, _) in zip(records, triples, strict=True)
             )
         )
-        snap.partners = _partners(splits, _multihost.process_count())
+        snap.partners = _replicas.partners_of(splits.values(), _multihost.process_count())
         if len(_RECORDS) >= 4:
             _RECORDS.pop(next(iter(_RECORDS), None), None)
         _RECORDS[structure] = (snap.leaves, tuple(splits.items()), snap.partners)
@@ -211,51 +216,6 @@ def _split(record: _format.LeafRecord, data: jax.Array, leaf: int) -> _replicas.
         np.dtype(data.dtype).itemsize,
         leaf,
     )
-
-
-def _partners(
-    splits: dict[int, _replicas.Split], process_count: int
-) -> tuple[tuple[int, ...], ...]:
-    """`_replicas.partners` of the replicated leaves: which shards each process holds."""
-    held = []
-    for split in splits.values():
-        by_process: dict[int, list[Any]] = {}
-        for key, procs in split.regions.items():
-            for p in set(procs):
-                by_process.setdefault(p, []).append(key)
-        held.append({p: tuple(sorted(keys)) for p, keys in by_process.items()})
-    return _replicas.partners(held, process_count)
-
-
-def _my_chunks(
-    leaf: int,
-    data: jax.Array,
-    record: _format.LeafRecord,
-    split: _replicas.Split,
-    process_index: int,
-) -> list[tuple[int, jax.Array, tuple[int, ...], _chunking.Region | None]]:
-    """(leaf, shard buffer, chunk index, the chunk's region within the shard) of each
-    chunk of a replicated leaf that this process saves."""
-    shape, chunk_shape = record.stored_shape, record.chunk_shape
-    assert shape is not None and chunk_shape is not None
-    shards: dict[_replicas.RegionKey, Any] = {}
-    for shard in data.addressable_shards:
-        key = _chunking.region_key(_chunking.normalize_region(shard.index, shape))
-        shards.setdefault(key, shard)
-    out = []
-    for index in split.chunks.get(process_index, ()):
-        where = _chunking.chunk_region(index, shape, chunk_shape)
-        for key, shard in shards.items():
-            if all(a <= w.start and w.stop <= b for w, (a, b) in zip(where, key, strict=True)):
-                outer = tuple(slice(a, b) for a, b in key)
-                whole = _chunking.region_key(where) == key
-                out.append(
-                    (leaf, shard.data, index, None if whole else _chunking.relative(where, outer))
-                )
-                break
-        else:  # the split is computed from the same sharding: it names only held shards
-            raise AssertionError(f"process {process_index} holds no shard of chunk {index}")
-    return out
 
 
 def _signature(kind: str, leaf: Any, multi_process: bool) -> Any:
