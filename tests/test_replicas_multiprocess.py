@@ -120,6 +120,7 @@ def test_dp2_fsdp4_on_4_processes(tmp_path: Path, capsys) -> None:
         )
     )
     assert _ok(full) and _ok(damaged) and _ok(other), (full, damaged, other)
+    print("restart of every process, bytes by tier:", [r["bytes_by_tier"] for r in full])
     for r in full:
         assert set(r["bytes_by_tier"]) == {"memory"}, full
     assert damaged[0]["bytes_by_tier"].get("peer") and damaged[0]["fallbacks"], damaged[0]
@@ -149,6 +150,7 @@ def test_dp2_fsdp4_on_4_processes(tmp_path: Path, capsys) -> None:
     read = sum(r["bytes_by_tier"]["persistent"] for r in persisted)
     saved_bytes = sum(s[1]["bytes"] for s in saved_)
     odd = 12 * 24003 * 4
+    print("persistent restore, bytes by tier:", [r["bytes_by_tier"] for r in persisted])
     assert saved_bytes <= read <= saved_bytes + odd + 1024, (read, saved_bytes)
 
 
