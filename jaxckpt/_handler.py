@@ -220,21 +220,31 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         readers = _restore.reader_factory(
             item.path, memory, self._runs.peers, step, plan.manifests, pi, self._options.timeout_s
         )
+
+        def unavailable(e: _restore.ChunkUnavailableError) -> FileNotFoundError:
+            return FileNotFoundError(
+                f"{self._runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
+            )
+
+        def agree_on_reads(error: BaseException | None) -> None:
+            # Before a collective reshard: a read that failed is agreed on as it is raised.
+            if isinstance(error, _restore.ChunkUnavailableError):
+                error = unavailable(error)
+            agree(error)
+
         restorer = _restore.Restorer(
             plan,
             readers,
             pi,
             self._runs.redact,
             timeout_s=self._options.timeout_s,
-            agree=agree if count > 1 else None,
+            agree=agree_on_reads if count > 1 else None,
         )
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)
             result = _target.fill(restorer, plan.leaves, args.abstract_state, ctx)
         except _restore.ChunkUnavailableError as e:
-            raise FileNotFoundError(
-                f"{self._runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
-            ) from e
+            raise unavailable(e) from e
         finally:
             restorer.finish()
             if pin is not None:

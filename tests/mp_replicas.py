@@ -135,15 +135,16 @@ def _corrupt(owner: int, step: int, ckpt: str) -> None:
 
 
 def scenario_restore(args: dict) -> dict:
-    """Restores each of args["restores"] ({step, dp, corrupt?: [process, owner],
-    forget?: true}) in turn. `corrupt`: that process first damages its copy of that owner's
-    part; `forget`: every process first deletes its memory of the run."""
+    """Restores each of args["restores"] ({step, dp, corrupt?: [[process, owner], ...],
+    forget?: true}) in turn. `corrupt`: each such process first damages its copy of that
+    owner's part; `forget`: every process first deletes its memory of the run."""
     pi = jax.process_index()
     results = []
     for k, req in enumerate(args["restores"]):
         multihost_utils.sync_global_devices(f"restore-{k}")
-        if req.get("corrupt") and req["corrupt"][0] == pi:
-            _corrupt(req["corrupt"][1], req["step"], args["ckpt"])
+        for process, owner in req.get("corrupt", ()):
+            if process == pi:
+                _corrupt(owner, req["step"], args["ckpt"])
         if req.get("forget"):
             run_id = _paths.default_run_id(Path(args["ckpt"]) / "0" / "train")
             shutil.rmtree(Path(os.environ["MP_MEMORY_ROOT"]) / run_id, ignore_errors=True)

@@ -103,7 +103,7 @@ def test_dp2_fsdp4_on_4_processes(tmp_path: Path, capsys) -> None:
     # its own slices, a collective over dp carries them to the partner); then the same
     # after process 0's own slice was damaged in its memory (it falls back to the copy on
     # its partner, over the network); then onto dp=4 x fsdp=2.
-    full, damaged, other = _per_request(
+    full, damaged, other, lost = _per_request(
         run(
             "restore",
             roots,
@@ -112,8 +112,10 @@ def test_dp2_fsdp4_on_4_processes(tmp_path: Path, capsys) -> None:
                 "ckpt": ckpt,
                 "restores": [
                     {"step": 2, "dp": 2},
-                    {"step": 2, "dp": 2, "corrupt": [0, 0]},
+                    {"step": 2, "dp": 2, "corrupt": [[0, 0]]},
                     {"step": 2, "dp": 4},
+                    # Both memory copies of part 0 of step 3 (R = 4, not persisted) damaged.
+                    {"step": 3, "dp": 4, "corrupt": [[0, 0], [1, 0]]},
                 ],
             },
             worker=WORKER,
@@ -123,10 +125,14 @@ def test_dp2_fsdp4_on_4_processes(tmp_path: Path, capsys) -> None:
     print("restart of every process, bytes by tier:", [r["bytes_by_tier"] for r in full])
     for r in full:
         assert set(r["bytes_by_tier"]) == {"memory"}, full
+    # No good copy of a slice: every process raises the same type (the reads are agreed
+    # on before the collective that reshards them, so none is left waiting in it).
+    assert all(r.get("error", "").startswith("FileNotFoundError") for r in lost), lost
+    assert "No verified copy of chunk" in lost[0]["error"], lost[0]
     assert damaged[0]["bytes_by_tier"].get("peer") and damaged[0]["fallbacks"], damaged[0]
     assert all(set(r["bytes_by_tier"]) == {"memory"} for r in damaged[1:]), damaged
 
-    # Node loss: node1's memory is gone; its slices come from its partner (node3).
+    # Node loss: node1's memory is gone; its slices come from its partner's memory (node3).
     shutil.rmtree(roots[1])
     loss, persisted = _per_request(
         run(
@@ -135,13 +141,13 @@ def test_dp2_fsdp4_on_4_processes(tmp_path: Path, capsys) -> None:
             domains,
             {
                 "ckpt": ckpt,
-                "restores": [{"step": 3, "dp": 4}, {"step": 2, "dp": 2, "forget": True}],
+                "restores": [{"step": 2, "dp": 2}, {"step": 2, "dp": 2, "forget": True}],
             },
             worker=WORKER,
         )
     )
     assert _ok(loss), loss
-    assert "persistent" not in loss[1]["bytes_by_tier"], loss[1]
+    assert set(loss[1]["bytes_by_tier"]) == {"peer"}, loss[1]
     # Every memory tier gone: the persisted step 2 is read once across the job (each
     # replica group reads 1/R, a collective over dp does the rest), but for "odd", whose
     # sizes no dp split divides: its shards are read by both replicas.
