@@ -240,3 +240,13 @@ def test_partner_placement_is_the_same_under_another_hash_seed() -> None:
         for seed in ("0", "1", "12345")
     }
     assert len(outs) == 1
+
+
+def test_read_sharding_needs_replicas_across_processes() -> None:
+    # One process holds every device here: nothing to spread, the restore reads as before.
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "fsdp"))
+    assert _replicas.read_sharding(NamedSharding(mesh, P("fsdp")), (64, 8)) is None
+    assert _replicas.read_sharding(NamedSharding(mesh, P()), (64, 8)) is None
+    assert (
+        _replicas.read_sharding(jax.sharding.SingleDeviceSharding(jax.devices()[0]), (8,)) is None
+    )
