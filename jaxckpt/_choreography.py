@@ -251,6 +251,12 @@ class RestoreChoreography(_Collective):
     def __enter__(self) -> RestoreChoreography:
         return self
 
+    def agree(self, error: BaseException | None = None) -> None:
+        """3. The verdict, held early: before a collective every process must enter
+        together (the reshard of data-parallel replicas), so that none enters it alone
+        while another has failed. The block's end then runs no exchange."""
+        self._agree(error, self._what())
+
     def _failed(self, error: BaseException) -> None:
         super()._failed(error)
         self._publisher.failure("restore", self.step, self._run.redact(str(error)))

@@ -13,7 +13,7 @@ persistent tier (plain zarr3, any tensorstore kvstore):
 
     part_<owner>/arrays/<key>/      one zarr3 array per array leaf, chunk grid =
                                     the saved shard shape, holding only the chunks
-                                    that <owner> wrote (replica_id 0 shards); <key>
+                                    that <owner> wrote (its share of its shards); <key>
                                     is the leaf's tree path (`array_key`), and the
                                     array's attributes say what it holds
                                     (`array_attributes`)
@@ -36,7 +36,13 @@ each chunk at the `offset` its record gives.
 Versions 1 and 2 are still read (every field added since has a default; their
 arrays are named by leaf index). A field added within a version has a default
 that older manifests get, and older readers ignore it: `persist`, `weak_types`
-and `nonfinite` (in 3; `nonfinite` absent: not counted).
+and `nonfinite` (in 3; `nonfinite` absent: not counted), and a leaf's
+`replicas`, `cut` and `slices` (in 3): a shard held by R > 1 processes
+(data-parallel replicas) is cut into chunks that its holders save a share each
+(`_replicas`), so its `chunk_shape` is finer than the shard shape; the chunk
+grid says everything a reader needs, and each part's `chunks` say who holds
+which slice (a jaxckpt from before these leaf fields refuses them; leaf fields
+a reader does not know are ignored from them on).
 """
 
 from __future__ import annotations
@@ -155,6 +161,12 @@ class LeafRecord:
         sharding is given.
       array_key: the name of the leaf's zarr3 array under `arrays/` (ARRAY and
         NUMPY leaves): see `with_array_keys`.
+      replicas: R, how many processes hold each shard of a global array, when
+        more than one (data-parallel replicas; None: one). Each saves a share.
+      cut: the dimension a replicated shard is cut along into `slices` chunks
+        (`chunk_shape` is the shard shape with that dimension divided); None:
+        the shard is one chunk, saved whole by one of its holders.
+      slices: chunks per shard along `cut` (None where not cut).
     """
 
     path: str
@@ -172,6 +184,9 @@ class LeafRecord:
     per_process: bool = False
     uncommitted: bool = False
     array_key: str | None = None
+    replicas: int | None = None
+    cut: int | None = None
+    slices: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Flags and empty fields are written only when set, so version-1 records read
@@ -190,7 +205,7 @@ class LeafRecord:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LeafRecord:
-        kw = dict(d)
+        kw = {k: v for k, v in d.items() if k in _LEAF_FIELD_SET}  # later fields: ignored
         kw["keys"] = tuple((str(t), v) for t, v in kw.get("keys", ()))
         for k in ("shape", "stored_shape", "chunk_shape"):
             if kw.get(k) is not None:
@@ -199,6 +214,7 @@ class LeafRecord:
 
 
 _LEAF_FIELDS: Final = tuple(f.name for f in dataclasses.fields(LeafRecord))
+_LEAF_FIELD_SET: Final = frozenset(_LEAF_FIELDS)
 _KEY_CHARS: Final = frozenset(string.ascii_letters + string.digits + "_-")
 _MAX_KEY_CHARS: Final = 200  # a file name has at most 255 bytes
 
@@ -246,7 +262,12 @@ def array_attributes(
         "per_process": record.per_process or None,
         "step": step,
         "owner": owner,
-        "chunks": "only those this owner wrote (its replica 0 shards); see its manifest.json",
+        "chunks": (
+            "only this owner's share of its shards (split among their replicas); see its "
+            "manifest.json"
+            if record.replicas
+            else "only those this owner wrote (its replica 0 shards); see its manifest.json"
+        ),
     }
     return {FORMAT_NAME: {k: v for k, v in described.items() if v is not None}}
 
@@ -304,6 +325,17 @@ class PartManifest:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for cs in self.chunks.values() for c in cs)
+
+    @property
+    def slices(self) -> int:
+        """How many of this part's chunks are its owner's share of shards it holds with
+        other data-parallel replicas (leaves with `replicas`)."""
+        return sum(len(cs) for i, cs in self.chunks.items() if self.leaves[i].replicas)
+
+    @property
+    def replicas(self) -> int:
+        """The most processes any shard of the step is held by (1: no replicated leaf)."""
+        return max((r.replicas or 1 for r in self.leaves), default=1)
 
     def to_dict(self) -> dict[str, Any]:
         d = {

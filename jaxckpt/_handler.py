@@ -200,6 +200,19 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         readers = _restore.reader_factory(
             item.path, memory, op.peers, step, plan.manifests, pi, self._options.timeout_s
         )
+
+        def unavailable(e: _restore.ChunkUnavailableError) -> FileNotFoundError:
+            return FileNotFoundError(
+                f"{self._runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
+            )
+
+        def agree_on_reads(error: BaseException | None) -> None:
+            # 7, held early: before a collective reshard (data-parallel replicas), so that
+            # no process enters it alone; a read that failed is agreed on as it is raised.
+            if isinstance(error, _restore.ChunkUnavailableError):
+                error = unavailable(error)
+            op.agree(error)
+
         restorer = _restore.Restorer(
             plan,
             readers,
@@ -207,21 +220,21 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             self._runs.redact,
             timeout_s=self._options.timeout_s,
             on_damaged=_restore.quarantiner(memory, self._runs.peers, step, pi),
+            agree=agree_on_reads if count > 1 else None,
         )
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)
             result = _target.fill(restorer, plan.leaves, args.abstract_state, ctx)
         except _restore.ChunkUnavailableError as e:
-            raise FileNotFoundError(
-                f"{self._runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
-            ) from e
+            raise unavailable(e) from e
         finally:
             restorer.finish()
             if pin is not None:
                 pin.release()
         seconds = time.perf_counter() - start
         self._publisher.publish(_metrics.restore_metrics(step, seconds, restorer))
-        # 7. Exchange `agree` (the verdict): when the choreography's block ends.
+        # 7. Exchange `agree` (the verdict): when the choreography's block ends, unless
+        # held before the reshard of data-parallel replicas (`agree_on_reads`).
         return result
 
     # ---- metadata and lifecycle --------------------------------------------

@@ -10,10 +10,23 @@ owner's replicas over distinct domains.
 import collections
 import math
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 
-def place_replicas(domains: Sequence[str], replicas: int) -> tuple[tuple[int, ...], ...]:
+def place_replicas(
+    domains: Sequence[str],
+    replicas: int,
+    preferred: Sequence[Sequence[int]] | None = None,
+) -> tuple[tuple[int, ...], ...]:
     """Chooses the peers that hold copies of each process's data.
+
+    With `preferred` (data-parallel layouts: ``preferred[p]`` lists the
+    processes that hold the same shards as ``p`` in other replicas,
+    `_replicas.partners`), each owner first takes, in that order, preferred
+    processes outside its failure domain (at most one per domain, none above
+    the lower bound on the busiest holder's load), and those choices are kept:
+    a holder that already has the rest of the shard in memory makes a restart
+    read nothing over the network. The remaining replicas are placed as below.
 
     The processes are laid out on a ring that interleaves the failure domains
     (largest domain first, round-robin), and each owner walks the ring from its
@@ -32,6 +45,8 @@ def place_replicas(domains: Sequence[str], replicas: int) -> tuple[tuple[int, ..
       domains: ``domains[p]`` is the failure domain (for example the hostname)
         of process ``p``.
       replicas: How many copies of each process's data other processes hold.
+      preferred: ``preferred[p]``, the processes to take first as ``p``'s
+        holders where the constraints allow (None: none preferred).
 
     Returns:
       ``holders`` where ``holders[p]`` lists the ``replicas`` distinct processes
@@ -79,12 +94,26 @@ def place_replicas(domains: Sequence[str], replicas: int) -> tuple[tuple[int, ..
 
     load = [0] * n
     holders: list[list[int]] = [[] for _ in range(n)]
+    fixed: set[tuple[int, int]] = set()  # (owner, holder) pairs kept out of the balancing
+    for owner, candidates in enumerate(preferred or ()):
+        taken: set[str] = set()
+        for c in candidates:
+            if len(holders[owner]) == replicas:
+                break
+            if not 0 <= c < n or c == owner or c in holders[owner]:
+                continue
+            if domains[c] == domains[owner] or domains[c] in taken or load[c] >= load_bound:
+                continue
+            holders[owner].append(c)
+            taken.add(domains[c])
+            load[c] += 1
+            fixed.add((owner, c))
     position_of = {p: i for i, p in enumerate(ring)}
     # Most constrained owners first: those in big domains have few candidates.
     for owner in sorted(ring, key=lambda p: -len(members[domains[p]])):
         position = position_of[owner]
         chosen = holders[owner]
-        per_domain: collections.Counter[str] = collections.Counter()
+        per_domain: collections.Counter[str] = collections.Counter(domains[c] for c in chosen)
         # (one replica per domain?, load limit), from strictest to none.
         for one_per_domain, limit in ((True, load_bound), (False, load_bound), (False, n)):
             for step in range(1, n):
@@ -98,12 +127,16 @@ def place_replicas(domains: Sequence[str], replicas: int) -> tuple[tuple[int, ..
                 chosen.append(c)
                 per_domain[domains[c]] += 1
                 load[c] += 1
-    _balance(domains, ring, holders, load)
+    _balance(domains, ring, holders, load, fixed)
     return tuple(tuple(h) for h in holders)
 
 
 def _balance(
-    domains: list[str], ring: list[int], holders: list[list[int]], load: list[int]
+    domains: list[str],
+    ring: list[int],
+    holders: list[list[int]],
+    load: list[int],
+    fixed: AbstractSet[tuple[int, int]] = frozenset(),
 ) -> None:
     """Evens out holder loads in place by moving replicas along augmenting paths.
 
@@ -118,7 +151,8 @@ def _balance(
     held: list[list[int]] = [[] for _ in load]
     for owner, hs in enumerate(holders):
         for h in hs:
-            held[h].append(owner)
+            if (owner, h) not in fixed:  # a preferred copy never moves
+                held[h].append(owner)
     improved = True
     while improved:
         improved = False

@@ -31,6 +31,7 @@ from jaxckpt import (
     _plan,
     _quarantine,
     _readers,
+    _replicas,
     _resources,
     _sharding,
     _storage,
@@ -159,10 +160,17 @@ class Restorer:
         redact: Callable[[str], str] = str,
         timeout_s: float = 120.0,
         on_damaged: OnDamaged | None = None,
+        agree: Callable[[BaseException | None], None] | None = None,
     ):
+        """`agree(error)`: the restore's agreement across processes (collective; raises on
+        every process if one failed). Given, a leaf replicated across processes is read
+        1/R a process and resharded by a collective, which `place` starts only once the
+        processes agreed that every read succeeded (see `array`)."""
         self._plan = plan
         self._on_damaged = on_damaged
         self._damaged: set[tuple[_plan.Source, int]] = set()  # told to `on_damaged` already
+        self._agree = agree
+        self.agreed = False  # whether `place` held the restore's agreement
         self._redact = redact
         self._reader_for = reader_for
         self._process_index = process_index
@@ -339,7 +347,15 @@ class Restorer:
             if record.key_impl
             else sharding
         )
-        index_map = data_sharding.addressable_devices_indices_map(record.stored_shape)
+        # Replicated across processes: each of the R reads a distinct 1/R, and a collective
+        # over the replica axes carries it to the others (`place`): no byte read twice.
+        spread = (
+            _replicas.read_sharding(data_sharding, record.stored_shape)
+            if owner is None and self._agree is not None
+            else None
+        )
+        read_as = spread or data_sharding
+        index_map = read_as.addressable_devices_indices_map(record.stored_shape)
         regions = [
             _chunking.normalize_region(r or (), record.stored_shape) for r in index_map.values()
         ]
@@ -359,24 +375,31 @@ class Restorer:
         else:
             reading = concurrent.futures.Future()
             reading.set_result(read())
-        return Deferred(record, data_sharding, reading)
+        return Deferred(record, read_as, reading, data_sharding if spread else None)
 
-    @staticmethod
-    def place(values: list[Any]) -> list[Any]:
+    def place(self, values: list[Any]) -> list[Any]:
         """`values` with every `Deferred` among them put on its devices as a jax.Array,
         once every leaf is read: one `make_array_from_callback` a leaf, which puts all
         its host buffers on their devices in one call (a `device_put` per shard costs
-        ~0.4 ms: seconds for a tree of thousands of leaves)."""
-        out = list(values)
+        ~0.4 ms: seconds for a tree of thousands of leaves). Leaves read 1/R a process
+        (`array`) are then resharded onto their targets, all in one collective."""
+        out: list[Any] = list(values)
         deferred = [(k, v) for k, v in enumerate(values) if isinstance(v, Deferred)]
+        spread = any(d.then is not None for _, d in deferred)
         try:
             pending = [(k, d, d.reading.result()) for k, d in deferred]
-        except BaseException:
+        except BaseException as e:
             # IMPORTANT: no read may still run when the restore fails (and unpins the step).
             for _, d in deferred:
                 d.reading.cancel()
             concurrent.futures.wait([d.reading for _, d in deferred])
+            if spread and isinstance(e, Exception):
+                self._agree_once(e)  # the others do not start the collective: all raise
             raise
+        if spread:
+            # IMPORTANT: the reshard is a collective: every process starts it or none.
+            self._agree_once(None)
+        resharded: list[tuple[int, jax.Array, jax.sharding.Sharding]] = []
         for k, d, bufs in pending:
             shape = d.record.stored_shape
             assert shape is not None
@@ -385,9 +408,22 @@ class Restorer:
                 return bufs[_chunking.region_key(_chunking.normalize_region(index, shape))]
 
             data = jax.make_array_from_callback(shape, d.sharding, shard)
+            if d.then is not None:
+                resharded.append((k, data, d.then))
+                continue
             key_impl = d.record.key_impl
             out[k] = jax.random.wrap_key_data(data, impl=key_impl) if key_impl else data
+        if resharded:
+            gathered = _replicas.reshard([a for _, a, _ in resharded], [s for _, _, s in resharded])
+            for (k, _, _), whole in zip(resharded, gathered, strict=True):
+                key_impl = out[k].record.key_impl
+                out[k] = jax.random.wrap_key_data(whole, impl=key_impl) if key_impl else whole
         return out
+
+    def _agree_once(self, error: BaseException | None) -> None:
+        assert self._agree is not None
+        self.agreed = True
+        self._agree(error)
 
     def host_array(self, leaf: int, owner: int | None = None) -> np.ndarray:
         """The whole saved array leaf as one numpy array (`owner`: as for `array`)."""
@@ -405,6 +441,7 @@ class Deferred:
     record: _format.LeafRecord
     sharding: jax.sharding.Sharding
     reading: concurrent.futures.Future[dict[tuple[tuple[int, int], ...], np.ndarray]]
+    then: jax.sharding.Sharding | None = None  # the target, resharded onto from `sharding`
 
 
 # Leaves of this many bytes on are read on `LEAF_POOL`, several at once (a peer's

@@ -224,7 +224,9 @@ class Save:
         step, pi, metrics, options = self._step, self._process, self.metrics, self._options
         if self._peers is not None and options.replicas:
             push_start = time.perf_counter()
-            sent = await self._peers.push_replicas(part, step, pi)
+            # Data-parallel replicas: the copy goes to a partner holding the rest of the shard.
+            holders = self._peers.holders_with(self._snapshot.partners)[pi]
+            sent = await self._peers.push_replicas(part, step, pi, holders)
             metrics.replicate_s = push_s = time.perf_counter() - push_start
             metrics.replicate_bytes = sent
             metrics.replicate_bytes_per_s = sent / max(push_s, 1e-9)

@@ -1,8 +1,11 @@
 """The part of a save that stalls training: copying this process's shards to host.
 
-Everything here runs on the caller's thread inside `async_save`; it copies only
-the shards whose `replica_id` is 0 (one copy of every byte in the whole job)
-and reads iterator states, so that all later work can run in the background.
+Everything here runs on the caller's thread inside `async_save`; it copies one
+copy of every byte in the whole job, and reads iterator states, so that all
+later work can run in the background. A shard held by one process is saved by
+it whole (its `replica_id` 0 copy); a shard held by R > 1 processes
+(data-parallel replicas) is shared among them: each copies its own chunks of it,
+a deterministic 1/R (`_replicas`).
 
 Values that can differ per process are saved by every process into its own
 part: numpy arrays, scalars and, in a multi-process job, jax.Arrays whose
@@ -20,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _chunking, _format, _multihost, _resources, _sharding, _tree
+from jaxckpt import _chunking, _format, _multihost, _replicas, _resources, _sharding, _tree
 
 
 @dataclasses.dataclass
@@ -62,6 +65,9 @@ class Snapshot:
     shardings: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     staging: str = "none"  # how device shards reached host: see `_stage`
     weak_types: tuple[int, ...] = ()  # array leaves that are weakly typed (`PartManifest`)
+    # partners[p]: the processes holding the same shards as p in other replicas
+    # (`_replicas.partners`); empty without replicated shards.
+    partners: tuple[tuple[int, ...], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -94,9 +100,11 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
             _signature(k, leaf, multi_process) for (_, leaf), k in zip(pairs, kinds, strict=True)
         ),
     )
-    known = _RECORDS.get(structure)  # the same tree as an earlier save: same records
+    cached = _RECORDS.get(structure)  # the same tree as an earlier save: same records
+    known = cached[0] if cached else None
+    splits: dict[int, _replicas.Split] = dict(cached[1]) if cached else {}
     records: list[_format.LeafRecord] = []
-    pending: list[tuple[int, jax.Array, tuple[int, ...]]] = []
+    pending: list[tuple[int, jax.Array, tuple[int, ...], _chunking.Region | None]] = []
     local: list[tuple[int, jax.Array]] = []  # process-local arrays, saved whole as one chunk
     snap = Snapshot((), [], {}, 0.0)
     # (A typed key array has no weak type to keep.)
@@ -113,13 +121,36 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
                 snap.shardings[i] = _sharding.describe(leaf.sharding)
                 local.append((i, data))
                 continue
-            records.append(known[i] if known else _array_record(path, leaf))
+            if known:
+                records.append(known[i])
+            else:
+                record = _array_record(path, leaf)
+                if multi_process:
+                    split = _split(record, data, i)
+                    if split.replicas > 1:
+                        splits[i] = split
+                        record = dataclasses.replace(
+                            record,
+                            chunk_shape=split.chunk_shape,
+                            replicas=split.replicas,
+                            cut=split.cut,
+                            slices=split.slices if split.cut is not None else None,
+                        )
+                records.append(record)
             chunk_shape = records[-1].chunk_shape
             assert chunk_shape is not None
+            if i in splits:  # shared with other replicas: this process's chunks only
+                pending.extend(
+                    (i, buf, index, cut)
+                    for buf, index, cut in _replicas.shares(
+                        data, records[-1], splits[i], process_index
+                    )
+                )
+                continue
             for shard in data.addressable_shards:
                 if shard.replica_id == 0:
                     index = _chunking.chunk_index_of(shard.index, data.shape, chunk_shape)
-                    pending.append((i, shard.data, index))
+                    pending.append((i, shard.data, index, None))
         elif kind == _format.NUMPY:
             records.append(known[i] if known else _numpy_record(path, leaf))
             snap.shards.append(HostShard(i, (0,) * leaf.ndim, np.array(leaf, copy=True)))
@@ -138,9 +169,10 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
     local_bufs = [
         [s.data for s in data.addressable_shards if s.replica_id == 0] for _, data in local
     ]
-    bufs = [buf for _, buf, _ in pending] + [b for group in local_bufs for b in group]
-    hosts, holds, snap.staging = _stage(bufs, pinned_host)
-    for (i, _, index), host, held in zip(pending, hosts, holds, strict=False):
+    bufs = [buf for _, buf, _, _ in pending] + [b for group in local_bufs for b in group]
+    cuts = [cut for _, _, _, cut in pending] + [None] * (len(bufs) - len(pending))
+    hosts, holds, snap.staging = _stage(bufs, pinned_host, cuts)
+    for (i, _, index, _), host, held in zip(pending, hosts, holds, strict=False):
         snap.shards.append(HostShard(i, index, host, held))
     done = len(pending)
     for (i, data), group in zip(local, local_bufs, strict=True):
@@ -149,8 +181,8 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
         snap.shards.append(
             HostShard(i, (0,) * data.ndim, _whole_on_host(data, parts), holds[done - 1])
         )
-    if known:
-        snap.leaves = known
+    if cached:
+        snap.leaves, _, snap.partners = cached
     else:
         snap.leaves = _format.with_array_keys(
             tuple(
@@ -158,16 +190,39 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
                 for r, (_, keys, _) in zip(records, triples, strict=True)
             )
         )
+        snap.partners = _replicas.partners_of(splits.values(), _multihost.process_count())
         if len(_RECORDS) >= 4:
             _RECORDS.pop(next(iter(_RECORDS), None), None)
-        _RECORDS[structure] = snap.leaves
+        _RECORDS[structure] = (snap.leaves, tuple(splits.items()), snap.partners)
     snap.stall_s = time.perf_counter() - start
     return snap
 
 
-# Leaf records of the last few tree structures: a training loop saves the same tree
-# every step, and its records (and their JSON, see `_format`) are derived once.
-_RECORDS: dict[Any, tuple[_format.LeafRecord, ...]] = _resources.SHARED.cache({})
+# Leaf records of the last few tree structures, with the splits of their replicated
+# leaves and the partners: a training loop saves the same tree every step, and its
+# records (and their JSON, see `_format`) are derived once.
+_RECORDS: dict[
+    Any,
+    tuple[
+        tuple[_format.LeafRecord, ...],
+        tuple[tuple[int, _replicas.Split], ...],
+        tuple[tuple[int, ...], ...],
+    ],
+] = _resources.SHARED.cache({})
+
+
+def _split(record: _format.LeafRecord, data: jax.Array, leaf: int) -> _replicas.Split:
+    """How the shards of a global array leaf are shared among the processes holding them."""
+    assert record.stored_shape is not None and record.chunk_shape is not None
+    shard_shape = tuple(data.sharding.shard_shape(data.shape))
+    return _replicas.split_of(
+        data.sharding,
+        data.shape,
+        record.stored_shape,
+        shard_shape,
+        np.dtype(data.dtype).itemsize,
+        leaf,
+    )
 
 
 def _signature(kind: str, leaf: Any, multi_process: bool) -> Any:
@@ -212,9 +267,15 @@ def _has_pinned_host(device: Any) -> bool:
 
 
 def _stage(
-    bufs: list[jax.Array], pinned_host: bool | None
+    bufs: list[jax.Array],
+    pinned_host: bool | None,
+    cuts: list[_chunking.Region | None] | None = None,
 ) -> tuple[list[np.ndarray], list[Any], str]:
     """Host views of single-device buffers, what keeps them alive, and how they got there.
+
+    `cuts[k]`, where given, is the only region of `bufs[k]` wanted (a replica's share
+    of a shard): on CPU a view of it, elsewhere sliced on the device before the copy,
+    so that only that share crosses to host.
 
     - "pinned_host": one batched `device_put` of every buffer to its device's
       `pinned_host` memory (transfers run concurrently; JAX reuses the pinned
@@ -231,7 +292,17 @@ def _stage(
     """
     if not bufs:
         return [], [], "none"
+    cuts = cuts or [None] * len(bufs)
     on_cpu = all(b.platform() == "cpu" for b in bufs)
+    if on_cpu:
+        views = [
+            np.asarray(b) if c is None else np.asarray(b)[c]
+            for b, c in zip(bufs, cuts, strict=True)
+        ]
+        if pinned_host is not True:
+            return views, list(bufs), "cpu_view"
+    if any(c is not None for c in cuts):  # the share only, sliced on its device
+        bufs = [b if c is None else b[c] for b, c in zip(bufs, cuts, strict=True)]
     if pinned_host is None:
         pinned_host = not on_cpu and all(_has_pinned_host(_device_of(b)) for b in bufs)
     if pinned_host:
@@ -241,8 +312,6 @@ def _stage(
         ]
         staged = jax.device_put(bufs, targets)
         return [np.asarray(s) for s in staged], list(staged), "pinned_host"
-    if on_cpu:
-        return [np.asarray(b) for b in bufs], list(bufs), "cpu_view"
     for b in bufs:
         b.copy_to_host_async()
     return [np.array(b, copy=True) for b in bufs], [None] * len(bufs), "pageable"

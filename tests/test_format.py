@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 
@@ -184,3 +185,27 @@ def test_a_manifest_checks_its_crc32c_and_is_parsed_once():
     for damaged in (text.replace('"s1"', '"s2"'), text[:-3] + "9}", text[:-1]):
         with pytest.raises(ValueError):
             _format.PartManifest.from_json(damaged)
+
+
+def test_replicated_leaf_fields_round_trip_and_are_absent_without_replicas():
+    plain = manifest(0)
+    assert "replicas" not in plain.to_json() and plain.slices == 0 and plain.replicas == 1
+    leaf = dataclasses.replace(plain.leaves[0], chunk_shape=(2, 2), replicas=2, cut=0, slices=2)
+    shared = dataclasses.replace(plain, leaves=(leaf, plain.leaves[1]))
+    back = _format.PartManifest.from_json(shared.to_json())
+    assert (
+        back == shared
+        and back.leaves[0].replicas == 2
+        and (back.slices, back.replicas)
+        == (
+            1,
+            2,
+        )
+    )
+
+
+def test_unknown_leaf_fields_are_ignored():
+    d = json.loads(manifest(0).to_json())
+    d.pop("crc32c")
+    d["leaves"][0]["from_a_later_version"] = [1, 2]
+    assert _format.PartManifest.from_dict(d).leaves == manifest(0).leaves

@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_sharding",
             "_multihost",
             "_placement",
+            "_replicas",
             "_options",
             "_paths",
             "_tree",

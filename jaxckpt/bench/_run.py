@@ -39,7 +39,7 @@ from typing import Any, Final
 import psutil
 
 from jaxckpt import _storage
-from jaxckpt.bench import _emulator, _plot, _report
+from jaxckpt.bench import _emulator, _hsdp, _plot, _report
 from jaxckpt.bench._worker import (
     ENV_COORDINATOR,
     ENV_MEMORY_ROOT,
@@ -85,7 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: coordination at thousands of processes, simulated "
         "(`jaxckpt bench --scale --help`)",
     )
-    p.add_argument("--processes", type=int, default=2, help="JAX processes on loopback")
+    p.add_argument(
+        "--layout",
+        choices=("default", "hsdp"),
+        default="default",
+        help="hsdp: instead, data-parallel replicas sharing the save (`_hsdp`: a mesh "
+        "('dp', 'fsdp') with dp across processes; 4 processes unless --processes)",
+    )
+    p.add_argument("--dp", type=int, default=2, help="with --layout hsdp: the replicas R")
+    p.add_argument("--state-mib", type=float, default=64, help="with --layout hsdp: state MiB")
+    p.add_argument("--processes", type=int, default=None, help="JAX processes on loopback")
     p.add_argument("--state-gib", type=float, help="params + adam state, GiB (quick: 1/8, else 1)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument(
@@ -330,6 +339,13 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--state-gib must be positive, got {args.state_gib}")
     if args.replicas is not None and not 0 <= args.replicas < args.processes:
         parser.error(f"--replicas must be in 0..{args.processes - 1}, got {args.replicas}")
+    if args.layout == "hsdp" and (
+        args.dp < 2 or args.processes % args.dp or not args.state_mib > 0
+    ):
+        parser.error(
+            f"--layout hsdp needs --dp >= 2 dividing --processes ({args.processes}) and a "
+            f"positive --state-mib; got --dp {args.dp}, --state-mib {args.state_mib:g}"
+        )
     if args.many_leaves < 0 or not args.many_leaf_kib > 0:
         parser.error("--many-leaves must be at least 0 and --many-leaf-kib positive")
     for name in ("steps", "repeats"):
@@ -395,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _scale.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.processes is None:
+        args.processes = 4 if args.layout == "hsdp" else 2
     _check(parser, args)
     if args.from_json:
         return _show(args.from_json, args.plot)
@@ -404,6 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory_base = Path(args.memory_root or tempfile.mkdtemp(prefix="jaxckpt-bench-", dir=shm))
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="jaxckpt-bench-"))
     cfg = _config(args, str(work_dir))
+    if args.layout == "hsdp":
+        cfg.update(layout="hsdp", dp=args.dp, state_mib=args.state_mib, replicas=1)
+        cfg["state_gib"] = args.state_mib / 1024
     deadline_s = args.deadline or (_QUICK if args.quick else _FULL)["deadline_s"]
     print(
         f"[bench] {cfg['processes']} processes x {cfg['devices_per_process']} devices, "
@@ -428,10 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             store_env = _store(args, cfg, logs, stack)
             procs: list[dict[str, Any]] = []
-            if args.proxy != "only":
+            if args.layout == "hsdp":
+                procs = _run_processes(cfg, memory_base, logs, start + deadline_s)
+            elif args.proxy != "only":
                 procs = _run_processes(cfg, memory_base, logs, start + deadline_s, store_env)
             proxy = None
-            if args.proxy == "only" or (args.proxy == "auto" and _proxy_runs(args)):
+            if args.layout != "hsdp" and (
+                args.proxy == "only" or (args.proxy == "auto" and _proxy_runs(args))
+            ):
                 print("[bench] the accelerator-host proxy", file=sys.stderr, flush=True)
                 proxy_logs = logs / "proxy"
                 proxy_logs.mkdir()
@@ -445,7 +470,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(memory_base, ignore_errors=True)
             shutil.rmtree(work_dir, ignore_errors=True)
-    figs = _report.figures(procs, cfg["warmup"], cfg["replicas"]) if procs else []
+    if args.layout == "hsdp":
+        figs = _hsdp.figures(procs)
+    else:
+        figs = _report.figures(procs, cfg["warmup"], cfg["replicas"]) if procs else []
     if proxy is not None:
         figs += _report.proxy_figures(proxy["proxy"], cfg["warmup"])
     first = procs[0] if procs else proxy

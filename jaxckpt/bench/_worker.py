@@ -51,9 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = json.loads(argv[0])
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     _start_jax(cfg)
-    from jaxckpt.bench import _phases
+    if cfg.get("layout") == "hsdp":
+        from jaxckpt.bench import _hsdp
 
-    result = _phases.run(cfg, Path(os.environ[ENV_MEMORY_ROOT]))
+        result = _hsdp.run(cfg, Path(os.environ[ENV_MEMORY_ROOT]))
+    else:
+        from jaxckpt.bench import _phases
+
+        result = _phases.run(cfg, Path(os.environ[ENV_MEMORY_ROOT]))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 

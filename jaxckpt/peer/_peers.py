@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from absl import logging as log
 
@@ -60,6 +60,7 @@ class Peers:
         self.domains = domains
         self.replicas = replicas
         self._holders: tuple[tuple[int, ...], ...] | None = None
+        self._partnered: tuple[Any, tuple[tuple[int, ...], ...]] | None = None
         self.skipped: list[tuple[int, int]] = []  # (step, holder) of pushes that failed
         self._timeout_s = timeout_s
         # IMPORTANT: a peer that stalls for half the timeout is given up (its copy skipped,
@@ -171,6 +172,17 @@ class Peers:
             self._holders = _placement.place_replicas(self.domains, self.replicas)
         return self._holders
 
+    def holders_with(self, partners: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        """`holders`, each owner's partners (the processes holding the same shards in
+        other data-parallel replicas: `_replicas.partners`) taken first where the
+        failure domains allow; the last answer is kept (a loop saves one tree)."""
+        if not any(partners):
+            return self.holders
+        if self._partnered is None or self._partnered[0] != partners:
+            placed = _placement.place_replicas(self.domains, self.replicas, partners)
+            self._partnered = (partners, placed)
+        return self._partnered[1]
+
     def close(self) -> None:
         self._server.close()
 
@@ -247,8 +259,11 @@ class Peers:
             else "that process found its copy whole (damaged on the way): it stays",
         )
 
-    async def push_replicas(self, part_dir: Path, step: int, owner: int) -> int:
-        """Copies a committed part to every holder of `owner`'s replicas at once; bytes sent.
+    async def push_replicas(
+        self, part_dir: Path, step: int, owner: int, holders: Sequence[int] | None = None
+    ) -> int:
+        """Copies a committed part to every holder of `owner`'s replicas at once (`holders`,
+        else `self.holders[owner]`); bytes sent.
 
         This process only sends (`push_part`: sendfile, no checksum); each holder
         verifies every chunk against the part's manifest before keeping it. A
@@ -290,7 +305,8 @@ class Peers:
                     f"({self.addresses[holder]}) was refused: {self.redact(str(e))}"
                 ) from e
 
-        sent = await asyncio.gather(*(asyncio.to_thread(push, h) for h in self.holders[owner]))
+        targets = self.holders[owner] if holders is None else holders
+        sent = await asyncio.gather(*(asyncio.to_thread(push, h) for h in targets))
         return sum(sent)
 
     def exchange_inventories(self, local: Inventory) -> dict[int, Inventory]:

@@ -56,6 +56,10 @@ def step_summary(info: _catalog.StepInfo, now: float) -> dict[str, Any]:
         "incomplete": list(info.incomplete),
         # NaN/Inf values the saves counted (None: not counted).
         "nonfinite": None if info.nonfinite is None else sum(info.nonfinite.values()),
+        # Data-parallel replicas: R, and how many slices (chunks of shards held by R
+        # processes, each saved by one of them) each part holds.
+        "replicas": max((m.replicas for m in info.index.values()), default=1),
+        "slices": {str(o): m.slices for o, m in sorted(info.index.items()) if m.slices},
     }
 
 
@@ -139,6 +143,15 @@ def _incomplete_note(report: dict[str, Any], owners: list[int]) -> str:
     )
 
 
+def _slices_cell(s: dict[str, Any]) -> str:
+    """How a step's replicated shards were shared: R, and the slices each part holds."""
+    if not s.get("slices"):
+        return "-"
+    counts = sorted(set(s["slices"].values()))
+    each = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return f"R={s['replicas']}: {each} a part"
+
+
 def render_listing(report: dict[str, Any]) -> str:
     steps, roots = report["steps"], report["memory_roots"]
     head = (
@@ -162,6 +175,10 @@ def render_listing(report: dict[str, Any]) -> str:
     if rows:
         headers = ["STEP", "AGE", "SIZE", "PROCS", "IN MEMORY", "PERSISTENT", "RESTORABLE"]
         headers.append("FINITE")
+        if any(s.get("slices") for s in steps):  # data-parallel replicas shared the save
+            headers.append("SLICES")
+            for row, s in zip(rows, reversed(steps), strict=True):
+                row.append(_slices_cell(s))
         out.append(_table.table(headers, rows, right=(0, 1, 2, 3)))
     else:
         out.append("no steps")
@@ -301,6 +318,19 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
                 "scalar_type": rec.scalar_type,
                 "per_process": rec.per_process,
                 "nonfinite": None if nonfinite is None else nonfinite.get(i, 0),
+                # Shared by data-parallel replicas: who holds which slice (chunk indices).
+                "replicas": rec.replicas,
+                "slices_per_shard": rec.slices,
+                "cut": rec.cut,
+                "slices": (
+                    {
+                        str(o): [list(c.index) for c in info.index[o].chunks.get(i, ())]
+                        for o in owners
+                        if info.index[o].chunks.get(i)
+                    }
+                    if rec.replicas
+                    else None
+                ),
             }
         )
     iterators = {
@@ -320,6 +350,7 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
                 "failure_domain": m.failure_domain,
                 "bytes": m.nbytes,
                 "chunks": sum(len(cs) for cs in m.chunks.values()),
+                "slices": m.slices,
                 "metrics": metrics,
             }
         )
@@ -396,7 +427,8 @@ def render_step(report: dict[str, Any]) -> str:
                 sharding_text(leaf["sharding"]),
                 _table.size(leaf["bytes"]),
                 f"{leaf['chunks']} chunk(s)"
-                + (f", {leaf['nonfinite']} NaN/Inf" if leaf.get("nonfinite") else ""),
+                + (f", {leaf['nonfinite']} NaN/Inf" if leaf.get("nonfinite") else "")
+                + _shared_text(leaf),
             ]
         )
     out.append(
@@ -423,7 +455,26 @@ def render_step(report: dict[str, Any]) -> str:
         )
     headers = ["PROCESS", "DOMAIN", "BYTES", "CHUNKS"] + [h for _, h in METRIC_COLUMNS]
     out += ["", "SAVE METRICS", _table.table(headers, rows, right=tuple(range(2, len(headers))))]
+    shared = [leaf for leaf in report["leaves"] if leaf.get("slices")]
+    if shared:
+        out += ["", "SLICES (shards held by R processes, each saving a share)"]
+        for leaf in shared:
+            held = ", ".join(
+                f"process {o}: {len(idx)}"
+                for o, idx in sorted(leaf["slices"].items(), key=lambda x: int(x[0]))
+            )
+            out.append(f"  {leaf['path']}  R={leaf['replicas']}{_cut_text(leaf)}; {held}")
     return "\n".join(out)
+
+
+def _shared_text(leaf: dict[str, Any]) -> str:
+    return f", R={leaf['replicas']}{_cut_text(leaf)}" if leaf.get("replicas") else ""
+
+
+def _cut_text(leaf: dict[str, Any]) -> str:
+    if leaf.get("cut") is None:
+        return ", shards whole"
+    return f", {leaf['slices_per_shard']} slices a shard (dim {leaf['cut']})"
 
 
 def _number(value: Any) -> float | None:

@@ -44,6 +44,7 @@ class CopyReport:
     chunks: int  # chunks checked
     nbytes: int  # bytes checked
     problems: tuple[str, ...] = ()  # one line per bad chunk (or a whole-copy problem)
+    slices: int = 0  # of the chunks, slices of shards shared with data-parallel replicas
 
     @property
     def ok(self) -> bool:
@@ -121,7 +122,7 @@ async def _verify_copy(
     async def check(leaf: int, chunk: _format.ChunkRecord) -> None:
         rec = manifest.leaves[leaf]
         assert rec.stored_shape is not None and rec.chunk_shape is not None
-        where = f"{rec.path} chunk {chunk.index}"
+        where = f"{rec.path} {'slice' if rec.replicas else 'chunk'} {chunk.index}"
         async with limit:
             try:
                 if silent:
@@ -145,7 +146,13 @@ async def _verify_copy(
 
     await asyncio.gather(*(check(leaf, c) for leaf, c in records))
     return CopyReport(
-        copy.tier, str(copy.location), copy.part, len(records), total, tuple(sorted(problems))
+        copy.tier,
+        str(copy.location),
+        copy.part,
+        len(records),
+        total,
+        tuple(sorted(problems)),
+        manifest.slices,
     )
 
 
@@ -215,7 +222,12 @@ def render(report: dict[str, Any], limit: int = 5) -> str:
     ]
     out = [f"step {report['step']} of {report['directory']}  item {report['item']!r}", ""]
     headers = ["PART", "TIER", "WHERE", "CHUNKS", "BYTES", "STATUS"]
-    out.append(_table.table(headers, rows, right=(0, 3, 4)) if rows else "no copy in reach")
+    if any(c.get("slices") for c in report["copies"]):  # data-parallel replicas' shares
+        headers.insert(4, "SLICES")
+        for row, c in zip(rows, report["copies"], strict=True):
+            row.insert(4, c.get("slices", 0))
+    right = tuple(i for i, h in enumerate(headers) if h in ("PART", "CHUNKS", "SLICES", "BYTES"))
+    out.append(_table.table(headers, rows, right=right) if rows else "no copy in reach")
     for c in report["copies"]:
         out += [
             f"  part {c['part']} ({c['tier']}, {c['location']}): {p}" for p in c["problems"][:limit]

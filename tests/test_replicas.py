@@ -1,0 +1,252 @@
+"""Who snapshots which slice of a replicated shard, and the replica-aware placement (pure)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxckpt import _chunking, _replicas
+from jaxckpt._placement import place_replicas
+
+MIB = 1 << 20
+
+
+def _mesh_regions(
+    shape: tuple[int, ...],
+    spec: tuple[str | None, ...],
+    axes: dict[str, int],
+    process_of: dict[tuple[int, ...], int],
+) -> dict[_replicas.RegionKey, list[int]]:
+    """Each shard's region -> its holders, for a NamedSharding-like layout: `axes` in mesh
+    order, `spec[d]` the axis dimension d is sharded over, `process_of[mesh position]`."""
+    names = list(axes)
+    out: dict[_replicas.RegionKey, list[int]] = {}
+    for pos in itertools.product(*(range(axes[a]) for a in names)):
+        region = []
+        for d, n in enumerate(shape):
+            axis = spec[d] if d < len(spec) else None
+            if axis is None:
+                region.append((0, n))
+            else:
+                size = n // axes[axis]
+                i = pos[names.index(axis)]
+                region.append((i * size, (i + 1) * size))
+        out.setdefault(tuple(region), []).append(process_of[pos])
+    return out
+
+
+def _hsdp(dp: int, fsdp: int, devices_per_process: int) -> dict[tuple[int, ...], int]:
+    """Mesh ('dp', 'fsdp'): each process holds `devices_per_process` consecutive fsdp devices
+    of one dp row (dp across processes, as in HSDP)."""
+    return {(r, f): (r * fsdp + f) // devices_per_process for r in range(dp) for f in range(fsdp)}
+
+
+def _check_covers_once(split: _replicas.Split, shape: tuple[int, ...]) -> dict[int, int]:
+    """Every chunk of the grid is saved by exactly one process; bytes per process."""
+    grid = [max(1, -(-n // c)) for n, c in zip(shape, split.chunk_shape, strict=True)]
+    seen: dict[tuple[int, ...], int] = {}
+    for p, chunks in split.chunks.items():
+        for c in chunks:
+            assert c not in seen, f"chunk {c} saved by {seen[c]} and {p}"
+            seen[c] = p
+    if math.prod(shape):
+        assert sorted(seen) == sorted(itertools.product(*(range(g) for g in grid)))
+    out: dict[int, int] = {}
+    for c, p in seen.items():
+        out[p] = out.get(p, 0) + math.prod(_chunking.chunk_shape_at(c, shape, split.chunk_shape))
+    return out
+
+
+def test_hsdp_2x4_each_process_saves_half_of_its_shards() -> None:
+    shape = (8 * MIB // 4,)  # 8 MiB of float32, sharded over fsdp=4, dp=2
+    regions = _mesh_regions(shape, ("fsdp",), {"dp": 2, "fsdp": 4}, _hsdp(2, 4, 2))
+    split = _replicas.split_regions(shape, (shape[0] // 4,), regions, 4)
+    assert split.replicas == 2 and split.cut == 0 and split.slices == 2
+    elements = _check_covers_once(split, shape)
+    assert sorted(elements) == [0, 1, 2, 3]
+    assert set(elements.values()) == {shape[0] // 4}  # exactly even
+    # Each process saves only chunks of the shards it holds.
+    for p, chunks in split.chunks.items():
+        held = {k for k, ps in regions.items() if p in ps}
+        for c in chunks:
+            region = _chunking.region_key(_chunking.chunk_region(c, shape, split.chunk_shape))
+            assert any(
+                all(a <= x and y <= b for (x, y), (a, b) in zip(region, k, strict=True))
+                for k in held
+            )
+
+
+@pytest.mark.parametrize("dp,fsdp", [(2, 2), (2, 4), (4, 2), (4, 1)])
+def test_even_over_every_process_in_dp_x_fsdp(dp: int, fsdp: int) -> None:
+    shape = (64, 4096)  # 1 MiB float32 a leaf
+    regions = _mesh_regions(shape, ("fsdp", None), {"dp": dp, "fsdp": fsdp}, _hsdp(dp, fsdp, 2))
+    leaves = [
+        _replicas.split_regions(shape, (64 // fsdp, 4096), regions, 4, leaf=i) for i in range(4)
+    ]
+    total: dict[int, int] = {}
+    for split in leaves:
+        for p, n in _check_covers_once(split, shape).items():
+            total[p] = total.get(p, 0) + n
+    processes = len(set(_hsdp(dp, fsdp, 2).values()))
+    assert len(total) == processes and len(set(total.values())) == 1
+
+
+def test_fully_replicated_leaf_is_split_over_every_process() -> None:
+    shape = (1000, 300)
+    regions = {((0, 1000), (0, 300)): [0, 0, 1, 1, 2, 2, 3, 3]}  # P(): every device
+    split = _replicas.split_regions(shape, shape, regions, 4)
+    assert split.replicas == 4 and (split.cut, split.slices) == (0, 4)
+    assert split.chunk_shape == (250, 300)
+    assert set(_check_covers_once(split, shape).values()) == {250 * 300}
+
+
+def test_partly_replicated_leaf_with_replicas_inside_a_process_is_not_cut() -> None:
+    # dp inside a process (its two devices), fsdp across processes: R = 1.
+    shape = (4 * MIB,)
+    process_of = {(r, f): f for r in range(2) for f in range(4)}
+    regions = _mesh_regions(shape, ("fsdp",), {"dp": 2, "fsdp": 4}, process_of)
+    split = _replicas.split_regions(shape, (MIB,), regions, 1)
+    assert (split.replicas, split.cut, split.slices, split.chunk_shape) == (1, None, 1, (MIB,))
+    assert {p: len(cs) for p, cs in split.chunks.items()} == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+def test_unreplicated_leaf_keeps_its_grid_and_owners() -> None:
+    shape = (4 * MIB,)
+    regions = {((i * MIB, (i + 1) * MIB),): [i] for i in range(4)}
+    split = _replicas.split_regions(shape, (MIB,), regions, 4)
+    assert (split.replicas, split.cut, split.chunk_shape) == (1, None, (MIB,))
+    assert split.chunks == {i: ((i,),) for i in range(4)}
+
+
+def test_r_not_dividing_the_chunk_count_spreads_the_leftovers() -> None:
+    shape = (3, 33333)  # no dimension divisible by 2: cut in 3 along dim 0
+    regions = {((0, 3), (0, 33333)): [0, 1]}
+    counts = {0: 0, 1: 0}
+    for leaf in range(4):
+        split = _replicas.split_regions(shape, shape, regions, 4, leaf=leaf)
+        assert (split.cut, split.slices, split.chunk_shape) == (0, 3, (1, 33333))
+        for p, chunks in split.chunks.items():
+            counts[p] += len(chunks)
+        _check_covers_once(split, shape)
+    assert counts == {0: 6, 1: 6}  # 2 + 1 per leaf, the extra chunk rotating
+
+
+def test_non_aligned_sizes_cut_a_dimension_r_divides() -> None:
+    shape = (7, 40000)  # 7 rows: cut the columns instead
+    split = _replicas.split_regions(shape, shape, {((0, 7), (0, 40000)): [0, 1]}, 4)
+    assert (split.cut, split.slices, split.chunk_shape) == (1, 2, (7, 20000))
+    assert set(_check_covers_once(split, shape).values()) == {7 * 20000}
+
+
+def test_no_dimension_divisible_by_r() -> None:
+    shape = (3, 1, 50005)  # R = 4, no dimension divisible by 4
+    split = _replicas.split_regions(shape, shape, {((0, 3), (0, 1), (0, 50005)): [0, 1, 2, 3]}, 4)
+    assert split.cut == 2 and split.slices == 5  # 50005 = 5 x 10001: 5 the smallest >= 4
+    _check_covers_once(split, shape)
+    rows = _replicas.choose_cut((3,), 4, 1 << 20)
+    assert rows == (0, 3)  # three 1 MiB rows over 4 replicas: one each, one idle
+    # Never chunks under MIN_CHUNK_BYTES: 3 x 24003 float32 cut in 3 rows, 3 x 12003 not.
+    assert _replicas.choose_cut((3, 24003), 2, 4) == (0, 3)
+    assert _replicas.choose_cut((3, 12003), 2, 4) == (None, 1)
+    assert _replicas.choose_cut((3, 5), 4, 4) == (None, 1)
+
+
+def test_zero_size_and_small_shards_are_not_cut_but_rotate() -> None:
+    split = _replicas.split_regions((0, 8), (0, 8), {((0, 0), (0, 8)): [0, 1]}, 4)
+    assert (split.cut, split.chunk_shape) == (None, (1, 8))
+    assert sum(len(c) for c in split.chunks.values()) == 1
+    owners = [
+        next(iter(_replicas.split_regions((16,), (16,), {((0, 16),): [0, 1]}, 4, i).chunks))
+        for i in range(4)
+    ]
+    assert owners == [0, 1, 0, 1]  # small leaves saved whole, by each replica in turn
+    scalar = _replicas.split_regions((), (), {(): [0, 1, 2]}, 4, leaf=5)
+    assert scalar.chunk_shape == () and scalar.chunks == {2: ((),)}
+
+
+def test_owned_slices_are_contiguous_runs() -> None:
+    assert _replicas.owned_slices(4, 2, 0) == [range(0, 2), range(2, 4)]
+    assert _replicas.owned_slices(3, 2, 1) == [range(0, 1), range(1, 3)]
+    assert _replicas.owned_slices(1, 3, 0) == [range(0, 1), range(1, 1), range(1, 1)]
+
+
+def test_split_of_a_real_sharding_in_one_process() -> None:
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "fsdp"))
+    sharding = NamedSharding(mesh, P("fsdp"))
+    split = _replicas.split_of(sharding, (1024,), (1024,), (256,), 4, 0)
+    assert split.replicas == 1 and split.chunks == {0: ((0,), (1,), (2,), (3,))}
+    key = NamedSharding(mesh, P())
+    regions = _replicas.regions_of(key, (4,), (4, 2))  # typed keys: trailing data dims
+    assert list(regions) == [((0, 4), (0, 2))] and regions[((0, 4), (0, 2))] == [0] * 8
+
+
+def test_partners_group_processes_holding_the_same_shards() -> None:
+    # HSDP 2 x 4 on 4 processes: 0 and 2 hold fsdp shards 0-1, 1 and 3 shards 2-3;
+    # a fully replicated leaf held by all does not change the groups.
+    hsdp = {0: "a", 1: "b", 2: "a", 3: "b"}
+    everyone = dict.fromkeys(range(4), "all")
+    assert _replicas.partners([hsdp, everyone], 4) == ((2,), (3,), (0,), (1,))
+    # R = 4: each process's partners in ring order after it.
+    assert _replicas.partners([dict.fromkeys(range(4), "x")], 4) == (
+        (1, 2, 3),
+        (2, 3, 0),
+        (3, 0, 1),
+        (0, 1, 2),
+    )
+    assert _replicas.partners([], 3) == ((), (), ())
+
+
+def test_placement_prefers_partners_in_other_domains() -> None:
+    domains = [f"host{p}" for p in range(4)]
+    partners = _replicas.partners([{0: "a", 1: "b", 2: "a", 3: "b"}], 4)
+    assert place_replicas(domains, 1, partners) == ((2,), (3,), (0,), (1,))
+    two = place_replicas(domains, 2, partners)
+    assert [h[0] for h in two] == [2, 3, 0, 1]  # the partner first, then today's choice
+    assert all(len(set(h)) == 2 and p not in h for p, h in enumerate(two))
+    # R = 4, replicas = 1: a ring over the replicas, one copy held by each.
+    ring = place_replicas(domains, 1, _replicas.partners([dict.fromkeys(range(4), "x")], 4))
+    assert ring == ((1,), (2,), (3,), (0,))
+
+
+def test_placement_falls_back_where_partners_share_a_domain() -> None:
+    domains = ["n0", "n0", "n1", "n1"]  # partners 0-1 and 2-3 share a host
+    partners = ((1,), (0,), (3,), (2,))
+    assert place_replicas(domains, 1, partners) == place_replicas(domains, 1)
+    assert place_replicas(domains, 1, None) == place_replicas(domains, 1, ())
+
+
+def test_partner_placement_is_the_same_under_another_hash_seed() -> None:
+    code = (
+        "from jaxckpt._placement import place_replicas;"
+        "print(place_replicas(['a','b','c','a','b','c'], 2, [(3,),(4,),(5,),(0,),(1,),(2,)]))"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("0", "1", "12345")
+    }
+    assert len(outs) == 1
+
+
+def test_read_sharding_needs_replicas_across_processes() -> None:
+    # One process holds every device here: nothing to spread, the restore reads as before.
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "fsdp"))
+    assert _replicas.read_sharding(NamedSharding(mesh, P("fsdp")), (64, 8)) is None
+    assert _replicas.read_sharding(NamedSharding(mesh, P()), (64, 8)) is None
+    assert (
+        _replicas.read_sharding(jax.sharding.SingleDeviceSharding(jax.devices()[0]), (8,)) is None
+    )
