@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
+from absl import logging as log
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 
@@ -97,7 +98,19 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         step = item.require_step(args.step)
         memory, snapshot, save = None, None, None
         refused: Exception | None = None
+        persist = args.persist
         try:
+            # Before the run's memory tier is opened (which may queue a crashed run's
+            # persists): the first save into an old Orbax or flax directory is persisted.
+            if not persist and self._keeper.switching_in(item):
+                log.info(
+                    "jaxckpt: persisting step %d, the first save into %s, which holds older "
+                    "steps that are not jaxckpt's and no durable jaxckpt step of item %r",
+                    step,
+                    item.root,
+                    item.item,
+                )
+                persist = True
             memory = self._runs.memory_for(item)
             memory.require_writable(step)
             # Validates every leaf first.
@@ -113,7 +126,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             peers = self._runs.meet(item, memory, refused)
             if refused is None and memory is not None and snapshot is not None:
                 save = _save.Save(
-                    item, step, snapshot, memory, peers, self._services, started, args.persist
+                    item, step, snapshot, memory, peers, self._services, started, persist
                 )
                 save.stage()
         except Exception as error:
@@ -298,18 +311,38 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         return steps
 
     def release_memory(self, timeout_s: float | None = None) -> list[int]:
-        """Frees this host's memory tier at the end of a run, once the newest step is
-        durable: waits for persistence, then removes the run's steps (own parts and the
-        replicas held for peers) and spare slabs. Later saves fill it again.
+        """Ends a run: makes the newest step durable and frees this host's memory tier.
+
+        Collective: every process calls it, and all reach one verdict. Each process
+        waits for its queued persistence, persists its own part of the newest step
+        if that step is not durable yet (one that was not due: whatever step the run
+        ends on), waits for that too (each wait bounded by `timeout_s`), and then the
+        processes agree (bounded by `TierOptions.timeout_s`). Once every process's
+        part is durable, each removes the run's steps from its tier (own parts and
+        the replicas held for peers) and the spare slabs; later saves fill it again.
+        If some process's part of the newest step is in no memory tier of its own (it
+        was restored from a peer, say), nothing can persist it: every process logs
+        which steps it keeps, removes nothing and returns an empty list.
 
         Returns:
           The steps removed.
 
         Raises:
-          RuntimeError: if the newest step is in memory tiers only (save it with
-            `TieredSave(state, persist=True)` first); nothing is removed.
+          OSError: on every process, if a process's persistence failed (naming it).
+          TimeoutError: on every process, if one did not finish in time or did not
+            take part.
         """
-        self.wait_for_persistence(timeout_s)
+        timeout_s = self._options.timeout_s if timeout_s is None else timeout_s
+        error: BaseException | None = None
+        try:
+            self.wait_for_persistence(timeout_s)
+            if self._runs.persist_newest():
+                self.wait_for_persistence(timeout_s)
+        except Exception as e:  # agreed on below, so that every process raises
+            error = e
+        # IMPORTANT: the newest step is durable only once every process's part is: each
+        # frees its tier after all have persisted theirs, never on its own view.
+        self._runs.agree_on_release(error)
         return self._runs.release_memory()
 
     def pending_persistence(self) -> set[int]:

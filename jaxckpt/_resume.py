@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jaxckpt import _internals, _multihost, _paths, _storage
+from jaxckpt import _internals, _kept, _multihost, _paths, _storage
 from jaxckpt._handler import TieredCheckpointHandler
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,11 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
             "(handler_registry.add(item, jaxckpt.TieredSave, handler), and the same for "
             "TieredRestore) or use mngr.latest_step()."
         )
-    mngr.reload()
     root = _storage.as_path(mngr.directory)
+    # The newest durable step, if the manager's garbage collection deleted it, is put
+    # back from the handler's kept copy (`_kept`): it is a candidate like any step.
+    _kept.reinstate(root, sorted(handlers))
+    mngr.reload()
     # Steps holding no jaxckpt item (an old loop's Orbax steps in the same directory,
     # which jaxckpt.restore_existing reads) are neither candidates nor deleted.
     ours = set().union(*(_paths.finalized_steps(root, item) for item in handlers))

@@ -45,7 +45,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "storage and planning",
-        ("_zarr", "_memory_budget", "_memory_tier", "_plan", "_readers", "_landing", "_index"),
+        (
+            "_zarr",
+            "_memory_budget",
+            "_memory_tier",
+            "_plan",
+            "_readers",
+            "_landing",
+            "_index",
+            "_kept",
+        ),
     ),
     ("save and restore steps", ("_persister", "_retention", "_snapshot", "_restore", "_target")),
     ("peer service", ("peer", "peer.*")),
