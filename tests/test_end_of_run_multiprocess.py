@@ -28,7 +28,7 @@ def test_plain_max_to_keep_1_leaves_a_durable_step_after_every_memory_tier_is_lo
 
 def test_release_memory_at_the_end_of_a_run_is_collective_and_ends_whatever_the_step(tmp_path):
     roots = [str(tmp_path / f"node{i}") for i in range(2)]
-    args = {"ckpt": str(tmp_path / "ckpt"), "trials": 4}
+    args = {"ckpt": str(tmp_path / "ckpt"), "trials": 4, "slow_s": 1.0}
     for r in run("end_of_run", roots, ["node0", "node1"], args, worker=WORKER, timeout=480):
         for trial in r.result["trials"]:  # every trial: the last step durable, the tier freed
             assert trial["released"] and max(trial["released"]) == 7, r.result
