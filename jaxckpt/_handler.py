@@ -258,8 +258,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
     def close(self) -> None:
         """Drains pending persistence (bounded by `TierOptions.timeout_s`), and persists
-        nothing else: a newest step not due stays in memory only, with a warning (save
-        the last step with `TieredSave(state, persist=True)` to end with it on disk).
+        nothing else: a newest step not due stays in memory only, with a warning (end
+        the run with `release_memory()`, or save the last step with
+        `TieredSave(state, persist=True)`, to end with it on disk). A step the manager
+        deleted before its persist ended is persisted into the kept area (`_kept`):
+        no failure.
 
         Raises:
           OSError: if a step failed to persist, or memory retention failed.

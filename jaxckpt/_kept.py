@@ -36,6 +36,7 @@ from absl import logging as log
 from jaxckpt import _format, _fs, _index, _paths, _storage
 
 KEPT_DIR = ".jaxckpt-kept"
+_UNLINKABLE: set[Path] = set()  # checkpoint directories whose filesystem has no hard links
 # What Orbax writes into a step directory itself (linked along with the items, so a
 # step put back is the one the manager finalized).
 STEP_FILES = ("_CHECKPOINT_METADATA", _paths.COMMIT_FILE)
@@ -81,10 +82,29 @@ class KeptPart:
         self._index = self._item_dir / _format.index_file(owner)
         self._staging = self._item_dir / f".{self._part.name}.{uuid.uuid4().hex[:8]}"
 
-    def stage(self, part: Path) -> None:
-        """Hard-links the complete, fsynced part tree `part` into a staging name."""
-        self._item_dir.mkdir(parents=True, exist_ok=True)
-        link_tree(part, self._staging)
+    def stage(self, part: Path) -> bool:
+        """Hard-links the complete, fsynced part tree `part` into a staging name.
+
+        Returns:
+          False if the filesystem cannot (no hard links: logged once per checkpoint
+          directory); the part is then persisted into its step directory only.
+        """
+        try:
+            self._item_dir.mkdir(parents=True, exist_ok=True)
+            link_tree(part, self._staging)
+        except OSError as e:
+            self.discard()
+            if self._root not in _UNLINKABLE:
+                _UNLINKABLE.add(self._root)
+                log.warning(
+                    "jaxckpt: cannot hard-link persisted parts into %s (%s): the newest "
+                    "durable step is kept there only by a manager built with "
+                    "jaxckpt.manager_options(directory, handler=handler, ...).",
+                    kept_dir(self._root),
+                    e,
+                )
+            return False
+        return True
 
     def commit(self, index: Path | None, index_text: str, step_dir: Path | None) -> None:
         """Links `index` (the step's index manifest; written from `index_text`, a
@@ -110,7 +130,9 @@ class KeptPart:
             if not linked:
                 _fs.write_atomic(self._index, index_text)
                 _fs.fsync_path(self._index)
-            _fs.fsync_tree(self._staging)
+            # The files are on stable storage already (same inodes): only the new names
+            # need flushing.
+            _fs.fsync_dirs(*(Path(d) for d, _, _ in os.walk(self._staging)))
             _fs.replace_dir(self._staging, self._part, make_parents=False)
             _fs.fsync_dirs(self._item_dir, self._item_dir.parent, kept_dir(self._root))
         finally:

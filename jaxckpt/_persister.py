@@ -354,7 +354,7 @@ class Persister:
             final = job.final_item_dir
             kept = _kept.KeptPart(root, final.parent.name, final.name, manifest.owner)
             try:
-                kept.stage(staging)
+                keeping = kept.stage(staging)
                 # IMPORTANT: the rename is the durability marker; it comes after every byte
                 # of the part and its index manifest is on stable storage, and never
                 # recreates a step directory that garbage collection removed.
@@ -372,6 +372,11 @@ class Persister:
                                 f"Step {manifest.step} was deleted before it was persisted."
                             ) from None
                         gone = True
+                if gone and not keeping:
+                    raise FileNotFoundError(
+                        f"Step {manifest.step} was deleted before it was persisted (and "
+                        f"{_kept.kept_dir(root)} cannot hold it: no hard links there)."
+                    )
                 if gone:
                     log.info(
                         "jaxckpt: step %d was deleted by the manager before its persist "
@@ -379,11 +384,20 @@ class Persister:
                         manifest.step,
                         _kept.kept_dir(root),
                     )
-                kept.commit(
-                    None if gone else final / _format.index_file(manifest.owner),
-                    manifest.to_json(),
-                    None if gone else final.parent,
-                )
+                    kept.commit(None, manifest.to_json(), None)
+                elif keeping:
+                    try:
+                        kept.commit(
+                            final / _format.index_file(manifest.owner),
+                            manifest.to_json(),
+                            final.parent,
+                        )
+                    except OSError:  # the step is durable in its directory all the same
+                        log.exception(
+                            "jaxckpt: keeping a link to step %d's part in %s failed",
+                            manifest.step,
+                            _kept.kept_dir(root),
+                        )
             finally:
                 kept.discard()
             _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)

@@ -25,6 +25,12 @@ def latest_restorable_step(mngr: Any, *, delete_newer: bool = True) -> int | Non
 
     Collective: every process calls it, and all get the same answer.
 
+    The newest durable step, if the manager's own options deleted it (plain
+    `max_to_keep`, `LatestN`, ...), is first put back as a step directory from the
+    handler's kept copy (hard links in `<directory>/.jaxckpt-kept/`, one WARNING
+    line), unless a newer step is durable: a loss of every memory tier then
+    resumes from it whatever the manager's options.
+
     Args:
       mngr: an `ocp.CheckpointManager` with at least one item handled by a
         `TieredCheckpointHandler` (through a handler registry or `item_handlers=`).

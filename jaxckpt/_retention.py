@@ -19,9 +19,13 @@ Orbax is rewritten. It reads only the shared checkpoint directory (through the
 checked manifest parser, `_index`), so every process reaches the same decision
 once persistence has settled; only the primary process deletes. On an object
 store the policy also deletes the part manifests of the steps it lets go, before
-the manager deletes the steps' other objects (`retire_manifests`). A handler
-used in a checkpoint directory whose manager has no such policy logs, once, the
-one-line fix.
+the manager deletes the steps' other objects (`retire_manifests`). On a filesystem
+a manager without the policy still leaves the newest durable step, in the kept
+area (`_kept`); on an object store a handler whose manager has no such policy
+logs, once, the one-line fix.
+
+The first save into a directory holding another loop's checkpoint and no durable
+jaxckpt step is persisted (`Keeper.switching_in`).
 
 `MemoryRetainer` bounds the memory tier: after each finalized step it keeps the
 newest `memory_keep` steps and any step still queued for persistence, on a thread
@@ -199,7 +203,8 @@ class Keeper:
             log.warning(
                 "jaxckpt: closing with step %d of %s (item %r) in memory tiers only: it was "
                 "not due for persistence (persist_every=%d). To end a run with the trained "
-                "state on disk, save the last step with TieredSave(state, persist=True).",
+                "state on disk, call handler.release_memory() on every process before "
+                "closing, or save the last step with TieredSave(state, persist=True).",
                 step,
                 root,
                 item,

@@ -140,3 +140,24 @@ def test_only_the_first_save_into_an_old_directory_is_persisted_beyond_the_steps
     persisted = sorted(int(p.parent.parent.name) for p in ckpt_dir.glob("*/train/part_00000"))
     assert persisted == [12]  # switching in: the first save
     assert list(new.glob("*/train/part_00000")) == []  # a new job: the steps due only
+
+
+def test_a_filesystem_without_hard_links_persists_into_the_step_directories_as_before(
+    memory_root, ckpt_dir, monkeypatch, caplog
+):
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted", str(src))
+
+    monkeypatch.setattr(_kept.os, "link", no_links)
+    _kept._UNLINKABLE.discard(ckpt_dir)
+    state = sharded_state(mesh_1d())
+    h = _handler(memory_root)
+    caplog.set_level("WARNING")
+    with _manager(ckpt_dir, h, {"max_to_keep": 3}) as mngr:
+        for step in range(6):
+            mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state)))
+            mngr.wait_until_finished()
+            h.wait_for_persistence()
+    assert (ckpt_dir / "5" / "train" / "part_00000").is_dir()
+    assert caplog.text.count("cannot hard-link persisted parts") == 1
+    assert not list(_kept.kept_dir(ckpt_dir).glob("*/train/part_*"))
