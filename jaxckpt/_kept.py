@@ -27,6 +27,7 @@ newest durable step through `jaxckpt.manager_options(url, handler=handler, ...)`
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import uuid
 from pathlib import Path
@@ -47,15 +48,22 @@ def kept_dir(root: Path) -> Path:
     return root / KEPT_DIR
 
 
-def link_tree(src: Path, dst: Path) -> None:
+def link_tree(src: Path, dst: Path, *, threads: int = 16) -> None:
     """Re-creates the directory tree `src` at `dst` (which must not exist), every
-    file hard-linked, none copied."""
+    file hard-linked, none copied. The directories are made level by level and the
+    links on `threads` threads (a part holds a directory and two files or more per
+    array leaf: one by one, thousands of metadata calls add up)."""
+    levels: dict[int, list[Path]] = {}
+    links: list[tuple[str, Path]] = []
     for dirpath, _, filenames in os.walk(src):
         rel = os.path.relpath(dirpath, src)
         target = dst if rel == "." else dst / rel
-        target.mkdir(parents=True, exist_ok=rel != ".")
-        for name in filenames:
-            os.link(os.path.join(dirpath, name), target / name)
+        levels.setdefault(0 if rel == "." else rel.count(os.sep) + 1, []).append(target)
+        links += ((os.path.join(dirpath, name), target / name) for name in filenames)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for depth in sorted(levels):
+            list(pool.map(os.mkdir, levels[depth]))  # re-raises the first failure
+        list(pool.map(lambda pair: os.link(*pair), links))
 
 
 def _link_step_files(step_dir: Path, dst: Path) -> None:
@@ -132,7 +140,7 @@ class KeptPart:
                 _fs.fsync_path(self._index)
             # The files are on stable storage already (same inodes): only the new names
             # need flushing.
-            _fs.fsync_dirs(*(Path(d) for d, _, _ in os.walk(self._staging)))
+            _fs.fsync_tree(self._staging, files=False)
             _fs.replace_dir(self._staging, self._part, make_parents=False)
             _fs.fsync_dirs(self._item_dir, self._item_dir.parent, kept_dir(self._root))
         finally:
@@ -228,7 +236,9 @@ def reinstate(root: Path, items: list[str]) -> int | None:
             # A step the manager deleted before its files were linked: finalized for
             # a manager that finalizes by commit file too (a rename needs nothing).
             (staging / _paths.COMMIT_FILE).write_text(f"put back by jaxckpt: step {step}\n")
-        _fs.fsync_tree(staging)
+        _fs.fsync_tree(staging, files=False)
+        if (staging / _paths.COMMIT_FILE).stat().st_nlink == 1:
+            _fs.fsync_path(staging / _paths.COMMIT_FILE)
         try:
             os.rename(staging, root / name)
         except OSError:
