@@ -262,10 +262,12 @@ class Run:
 
     def agree_on_release(self, error: BaseException | None) -> None:
         """One verdict for `release_memory` on every process (collective): raises on
-        every process if this process's `error`, or another's, is set."""
+        every process if this process's `error`, or another's, is set. The tag names
+        no run: a process that never used the run's tier (no memory) meets the others
+        all the same."""
         _agreement.agree(
             error,
-            tag=f"release/{self.memory.run_id if self.memory else self._options.run_id}",
+            tag="release_memory",
             what="Persisting the newest step to release the memory tier",
             timeout_s=self._options.timeout_s,
         )
