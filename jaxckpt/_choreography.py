@@ -13,7 +13,7 @@ with an optional local error:
 | save (`SaveChoreography`) | `meet` (the peers, once per run; in `async_save`), `agree` (the commit's verdict, before the index manifest) |
 | restore (`RestoreChoreography`) | `meet` (once per run), `inventories`, `agree` (the verdict) |
 | list (`ListChoreography`) | `meet` (once per run), `inventories`, `agree` |
-| release (`ReleaseChoreography`) | none: each process frees its own tier |
+| release (`ReleaseChoreography`) | `agree` (every process persisted its part of the newest step), then each frees its own tier |
 
 Between exchanges, a process does its own work. A failure there ends that
 work, not the choreography: a restore's or a listing's choreography is a
@@ -133,12 +133,11 @@ class Choreography:
     def _agree(self, error: BaseException | None, what: str) -> None:
         """The exchange `agree`: raises on every process if this one or another failed."""
         error = self._enter("agree", error)
-        _agreement.agree(
-            error,
-            tag=self._required_item().tag(self.VERB, self._options.run_id),
-            what=what,
-            timeout_s=self._options.timeout_s,
-        )
+        _agreement.agree(error, tag=self._tag(), what=what, timeout_s=self._options.timeout_s)
+
+    def _tag(self) -> str:
+        """The name every process's exchanges of this operation meet under."""
+        return self._required_item().tag(self.VERB, self._options.run_id)
 
     def _finish(self, error: BaseException) -> None:
         """Takes part in every exchange not run yet, with `error`; the last raises it on
@@ -278,17 +277,34 @@ class ListChoreography(_Collective):
 
 
 class ReleaseChoreography(Choreography):
-    """A release of the memory tier: no exchange, each process frees its own tier; an
-    error is this process's alone."""
+    """A release of the memory tier at the end of a run: 1. `agree` (every process has
+    persisted its part of the newest step), then each frees its own tier.
+
+    Used as a context manager around the release's own work: a failure before the
+    verdict is taken to it, so that every process raises it.
+    """
 
     VERB = "release"
-    EXCHANGES = ()
+    EXCHANGES = ("agree",)
 
     def __init__(self, run: _run.Run):
         super().__init__(run, None, None)
 
     def __enter__(self) -> ReleaseChoreography:
         return self
+
+    def agree(self) -> None:
+        """1. The verdict: raises on every process if one failed to persist its part."""
+        self._agree(None, self._what())
+        self._raise_kept()
+
+    def _tag(self) -> str:
+        # No run in the name: a process that never used the run's tier meets the others
+        # all the same.
+        return "release_memory"
+
+    def _what(self) -> str:
+        return "Persisting the newest step to release the memory tier"
 
 
 class SaveChoreography(Choreography):

@@ -42,6 +42,7 @@ POINTS: Final = (
     "list.meet",
     "list.inventories",
     "list.agree",
+    "release.agree",
 )
 
 

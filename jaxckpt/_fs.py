@@ -105,8 +105,9 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: Path, *, threads: int = 32) -> None:
-    """Flushes every file and directory under `root`, and `root`, to stable storage.
+def fsync_tree(root: Path, *, threads: int = 32, files: bool = True) -> None:
+    """Flushes every file and directory under `root`, and `root`, to stable storage
+    (without `files`, the directories only: names of files flushed already).
 
     Once this returns, a power loss keeps every name under `root` and every
     byte behind it. Everything under `root` must be written already: then the
@@ -119,9 +120,11 @@ def fsync_tree(root: Path, *, threads: int = 32) -> None:
       OSError: if an entry cannot be opened or flushed (the tree is then not durable).
     """
     paths: list[str] = []
-    for directory, _, files in os.walk(root):
+    flush_files = files
+    for directory, _, names in os.walk(root):
         paths.append(directory)
-        paths += (os.path.join(directory, f) for f in files)
+        if flush_files:
+            paths += (os.path.join(directory, f) for f in names)
     paths = [p for p in paths if not os.path.islink(p)]
     if len(paths) <= 1 or threads <= 1:
         for path in paths:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
+from absl import logging as log
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 
@@ -99,9 +100,21 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         step = item.require_step(args.step)
         op = _choreography.SaveChoreography(self._runs, item, step, self._publisher)
         snapshot, save = None, None
+        persist = args.persist
         # 1. Open the run; refuse what the tier cannot take; the snapshot (validates every
         # leaf first). An error is this process's refusal, raised by the commit future.
         with op.local():
+            # Before the run's memory tier is opened (which may queue a crashed run's
+            # persists): the first save into an old Orbax or flax directory is persisted.
+            if not persist and self._keeper.switching_in(item):
+                log.info(
+                    "jaxckpt: persisting step %d, the first save into %s, which holds older "
+                    "steps that are not jaxckpt's and no durable jaxckpt step of item %r",
+                    step,
+                    item.root,
+                    item.item,
+                )
+                persist = True
             memory = op.open()
             memory.require_writable(step)
             snapshot = _snapshot.take(
@@ -113,7 +126,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         if op.ok and snapshot is not None and op.memory is not None:
             with op.local():
                 save = _save.Save(
-                    item, step, snapshot, op.memory, op, self._services, started, args.persist
+                    item, step, snapshot, op.memory, op, self._services, started, persist
                 )
                 save.stage()
         # 4. The commit future, with the exchange `agree` (or this process's refusal).
@@ -259,8 +272,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
     def close(self) -> None:
         """Drains pending persistence (bounded by `TierOptions.timeout_s`), and persists
-        nothing else: a newest step not due stays in memory only, with a warning (save
-        the last step with `TieredSave(state, persist=True)` to end with it on disk).
+        nothing else: a newest step not due stays in memory only, with a warning (end
+        the run with `release_memory()`, or save the last step with
+        `TieredSave(state, persist=True)`, to end with it on disk). A step the manager
+        deleted before its persist ended is persisted into the kept area (`_kept`):
+        no failure.
 
         Raises:
           OSError: if a step failed to persist, or memory retention failed.
@@ -319,19 +335,37 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             return op.inventories(indexes).restorable_steps()
 
     def release_memory(self, timeout_s: float | None = None) -> list[int]:
-        """Frees this host's memory tier at the end of a run, once the newest step is
-        durable: waits for persistence, then removes the run's steps (own parts and the
-        replicas held for peers) and spare slabs. Later saves fill it again.
+        """Ends a run: makes the newest step durable and frees this host's memory tier.
+
+        Collective: every process calls it, and all reach one verdict. Each process
+        waits for its queued persistence, persists its own part of the newest step
+        if that step is not durable yet (one that was not due: whatever step the run
+        ends on), waits for that too (each wait bounded by `timeout_s`), and then the
+        processes agree (bounded by `TierOptions.timeout_s`). Once every process's
+        part is durable, each removes the run's steps from its tier (own parts and
+        the replicas held for peers) and the spare slabs; later saves fill it again.
+        If some process's part of the newest step is in no memory tier of its own (it
+        was restored from a peer, say), nothing can persist it: every process logs
+        which steps it keeps, removes nothing and returns an empty list.
 
         Returns:
           The steps removed.
 
         Raises:
-          RuntimeError: if the newest step is in memory tiers only (save it with
-            `TieredSave(state, persist=True)` first); nothing is removed.
+          OSError: on every process, if a process's persistence failed (naming it).
+          TimeoutError: on every process, if one did not finish in time or did not
+            take part.
         """
-        with _choreography.ReleaseChoreography(self._runs):
+        timeout_s = self._options.timeout_s if timeout_s is None else timeout_s
+        with _choreography.ReleaseChoreography(self._runs) as op:
+            # 1. This process's persistence, and its part of a newest step not durable yet
+            # (not due, at the end of a run) persisted.
             self.wait_for_persistence(timeout_s)
+            if self._runs.persist_newest():
+                self.wait_for_persistence(timeout_s)
+            # 2. Exchange `agree`: the newest step is durable only once every process's part
+            # is; each frees its tier after all have persisted theirs.
+            op.agree()
             return self._runs.release_memory()
 
     def pending_persistence(self) -> set[int]:

@@ -42,6 +42,8 @@ from jaxckpt import (
     _faults,
     _format,
     _fs,
+    _index,
+    _kept,
     _memory_tier,
     _paths,
     _readers,
@@ -65,12 +67,43 @@ class PersistJob:
     item_dir: Path  # where the manager is writing the step now
     final_item_dir: Path  # where it will be once the manager finalizes the step
     pin: _memory_tier.Pin | None = None  # memory-tier pin on the source step, released when done
-    # Resumed after a restart (`_recovery.Recovery`): the step was finalized long ago, and
-    # its deletion since (nobody restores it any more) is no failure.
+    # Made for a step finalized before the job (`part_job`: resumed after a restart by
+    # `_recovery.Recovery`, or the newest step at `release_memory`): its deletion since
+    # (nobody restores it any more) is no failure.
     resumed: bool = False
     # Set by the save once its commit ended (True: it succeeded); the job is queued as
     # soon as the part is in memory, and makes nothing durable before it is True.
     committed: concurrent.futures.Future[bool] | None = None
+
+
+def part_job(
+    memory: _memory_tier.MemoryTier,
+    item_dir: Path,
+    step: int,
+    owner: int,
+    persist_every: int | None = None,
+    index: _index.Index | None = None,
+) -> PersistJob | None:
+    """A job that persists `owner`'s part of the finalized step in `item_dir` from
+    `memory`, if `memory` holds it from that very save, it is not durable and (with
+    `persist_every`) the step is due; else None. `index` is the step's index when read
+    already (not read again)."""
+    index = _index.read_index(item_dir) if index is None else index
+    recorded = {o: m for o, m in index.items() if o == owner}
+    if persist_every is not None and not any(m.is_due(persist_every) for m in recorded.values()):
+        return None
+    if not _index.memory_parts(memory, step, recorded) - _index.persisted_parts(item_dir, recorded):
+        return None
+    manifest = memory.read_manifest(step, owner)
+    assert manifest is not None  # memory_parts read it
+    return PersistJob(
+        manifest,
+        memory.part_dir(step, owner),
+        item_dir,
+        item_dir,
+        pin=memory.pin(step),
+        resumed=True,
+    )
 
 
 class Persister:
@@ -289,24 +322,69 @@ class Persister:
             fsync_s = time.perf_counter() - sync_start
             _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
             self._await_commit(job)
+            # A step the manager deleted (its garbage collection, one save later) before
+            # this persist ended is persisted into the kept area only (`_kept`).
+            gone = False
             if not job.resumed:  # a resumed job's step was finalized before the restart
-                _paths.wait_finalized(
-                    job.item_dir, job.final_item_dir, manifest.step, self._timeout_s, self._closing
-                )
+                try:
+                    _paths.wait_finalized(
+                        job.item_dir,
+                        job.final_item_dir,
+                        manifest.step,
+                        self._timeout_s,
+                        self._closing,
+                    )
+                except FileNotFoundError:
+                    gone = True
             final = job.final_item_dir
-            # IMPORTANT: the rename is the durability marker; it comes after every byte of
-            # the part and its index manifest is on stable storage, and never recreates a
-            # step directory that garbage collection removed.
+            kept = _kept.KeptPart(root, final.parent.name, final.name, manifest.owner)
             try:
-                _fs.fsync_path(final / _format.index_file(manifest.owner))
-                part = final / _format.part_dir_name(manifest.owner)
-                _fs.replace_dir(staging, part, make_parents=False)
-            except FileNotFoundError as e:
-                raise FileNotFoundError(
-                    f"Step {manifest.step} was deleted (garbage-collected) before it was persisted."
-                ) from e
-            # The new name, and the finalized step's own names, survive a power loss.
-            _fs.fsync_dirs(final, final.parent, root)
+                keeping = kept.stage(staging)
+                # IMPORTANT: the rename is the durability marker; it comes after every byte
+                # of the part and its index manifest is on stable storage, and never
+                # recreates a step directory that garbage collection removed.
+                if not gone:
+                    try:
+                        _fs.fsync_path(final / _format.index_file(manifest.owner))
+                        part = final / _format.part_dir_name(manifest.owner)
+                        _fs.replace_dir(staging, part, make_parents=False)
+                        # The new name, and the finalized step's own names, survive a
+                        # power loss.
+                        _fs.fsync_dirs(final, final.parent, root)
+                    except FileNotFoundError:
+                        if job.resumed:  # nobody restores that step any more
+                            raise FileNotFoundError(
+                                f"Step {manifest.step} was deleted before it was persisted."
+                            ) from None
+                        gone = True
+                if gone and not keeping:
+                    raise FileNotFoundError(
+                        f"Step {manifest.step} was deleted before it was persisted (and "
+                        f"{_kept.kept_dir(root)} cannot hold it: no hard links there)."
+                    )
+                if gone:
+                    log.info(
+                        "jaxckpt: step %d was deleted by the manager before its persist "
+                        "ended; its part is kept in %s",
+                        manifest.step,
+                        _kept.kept_dir(root),
+                    )
+                    kept.commit(None, manifest.to_json(), None)
+                elif keeping:
+                    try:
+                        kept.commit(
+                            final / _format.index_file(manifest.owner),
+                            manifest.to_json(),
+                            final.parent,
+                        )
+                    except OSError:  # the step is durable in its directory all the same
+                        log.exception(
+                            "jaxckpt: keeping a link to step %d's part in %s failed",
+                            manifest.step,
+                            _kept.kept_dir(root),
+                        )
+            finally:
+                kept.discard()
             _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
             # fsync_s: flushing the part to stable storage.
             return _persist_metrics(manifest, copy_s, fsync_s=fsync_s)

@@ -77,23 +77,9 @@ class Recovery:
             item_dir = finalized[step]
             if step not in indexes:
                 indexes[step] = _index.read_index(item_dir)
-            recorded = {o: m for o, m in indexes[step].items() if o == owner}
-            if not any(m.is_due(self._persist_every) for m in recorded.values()):
-                continue
-            if not _index.memory_parts(memory, step, recorded) - _index.persisted_parts(
-                item_dir, recorded
-            ):
-                continue
-            manifest = memory.read_manifest(step, owner)
-            assert manifest is not None  # memory_parts read it
-            jobs.append(
-                _persister.PersistJob(
-                    manifest,
-                    memory.part_dir(step, owner),
-                    item_dir,
-                    item_dir,
-                    pin=memory.pin(step),
-                    resumed=True,
-                )
+            job = _persister.part_job(
+                memory, item_dir, step, owner, self._persist_every, indexes[step]
             )
+            if job is not None:
+                jobs.append(job)
         return jobs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jaxckpt import _finite, _index, _internals, _multihost, _paths, _storage
+from jaxckpt import _finite, _index, _internals, _kept, _multihost, _paths, _storage
 from jaxckpt._handler import TieredCheckpointHandler
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,12 @@ def latest_restorable_step(
     and never offered again: after a restore that failed for want of a good
     copy, the next call returns the older step instead of the same one, so an
     automatic resume does not loop.
+
+    The newest durable step, if the manager's own options deleted it (plain
+    `max_to_keep`, `LatestN`, ...), is first put back as a step directory from the
+    handler's kept copy (hard links in `<directory>/.jaxckpt-kept/`, one WARNING
+    line), unless a newer step is durable: a loss of every memory tier then
+    resumes from it whatever the manager's options.
 
     Args:
       mngr: an `ocp.CheckpointManager` with at least one item handled by a
@@ -74,8 +80,11 @@ def latest_restorable_step(
             "(handler_registry.add(item, jaxckpt.TieredSave, handler), and the same for "
             "TieredRestore) or use mngr.latest_step()."
         )
-    mngr.reload()
     root = _storage.as_path(mngr.directory)
+    # The newest durable step, if the manager's garbage collection deleted it, is put
+    # back from the handler's kept copy (`_kept`): it is a candidate like any step.
+    _kept.reinstate(root, sorted(handlers))
+    mngr.reload()
     # Steps holding no jaxckpt item (an old loop's Orbax steps in the same directory,
     # which jaxckpt.restore_existing reads) are neither candidates nor deleted.
     ours = set().union(*(_paths.finalized_steps(root, item) for item in handlers))

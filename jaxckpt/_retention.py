@@ -19,9 +19,13 @@ Orbax is rewritten. It reads only the shared checkpoint directory (through the
 checked manifest parser, `_index`), so every process reaches the same decision
 once persistence has settled; only the primary process deletes. On an object
 store the policy also deletes the part manifests of the steps it lets go, before
-the manager deletes the steps' other objects (`retire_manifests`). A handler
-used in a checkpoint directory whose manager has no such policy logs, once, the
-one-line fix.
+the manager deletes the steps' other objects (`retire_manifests`). On a filesystem
+a manager without the policy still leaves the newest durable step, in the kept
+area (`_kept`); on an object store a handler whose manager has no such policy
+logs, once, the one-line fix.
+
+The first save into a directory holding another loop's checkpoint and no durable
+jaxckpt step is persisted (`Keeper.switching_in`).
 
 `MemoryRetainer` bounds the memory tier: after each finalized step it keeps the
 newest `memory_keep` steps and any step still queued for persistence, on a thread
@@ -40,7 +44,7 @@ from typing import Any
 
 from absl import logging as log
 
-from jaxckpt import _format, _index, _memory_tier, _multihost, _paths, _storage
+from jaxckpt import _format, _index, _kept, _memory_tier, _multihost, _paths, _storage
 
 
 class DurableSteps:
@@ -125,15 +129,19 @@ class Keeper:
         self._guarded: set[str] = set()  # checkpoint dirs whose manager has our policy
         self._guarded_anywhere = False  # a policy made without its directory exists
         self._warned: set[tuple[Path, str, int]] = set()  # newest steps said to be in memory
+        self._saved: set[tuple[Path, str]] = set()  # (checkpoint dir, item) saved into
 
     def note(self, item: _paths.ItemDir) -> None:
         """Remembers the checkpoint directory and item of a save or restore; says once
-        per directory how to keep its durable steps if no policy of ours guards it."""
+        per object-store directory how to keep its durable steps if no policy of ours
+        guards it."""
         with self._lock:
             first = (item.root, item.item) not in self._items
             self._items.add((item.root, item.item))
             guarded = self._guarded_anywhere or _storage.identity(item.root) in self._guarded
-        if first and not guarded:
+        # On a filesystem the kept area holds the newest durable step whatever the
+        # manager deletes (`_kept`); an object store has no hard links.
+        if first and not guarded and _storage.is_remote(item.root):
             log.warning(
                 "jaxckpt: garbage collection in %s does not know which step is durable: "
                 "if the manager's options delete steps (max_to_keep, a preservation "
@@ -141,6 +149,32 @@ class Keeper:
                 "handler=handler, **options) so that it keeps the newest persisted step.",
                 item.root,
             )
+
+    def switching_in(self, item: _paths.ItemDir) -> bool:
+        """Whether this is the handler's first save into `item`'s checkpoint directory
+        and item while no jaxckpt step of it is durable but the directory holds older
+        steps of another kind (an Orbax or flax checkpoint of the loop before jaxckpt).
+        That save is persisted: the manager's options (`LatestN(1)`) delete the old step
+        as soon as it is finalized, and the first step due by `persist_every` may be
+        far away."""
+        with self._lock:
+            if (item.root, item.item) in self._saved:
+                return False
+            self._saved.add((item.root, item.item))
+        if _storage.is_remote(item.root) or not item.root.is_dir():
+            return False
+        if _kept.newest_complete(item.root, [item.item]) is not None:
+            return False
+        ours = _paths.finalized_steps(item.root, item.item)
+        if any(self._durable.is_durable(ours[s]) for s in sorted(ours, reverse=True)):
+            return False
+        return any(
+            not name.startswith(".")
+            and not _paths.is_temporary(name)
+            and _paths.step_of_name(name) is not None
+            and not (item.root / name / item.item / _format.index_file(0)).exists()
+            for name in os.listdir(item.root)
+        )
 
     def steps_to_keep(self, root: Path, item: str, steps: Sequence[int]) -> set[int]:
         return self._durable.steps_to_keep(root, item, steps, self._persist_every, self._pending())
@@ -169,7 +203,8 @@ class Keeper:
             log.warning(
                 "jaxckpt: closing with step %d of %s (item %r) in memory tiers only: it was "
                 "not due for persistence (persist_every=%d). To end a run with the trained "
-                "state on disk, save the last step with TieredSave(state, persist=True).",
+                "state on disk, call handler.release_memory() on every process before "
+                "closing, or save the last step with TieredSave(state, persist=True).",
                 step,
                 root,
                 item,

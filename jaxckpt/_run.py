@@ -53,6 +53,7 @@ class Run:
         self, options: TierOptions, persister: _persister.Persister, keeper: _retention.Keeper
     ):
         self._options = options
+        self._persister = persister  # takes the newest step's part at the end of a run
         # Takes over what a crashed run left: old staging, steps left unpersisted.
         self._recovery = _recovery.Recovery(persister, options.persist_every, options.timeout_s)
         self._keeper = keeper  # told of every checkpoint directory and item used
@@ -231,30 +232,56 @@ class Run:
         """`text` without the run's secrets (the peers' token)."""
         return self.peers.redact(text) if self.peers is not None else text
 
+    def persist_newest(self) -> list[int]:
+        """Queues the persistence of this process's part of the newest finalized step of
+        every item of the run in use, where that step is not durable and this memory
+        tier holds the part from its save (a step that was not due, at the end of a
+        run). Returns the steps queued."""
+        memory = self.memory
+        if memory is None:
+            return []
+        queued = []
+        for root, item, step in self._keeper.newest_not_durable(
+            self._items.get(memory.run_id, set())
+        ):
+            item_dir = _paths.finalized_steps(root, item).get(step)
+            job = None
+            if item_dir is not None:
+                job = _persister.part_job(memory, item_dir, step, _multihost.process_index())
+            if job is not None:
+                log.info(
+                    "jaxckpt: persisting step %d of %s, the newest, to release memory", step, root
+                )
+                self._persister.submit(job)
+                queued.append(step)
+        return queued
+
     def release_memory(self) -> list[int]:
         """Removes every step of the run's memory tier on this host (its own parts and
         the replicas it holds) and the spare slabs, if the newest step of every item of
-        the run is durable; a pinned step (a restore reading it) stays. Returns the steps
-        removed.
+        the run is durable; a pinned step (a restore reading it) stays. Otherwise it
+        logs which steps it keeps and why, and removes nothing.
 
-        Raises:
-          RuntimeError: naming the steps that are in memory only; nothing is removed.
+        Returns:
+          The steps removed.
         """
         memory = self.memory
         if memory is None:
             return []
         in_memory_only = self._keeper.newest_not_durable(self._items.get(memory.run_id, set()))
         if in_memory_only:
-            raise RuntimeError(
-                f"[process {_multihost.process_index()}] Not releasing the memory tier "
-                f"{memory.run_dir}: the newest step of "
-                + ", ".join(
+            log.warning(
+                "jaxckpt: [process %d] not releasing the memory tier %s: the newest step of %s, "
+                "which is in memory tiers only (some process's part of it is in no memory "
+                "tier of its own, so it could not be persisted); the tier keeps steps %s.",
+                _multihost.process_index(),
+                memory.run_dir,
+                ", ".join(
                     f"{root} (item {item!r}) is {step}" for root, item, step in in_memory_only
-                )
-                + ", which is in memory tiers only. Save the last step with "
-                "TieredSave(state, persist=True), wait for it (handler.wait_for_persistence()), "
-                "then release."
+                ),
+                memory.steps(),
             )
+            return []
         steps = memory.steps()
         removed = memory.retain(0, max(steps)) if steps else []
         _fs.remove_entries(memory.run_dir / ".free", which=lambda p: True)

@@ -47,22 +47,23 @@ def scenario_choreography(args: dict) -> dict:
 
     for point, failing in args["cases"]:
         operation = point.split(".")[0]
+        key = f"{point}@{failing}"
         directory = ckpt / point if operation == "save" else ckpt / "shared"
         mngr, h = manager(str(directory), timeout_s=timeout_s, replicas=1, persist_every=1000)
         multihost_utils.sync_global_devices(f"before-{point}")
         os.environ[_faults.ENV] = f"{_faults.FAIL}{point}@*@{failing}"
         try:
             if operation == "save":
-                out[point] = attempt(lambda mngr=mngr: save(mngr, 1))
+                out[key] = attempt(lambda mngr=mngr: save(mngr, 1))
             elif operation == "restore":
-                out[point] = attempt(lambda mngr=mngr: restore(mngr, 1))
+                out[key] = attempt(lambda mngr=mngr: restore(mngr, 1))
+            elif operation == "release":
+                out[key] = attempt(lambda h=h: h.release_memory())
             else:
-                out[point] = attempt(
-                    lambda h=h: h.restorable_steps(ckpt / "shared" / "0" / "train")
-                )
+                out[key] = attempt(lambda h=h: h.restorable_steps(ckpt / "shared" / "0" / "train"))
         finally:
             del os.environ[_faults.ENV]
-        out[point]["failing"] = failing
+        out[key]["failing"] = failing
         mngr.close()
 
     # The job goes on: every process's exchanges are still in step.

@@ -1,6 +1,7 @@
 """A process that fails just before any exchange still takes part in every exchange: 2 JAX
 processes on loopback, one failing (`JAXCKPT_FAULT=fail:<operation>.<exchange>`) before
-each exchange of a save, a restore and a listing, and before the run is opened.
+each exchange of a save, a restore, a listing and a release of the memory tier, and
+before the run is opened.
 
 Every process must raise the failing process's error, without waiting out the
 timeout (a process that skipped an exchange would leave the other waiting in it
@@ -31,6 +32,8 @@ CASES = [
     ("list.meet", 1),
     ("list.inventories", 0),
     ("list.agree", 1),
+    ("release.agree", 0),
+    ("release.agree", 1),
 ]
 
 
@@ -40,9 +43,11 @@ def test_the_cases_cover_every_exchange_of_every_operation():
         _choreography.SaveChoreography,
         _choreography.RestoreChoreography,
         _choreography.ListChoreography,
+        _choreography.ReleaseChoreography,
     )
     for op in operations:
-        for name in ("open", *op.EXCHANGES):
+        opens = () if op is _choreography.ReleaseChoreography else ("open",)
+        for name in (*opens, *op.EXCHANGES):
             assert f"{op.VERB}.{name}" in covered, (op.VERB, name)
             assert f"{op.VERB}.{name}" in _faults.POINTS
         assert {p for point, p in CASES if point.startswith(op.VERB + ".")} == {0, 1}, op.VERB
@@ -70,7 +75,7 @@ def test_a_failure_before_any_exchange_fails_every_process_within_the_bound(tmp_
         # Newest first (step 1 may have left memory already: memory_keep=1).
         assert r["after_list"]["value"][0] == 2, (p, r["after_list"])
         for point, failing in CASES:
-            outcome = r[point]
+            outcome = r[f"{point}@{failing}"]
             injected = f"[process {failing}] injected fault before {point} of step"
             assert "error" in outcome, (p, point, outcome)
             error = outcome["error"]
@@ -81,5 +86,8 @@ def test_a_failure_before_any_exchange_fails_every_process_within_the_bound(tmp_
                 assert f"failed on process {failing}" in error, (p, point, error)
             # Within the bound: nobody waited for a process that skipped an exchange.
             assert outcome["seconds"] < TIMEOUT_S, (p, point, outcome)
-    slowest = {point: max(r[point]["seconds"] for r in results) for point, _ in CASES}
+    slowest = {
+        f"{point}@{failing}": max(r[f"{point}@{failing}"]["seconds"] for r in results)
+        for point, failing in CASES
+    }
     print(f"CHOREOGRAPHY slowest process per injected failure (s): {slowest}")

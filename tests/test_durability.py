@@ -216,19 +216,42 @@ def test_release_memory_frees_the_tier_once_the_newest_step_is_durable(memory_ro
         assert h.last_restore_metrics["tier"] == "memory"
 
 
-def test_release_memory_refuses_while_the_newest_step_is_in_memory_only(memory_root, ckpt_dir):
+def test_release_memory_persists_a_newest_step_that_was_not_due_then_frees_the_tier(
+    memory_root, ckpt_dir
+):
+    """A run that ends on step 3 (not due, not asked for) ends with it durable."""
     state = sharded_state(mesh_1d())
     h = handler(memory_root, persist_every=2)
     with manager(ckpt_dir, h) as mngr:
         for step in range(1, 4):
             save(mngr, step, state)
         mngr.wait_until_finished()
-        with pytest.raises(RuntimeError, match=r"newest step of .* is 3.*persist=True") as refused:
-            h.release_memory()
-        assert "[process 0]" in str(refused.value)
-        assert _slabs(memory_root)  # nothing removed
+        assert 3 in h.release_memory()
+        assert _slabs(memory_root) == []
+        assert (ckpt_dir / "3" / "train" / "part_00000").is_dir()
         assert_tree_equal(restore(mngr, 3, abstract(state)), state)
-        assert h.last_restore_metrics["tier"] == "memory"
+        assert h.last_restore_metrics["tier"] == "persistent"
+
+
+def test_release_memory_says_what_it_keeps_when_the_newest_step_cannot_be_persisted(
+    memory_root, ckpt_dir, caplog
+):
+    """This process's part of the newest step is in no memory tier of its own (as after a
+    restore from a peer): nothing can persist it, so the tier stays, said plainly."""
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, persist_every=2, memory_keep=2)
+    with manager(ckpt_dir, h) as mngr:
+        for step in range(1, 4):
+            save(mngr, step, state)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+        (step_3,) = Path(memory_root).glob("*/step_000000000003")
+        shutil.rmtree(step_3)
+        caplog.set_level("WARNING")
+        assert h.release_memory() == []
+        assert "not releasing the memory tier" in caplog.text and "is 3" in caplog.text
+        assert list(Path(memory_root).glob("*/step_000000000002"))  # nothing removed
+        assert_tree_equal(restore(mngr, 2, abstract(state)), state)
 
 
 def test_the_steps_kept_against_the_policy_are_logged_once_per_change(

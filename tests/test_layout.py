@@ -56,6 +56,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_readers",
             "_landing",
             "_index",
+            "_kept",
         ),
     ),
     (
