@@ -334,7 +334,7 @@ class Persister:
             # the part and its index manifest is on stable storage, and never recreates a
             # step directory that garbage collection removed.
             try:
-                _fs.fsync_path(final / _format.index_file(manifest.owner))
+                _fs.fsync_path(_index.index_path(final, manifest.owner))
                 part = final / _format.part_dir_name(manifest.owner)
                 _fs.replace_dir(staging, part, make_parents=False)
             except FileNotFoundError as e:
@@ -391,7 +391,7 @@ class Persister:
                 max(deadline - time.monotonic(), 1.0),
                 self._closing,
             )
-        if not _storage.exists(final / _format.index_file(manifest.owner)):
+        if not _index.has_index(final):
             raise FileNotFoundError(
                 f"Step {manifest.step} was deleted (garbage-collected) before it was persisted."
             )

@@ -34,6 +34,7 @@ from jaxckpt import (
     _faults,
     _format,
     _fs,
+    _index,
     _memory_tier,
     _metrics,
     _multihost,
@@ -216,19 +217,25 @@ class Save:
                     committed=committed,
                 )
             )
-        # IMPORTANT: every process agrees that all committed the same tree before any writes
-        # its index manifest: a step is indexed by every process or by none.
-        await self._agree(None)
-        # IMPORTANT: the index manifest is written only after the memory part is committed
-        # (and replicated), so an index never points at copies that do not exist yet.
+        # IMPORTANT: the step's index is written within the agreement, by the one process
+        # that decides it, once every process committed the same tree: a step is indexed
+        # by every process or by none. It is written only after every memory part is
+        # committed (and replicated), so an index never points at copies that do not exist.
         manifest = dataclasses.replace(manifest, metrics=metrics.to_dict())
-        _storage.write_file(self._item.path / _format.index_file(pi), manifest.to_json())
+        await self._agree(None, manifest)
+        # One process wrote the step's objects: the others' cached listings do not show them.
+        _storage.forget_listings(self._item.path)
         _faults.maybe_crash("index", step, pi)
         self._services.publisher.publish(metrics.to_dict())
 
-    async def _agree(self, error: BaseException | None) -> None:
+    async def _agree(
+        self, error: BaseException | None, manifest: _format.PartManifest | None = None
+    ) -> None:
+        """The save's agreement; with this part's `manifest` (no error), it writes the
+        step's index (see `_agreement`)."""
         self._agreed = True
         start = time.perf_counter()
+        entry = _index.entry(manifest) if manifest is not None else None
         await asyncio.to_thread(
             _agreement.agree_on_save,
             self._snapshot.leaves,
@@ -236,8 +243,22 @@ class Save:
             tag=self._item.tag("save", self._options.run_id),
             step=self._step,
             timeout_s=self._options.timeout_s,
+            entry=entry,
+            write_index=self._write_index if manifest is not None else None,
         )
         self.metrics.agree_s = time.perf_counter() - start
+
+    def _write_index(self, entries: dict[int, str]) -> None:
+        """Writes the step's index from every process's entry (on the deciding process)."""
+        path = self._item.path / _format.STEP_INDEX_FILE
+        try:
+            _index.write_step_index(self._item.path, self._snapshot.leaves, entries)
+        except Exception as e:
+            raise OSError(
+                f"[process {self._process}] could not write the index of step {self._step} "
+                f"({path}): {e}. The step is not saved on any process; the earlier steps "
+                "are untouched. Check that the checkpoint directory is writable and save again."
+            ) from e
 
     def _redact(self, text: str) -> str:
         return self._peers.redact(text) if self._peers is not None else text
