@@ -124,10 +124,10 @@ def parse_step_index(raw: bytes) -> Index:
     for owner, part in d["parts"].items():
         own = part.pop("own_leaves", {})
         manifest = _format.PartManifest.from_dict({**part, **header})
-        key = json.dumps(own, sort_keys=True)
-        leaves = variants.get(key)
+        variant = json.dumps(own, sort_keys=True)
+        leaves = variants.get(variant)
         if leaves is None:  # built once per variant: parts alike share one tuple
-            leaves = variants[key] = tuple(
+            leaves = variants[variant] = tuple(
                 _with_own(r, own.get(str(i), {})) if r.per_process else r
                 for i, r in enumerate(records)
             )
