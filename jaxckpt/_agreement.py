@@ -77,6 +77,64 @@ def agree(
     return decided.get("payloads") or [None] * count
 
 
+def agree_each(
+    error: BaseException | None,
+    *,
+    tag: str,
+    what: str,
+    timeout_s: float,
+    payload: Any,
+    share: Callable[[list[Any]], dict[str, Any]],
+) -> tuple[dict[str, Any], Any]:
+    """`agree`, where no process reads every payload: the process that decides calls
+    `share(payloads)` (every process's payload, in process order), which returns
+    `{"all": a small dict for every process, "each": {process: its own share}}`.
+    O(N) bytes through the coordinator when both are small
+    (`_multihost.converge_each`).
+
+    Returns:
+      ("all", this process's share), when no process failed.
+
+    Raises:
+      As `agree`; a RuntimeError on every process if `share` raised.
+    """
+    if _multihost.process_count() == 1:
+        if error is not None:
+            raise error
+        shared = share([payload])
+        return shared["all"], shared["each"].get(0)
+    mine: dict[str, Any] = {"p": payload} if error is None else {"e": _describe(error)}
+
+    def combine(texts: dict[int, str]) -> dict[str, Any]:
+        verdict = _combine(texts)
+        payloads = verdict.pop("payloads", None)
+        if "first" in verdict or payloads is None:
+            return {"all": verdict, "each": {}}
+        shared = share(payloads)
+        return {"all": {**shared["all"], **verdict}, "each": shared["each"]}
+
+    try:
+        decided, got = _multihost.converge_each(
+            json.dumps(mine, separators=(",", ":")), combine, tag=tag, timeout_s=timeout_s
+        )
+    except (TimeoutError, ConnectionError, RuntimeError) as failed:
+        if error is not None:
+            raise mark_agreed(error) from failed
+        raise mark_agreed(failed) from None
+    if error is not None:
+        raise mark_agreed(error)
+    if "first" in decided:
+        raise mark_agreed(_rebuild(decided, what))
+    if got is None:  # a share every process gets, unless the store lost it
+        raise mark_agreed(
+            ConnectionError(
+                f"[process {_multihost.process_index()}] {what}: the coordination service "
+                "lost this process's answer. Is the coordinator (process 0) still running?"
+            )
+        )
+    return decided, got
+
+
 def _converge(
     error: BaseException | None,
     *,
