@@ -31,10 +31,12 @@ def simulate(count: int, fn, **coordinator) -> tuple[_coordinator.Simulation, li
     return sim, sim.run(fn)
 
 
-def test_a_save_moves_a_few_hundred_bytes_a_process_through_the_coordinator():
+def test_a_save_moves_about_a_kilobyte_a_process_through_the_coordinator():
+    """Its verdict, tree digest and index entry (the part's 24 chunk records, compressed):
+    as many bytes a process at any N."""
     rows = {n: _scale.measure(n, "save") for n in (16, 128)}
     for n, row in rows.items():
-        assert row["coordinator_bytes"] / n < 1000, row
+        assert row["coordinator_bytes"] / n < 1500, row
         assert row["rpcs"] <= 4 * n + 4, row
     # O(N): eight times the processes, about eight times the bytes (key names grow a digit).
     assert rows[128]["coordinator_bytes"] < 8 * 1.2 * rows[16]["coordinator_bytes"], rows

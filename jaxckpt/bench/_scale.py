@@ -10,7 +10,9 @@ queue, a per-call latency, a bandwidth; no JAX devices) for three operations:
 - setup: the peer set-up (`Peers.meet`: the run's token, every process's
   address published, its address and failure domain posted, the replica
   placement computed once by the decider, each process told its holders);
-- save: one save's agreement (`_agreement.agree_on_save`: verdict and tree digest);
+- save: one save's agreement (`_agreement.agree_on_save`: verdict, tree digest
+  and each part's index entry; the decider builds the step's one index, not
+  written anywhere here);
 - restore: one restore after a node loss: the inventories
   (`Peers.exchange_inventories`; the lost process holds nothing, its part
   lives on its peer), every process's plan (`_plan.plan_step` and the chunk
@@ -32,7 +34,7 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from jaxckpt import _agreement, _format, _multihost, _placement, _plan
+from jaxckpt import _agreement, _format, _index, _multihost, _placement, _plan
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
 from jaxckpt.peer._peers import Addresses, Peers
@@ -164,10 +166,20 @@ class Restore:
 def save_fn(count: int) -> Callable[[int], None]:
     tree = leaves(count)
     _agreement.tree_digest(tree)  # computed once per tree and remembered, as in a training run
+    parts = manifests(count, tree)
+
+    def build_index(entries: dict[int, str]) -> None:
+        _index.step_index_text(tree, entries)  # what the decider writes (no I/O here)
 
     def save(p: int) -> None:
         _agreement.agree_on_save(
-            tree, None, tag=f"save/{RUN_ID}/{STEP}", step=STEP, timeout_s=TIMEOUT_S
+            tree,
+            None,
+            tag=f"save/{RUN_ID}/{STEP}",
+            step=STEP,
+            timeout_s=TIMEOUT_S,
+            entry=_index.entry(parts[p]),
+            write_index=build_index,
         )
 
     return save
