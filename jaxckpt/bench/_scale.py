@@ -34,7 +34,7 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from jaxckpt import _agreement, _format, _index, _multihost, _placement, _plan
+from jaxckpt import _agreement, _format, _index, _multihost, _placement, _plan, _resources
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
 from jaxckpt.peer._peers import Addresses, Peers
@@ -148,6 +148,12 @@ class Restore:
         self.planned: dict[int, float] = {}  # process -> when it had its plan
 
     def __call__(self, p: int) -> bool:
+        # As `TieredCheckpointHandler.restore` does: the cyclic collector paused (else a
+        # replay bills the walk of the simulation's whole heap to the planning process).
+        with _resources.SHARED.gc_paused():
+            return self._restore(p)
+
+    def _restore(self, p: int) -> bool:
         addresses = Addresses(RUN_ID, {}, TIMEOUT_S)
         peers = Peers(_Service(p), "t" * 64, RUN_ID, addresses, self.holders[p], 1, TIMEOUT_S)
         held = peers.exchange_inventories({STEP: self.inventory[p]})
