@@ -145,6 +145,18 @@ def _session() -> tuple[KeyValueClient, int, int, Callable[[], float]]:
     return _client(), process_index(), process_count(), time.monotonic
 
 
+def session() -> tuple[KeyValueClient, int, int, Callable[[], float]]:
+    """(client, this process, process count, clock) of the job this thread belongs to."""
+    return _session()
+
+
+def wait_for(
+    client: KeyValueClient, key: str, deadline: float, clock: Callable[[], float]
+) -> str | None:
+    """The value of `key` once it is set, or None if `deadline` (on `clock`) passes first."""
+    return _get(client, key, deadline, clock)
+
+
 def converge(
     text: str, combine: Combine, *, tag: str, timeout_s: float, retire_later: bool = False
 ) -> Any:
@@ -208,51 +220,6 @@ def converge_each(text: str, combine: Combine, *, tag: str, timeout_s: float) ->
     return exchange(
         client, me, count, key, text, combine, timeout_s=timeout_s, clock=clock, each=True
     )
-
-
-PUBLISHED: Final = "jaxckpt-published"  # values kept for a run, outside every exchange
-
-
-def publish(name: str, value: str) -> None:
-    """Keeps `value` under `name` in the coordinator's store until `unpublish`, for any
-    process to `look_up` (a process's peer address: read by the few that need it).
-    Nothing in one process (there is no other to look it up)."""
-    if process_count() == 1:
-        return
-    _session()[0].key_value_set(f"{PUBLISHED}/{name}", value, allow_overwrite=True)
-
-
-def look_up(name: str, timeout_s: float) -> str:
-    """The value published under `name`, waiting for it at most `timeout_s`.
-
-    Raises:
-      TimeoutError: if nothing is published under `name` in time.
-      ConnectionError: if the coordination service failed.
-    """
-    client, me, _, clock = _session()
-    try:
-        value = _get(client, f"{PUBLISHED}/{name}", clock() + timeout_s, clock)
-    except Exception as e:
-        raise ConnectionError(
-            f"[process {me}] Looking up {name!r} through the jax.distributed coordination "
-            f"service failed: {e}. Is the coordinator (process 0) still running?"
-        ) from e
-    if value is None:
-        raise TimeoutError(
-            f"[process {me}] Nothing was published under {name!r} within {timeout_s:g} s "
-            "(the process that publishes it did not start, or left the job)."
-        )
-    return value
-
-
-def unpublish(name: str) -> None:
-    """Deletes what `publish` kept under `name` (cleanup: a failure is only logged)."""
-    if process_count() == 1:
-        return
-    try:
-        _session()[0].key_value_delete(f"{PUBLISHED}/{name}")
-    except Exception as e:
-        log.warning("jaxckpt: could not delete %s from the coordinator's store: %s", name, e)
 
 
 def allgather(value: Any, *, tag: str, timeout_s: float, retire_later: bool = False) -> list[Any]:

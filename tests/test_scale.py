@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_agreement import tree
 
-from jaxckpt import _agreement, _multihost, _placement
+from jaxckpt import _agreement, _multihost, _placement, _published
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator, _scale
 from jaxckpt.peer import _peers
@@ -191,7 +191,7 @@ def test_setup_moves_under_a_kilobyte_a_process_and_tells_each_its_holders():
         assert seen == [_scale._Service(q).address for q in range(count)]
         assert token == results[0][1][2] and len(token) == 64  # one token for the run
     # The addresses stay published for the run; no exchange is left in the store.
-    assert all(k.startswith(_multihost.PUBLISHED) for k in sim.coordinator.data)
+    assert all(k.startswith(_published.PUBLISHED) for k in sim.coordinator.data)
     # Replicas that cannot be placed: every process is told why, and only a save raises it.
     sim, results = simulate(count, lambda p: meet(p, 9))
     assert all(ok and "replicas=9 needs at least 9 processes" in r[0] for ok, r in results)

@@ -34,7 +34,16 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from jaxckpt import _agreement, _format, _index, _multihost, _placement, _plan, _resources
+from jaxckpt import (
+    _agreement,
+    _format,
+    _index,
+    _multihost,
+    _placement,
+    _plan,
+    _published,
+    _resources,
+)
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
 from jaxckpt.peer._peers import Addresses, Peers
@@ -217,7 +226,7 @@ def measure(
         p, r = failed[0]
         raise RuntimeError(f"{op} with {count} processes failed on {len(failed)}, first {p}: {r}")
     # What the set-up publishes (every process's address) stays for the run, by design.
-    left = [k for k in sim.coordinator.data if not k.startswith(f"{_multihost.PUBLISHED}/")]
+    left = [k for k in sim.coordinator.data if not k.startswith(f"{_published.PUBLISHED}/")]
     if left:
         raise RuntimeError(f"{op} left {len(left)} keys in the coordinator, such as {left[0]}.")
     # Per-process CPU and memory: the busiest process (the one that combined the values)

@@ -34,6 +34,7 @@ from jaxckpt import (
     _multihost,
     _options,
     _placement,
+    _published,
     _slab,
 )
 from jaxckpt.peer import _client, _server, _wire
@@ -61,7 +62,7 @@ class Addresses:
 
     def __getitem__(self, process: int) -> _wire.PeerAddress:
         if process not in self._known:
-            raw = _multihost.look_up(address_name(self._run_id, process), self._timeout_s)
+            raw = _published.look_up(address_name(self._run_id, process), self._timeout_s)
             self._known[process] = _wire.PeerAddress.from_dict(json.loads(raw))
         return self._known[process]
 
@@ -162,7 +163,7 @@ class Peers:
                 server = serve()
                 # IMPORTANT: published before the exchange below, so that once it ends
                 # every address is there to look up.
-                _multihost.publish(address_name(run_id, me), json.dumps(server.address.to_dict()))
+                _published.publish(address_name(run_id, me), json.dumps(server.address.to_dict()))
             except Exception as e:  # agreed on below, so every process raises it
                 if server is not None:
                     server.close()
@@ -189,7 +190,7 @@ class Peers:
         except BaseException:
             if server is not None:
                 server.close()
-                _multihost.unpublish(address_name(run_id, me))
+                _published.unpublish(address_name(run_id, me))
             raise
         known = {me: server.address}
         holders: tuple[int, ...] | ValueError
@@ -215,7 +216,7 @@ class Peers:
 
     def close(self) -> None:
         self._server.close()
-        _multihost.unpublish(address_name(self.run_id, _multihost.process_index()))
+        _published.unpublish(address_name(self.run_id, _multihost.process_index()))
 
     def redact(self, text: str) -> str:
         """`text` without the run's token (kept out of every error and log)."""
