@@ -18,6 +18,13 @@ No process reads the others' verdicts or digests: each posts its own (nothing
 but the digest when it did not fail), the last to arrive compares them and
 publishes one small outcome (the first failure, or which processes differ),
 so a save moves O(N) bytes through the coordinator, a few hundred a process.
+
+A save's agreement also writes the step's index: each process posts its part's
+index entry with its digest (`_index.entry`: its chunk records, compressed),
+and the process that decides writes the one combined index, only when every
+process saved the same tree without failing, before it publishes the outcome.
+A failed write is the outcome: every process raises. So a step is indexed by
+every process or by none, with one object written whatever the process count.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxckpt import _format, _multihost, _resources
@@ -70,6 +77,64 @@ def agree(
     return decided.get("payloads") or [None] * count
 
 
+def agree_each(
+    error: BaseException | None,
+    *,
+    tag: str,
+    what: str,
+    timeout_s: float,
+    payload: Any,
+    share: Callable[[list[Any]], dict[str, Any]],
+) -> tuple[dict[str, Any], Any]:
+    """`agree`, where no process reads every payload: the process that decides calls
+    `share(payloads)` (every process's payload, in process order), which returns
+    `{"all": a small dict for every process, "each": {process: its own share}}`.
+    O(N) bytes through the coordinator when both are small
+    (`_multihost.converge_each`).
+
+    Returns:
+      ("all", this process's share), when no process failed.
+
+    Raises:
+      As `agree`; a RuntimeError on every process if `share` raised.
+    """
+    if _multihost.process_count() == 1:
+        if error is not None:
+            raise error
+        shared = share([payload])
+        return shared["all"], shared["each"].get(0)
+    mine: dict[str, Any] = {"p": payload} if error is None else {"e": _describe(error)}
+
+    def combine(texts: dict[int, str]) -> dict[str, Any]:
+        verdict = _combine(texts)
+        payloads = verdict.pop("payloads", None)
+        if "first" in verdict or payloads is None:
+            return {"all": verdict, "each": {}}
+        shared = share(payloads)
+        return {"all": {**shared["all"], **verdict}, "each": shared["each"]}
+
+    try:
+        decided, got = _multihost.converge_each(
+            json.dumps(mine, separators=(",", ":")), combine, tag=tag, timeout_s=timeout_s
+        )
+    except (TimeoutError, ConnectionError, RuntimeError) as failed:
+        if error is not None:
+            raise mark_agreed(error) from failed
+        raise mark_agreed(failed) from None
+    if error is not None:
+        raise mark_agreed(error)
+    if "first" in decided:
+        raise mark_agreed(_rebuild(decided, what))
+    if got is None:  # a share every process gets, unless the store lost it
+        raise mark_agreed(
+            ConnectionError(
+                f"[process {_multihost.process_index()}] {what}: the coordination service "
+                "lost this process's answer. Is the coordinator (process 0) still running?"
+            )
+        )
+    return decided, got
+
+
 def _converge(
     error: BaseException | None,
     *,
@@ -78,13 +143,18 @@ def _converge(
     timeout_s: float,
     payload: Any = None,
     digest: str | None = None,
+    entry: str | None = None,
+    write_index: WriteIndex | None = None,
 ) -> dict[str, Any]:
     """`agree`, returning the combined outcome: "payloads" (if any process gave one) and,
     if the digests differ, "ref" (the lowest process of the most common digest) and "odd"
-    (the processes with another digest)."""
+    (the processes with another digest). With `write_index`, the decider hands it every
+    process's `entry` when none failed and all digests agree (see the module docstring)."""
     if _multihost.process_count() == 1:
         if error is not None:
             raise error
+        if write_index is not None and entry is not None:
+            write_index({0: entry})
         return {"payloads": [payload]} if payload is not None else {}
     mine: dict[str, Any] = {}
     if error is not None:
@@ -93,9 +163,14 @@ def _converge(
         mine["p"] = payload
     if digest is not None:
         mine["d"] = digest
+    if entry is not None and error is None:
+        mine["i"] = entry
     text = json.dumps(mine, separators=(",", ":")) if mine else ""
+    combine: _multihost.Combine = _combine
+    if write_index is not None:
+        combine = lambda texts: _combine(texts, write_index)  # noqa: E731
     try:
-        decided = _multihost.converge(text, _combine, tag=tag, timeout_s=timeout_s)
+        decided = _multihost.converge(text, combine, tag=tag, timeout_s=timeout_s)
     except (TimeoutError, ConnectionError, RuntimeError) as failed:
         # Every process that took part gets this error too (see _multihost), so all raise.
         if error is not None:
@@ -108,8 +183,12 @@ def _converge(
     return decided
 
 
-def _combine(texts: dict[int, str]) -> dict[str, Any]:
-    """The outcome of an agreement, from every process's posted text (run by one process)."""
+WriteIndex = Callable[[dict[int, str]], None]  # every process's index entry -> written
+
+
+def _combine(texts: dict[int, str], write_index: WriteIndex | None = None) -> dict[str, Any]:
+    """The outcome of an agreement, from every process's posted text (run by one process);
+    with `write_index`, the step index written first when the save is agreed on."""
     values = {p: json.loads(t) for p, t in texts.items() if t}
     failed = sorted(p for p, v in values.items() if v.get("e") is not None)
     if failed:
@@ -127,6 +206,13 @@ def _combine(texts: dict[int, str]) -> dict[str, Any]:
         reference = max(groups.values(), key=lambda ps: (len(ps), -ps[0]))
         out["ref"] = reference[0]
         out["odd"] = [p for p in range(count) if p not in set(reference)]
+    elif write_index is not None:
+        entries = {p: v.get("i") for p, v in values.items()}
+        missing = [p for p in range(count) if not entries.get(p)]
+        if missing:
+            raise ValueError(f"processes {missing} gave no index entry for the step")
+        # IMPORTANT: written before the outcome is published: a step is indexed by all or none.
+        write_index({p: e for p, e in entries.items() if e})
     return out
 
 
@@ -193,10 +279,15 @@ def agree_on_save(
     tag: str,
     step: int | None,
     timeout_s: float,
+    entry: str | None = None,
+    write_index: WriteIndex | None = None,
 ) -> None:
     """Raises on every process if any failed its part of the save or saved another tree.
 
     Collective. `leaves` is None on a process whose save failed before its snapshot.
+    With `write_index`, the one process that decides calls it with every process's
+    `entry` (process -> entry) once the save is agreed on, before any process
+    returns; if it raises, every process raises (a RuntimeError with its message).
 
     Raises:
       ValueError: if the processes saved different trees, naming the leaves
@@ -205,7 +296,15 @@ def agree_on_save(
     """
     what = f"The save of step {step}"
     digest = tree_digest(leaves) if leaves is not None else None
-    decided = _converge(error, tag=tag, what=what, timeout_s=timeout_s, digest=digest)
+    decided = _converge(
+        error,
+        tag=tag,
+        what=what,
+        timeout_s=timeout_s,
+        digest=digest,
+        entry=entry,
+        write_index=write_index,
+    )
     if "odd" not in decided:
         return
     assert leaves is not None  # no process failed, so every process has its leaves

@@ -351,9 +351,15 @@ class SaveChoreography(Choreography):
             self._ended = _agreement.is_agreed(error)
             return None
 
-    async def agree(self, leaves: Sequence[_format.LeafRecord] | None) -> None:
+    async def agree(
+        self,
+        leaves: Sequence[_format.LeafRecord] | None,
+        entry: str | None = None,
+        write_index: _agreement.WriteIndex | None = None,
+    ) -> None:
         """2. The commit's verdict (`_agreement.agree_on_save`): every process committed
-        the same tree, or all raise."""
+        the same tree, or all raise. With this part's index `entry` and `write_index`, the
+        deciding process writes the step's one index before any process returns."""
         error = self._enter("agree", None)
         await asyncio.to_thread(
             _agreement.agree_on_save,
@@ -362,6 +368,8 @@ class SaveChoreography(Choreography):
             tag=self._required_item().tag(self.VERB, self._options.run_id),
             step=self.step,
             timeout_s=self._options.timeout_s,
+            entry=entry if error is None else None,
+            write_index=write_index if error is None else None,
         )
 
     def commit(self, work: Callable[[], Awaitable[None]] | None) -> Awaitable[None]:

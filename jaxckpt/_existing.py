@@ -240,8 +240,9 @@ def _item_of(root: epath.Path, step: int, path: epath.Path, item: str | None) ->
 
 
 def _is_jaxckpt_item(path: epath.Path) -> bool:
-    # Every jaxckpt item directory holds process 0's index manifest.
-    return (path / _format.index_file(0)).exists()
+    # Every jaxckpt item directory holds its step index (or, saved earlier, process 0's
+    # index manifest).
+    return (path / _format.STEP_INDEX_FILE).exists() or (path / _format.index_file(0)).exists()
 
 
 def _restore_pytree(found: _Found, target: Any) -> Any:

@@ -18,8 +18,10 @@ persistent tier (plain zarr3, any tensorstore kvstore):
                                     array's attributes say what it holds
                                     (`array_attributes`)
 
-and the CheckpointManager's item directory always holds `index_<owner>.json`
-(the same manifest) for every saved step, persisted or not. Change a field only
+and the CheckpointManager's item directory always holds the step's index: one
+`index.json` (every part's manifest, the leaf records once; `_index`), written
+by one process; steps saved by earlier versions hold `index_<owner>.json` (the
+same manifest) per part instead, and are still read. Change a field only
 together with `FORMAT_VERSION` and a reader for the old version.
 
 Versions: 1 saved numpy arrays once (process 0) and scalars inside the leaf
@@ -83,6 +85,11 @@ ITERATOR: Final = "iterator"  # anything with get_state()/set_state(), state per
 def index_file(owner: int) -> str:
     """Name of a part's manifest copy in the CheckpointManager's item directory."""
     return f"index_{owner:05d}.json"
+
+
+# The step's combined index (`_index.step_index_text`): every part's index manifest in one
+# object, written by one process. Steps saved before it hold one `index_file` per part.
+STEP_INDEX_FILE: Final = "index.json"
 
 
 def part_dir_name(owner: int) -> str:
@@ -465,6 +472,16 @@ _CRC_MEMBER: Final = ',"crc32c":'
 # copies) several times, and a 4000-leaf one takes ~0.1 s to parse.
 _PARSED: dict[tuple[int, int], tuple[bytes, PartManifest]] = _resources.SHARED.cache({})
 _PARSED_MAX: Final = 64
+
+
+def with_checksum(body: str) -> str:
+    """A JSON object's text with its CRC-32C (of the text before it) as the last member."""
+    return f"{body[:-1]}{_CRC_MEMBER}{_checksum.crc32c(body.encode())}}}"
+
+
+def checked(raw: bytes) -> dict[str, Any]:
+    """The JSON object `with_checksum` wrote, its checksum checked (ValueError if damaged)."""
+    return _checked(raw)
 
 
 def _checked(raw: bytes) -> dict[str, Any]:

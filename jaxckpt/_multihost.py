@@ -20,6 +20,8 @@ process reads only that outcome. One exchange `<prefix>/<tag>/<round>`:
     all      the outcome: "ok:" and the combined value (compressed when long),
              or {"failed": why} or {"gave_up": p}; set by the last arrival or by
              the one who gave up
+    to/<p>   with `converge_each`: what the decider tells process p alone (set
+             before `all`), so that N different answers cost O(N) bytes, not N^2
     done     processes finished with the exchange; the last one deletes it all
              (or, for an exchange every process follows with another, that
              one's decider: `converge(retire_later=True)`)
@@ -143,6 +145,18 @@ def _session() -> tuple[KeyValueClient, int, int, Callable[[], float]]:
     return _client(), process_index(), process_count(), time.monotonic
 
 
+def session() -> tuple[KeyValueClient, int, int, Callable[[], float]]:
+    """(client, this process, process count, clock) of the job this thread belongs to."""
+    return _session()
+
+
+def wait_for(
+    client: KeyValueClient, key: str, deadline: float, clock: Callable[[], float]
+) -> str | None:
+    """The value of `key` once it is set, or None if `deadline` (on `clock`) passes first."""
+    return _get(client, key, deadline, clock)
+
+
 def converge(
     text: str, combine: Combine, *, tag: str, timeout_s: float, retire_later: bool = False
 ) -> Any:
@@ -183,6 +197,28 @@ def converge(
         timeout_s=timeout_s,
         clock=clock,
         retire_later=retire_later,
+    )
+
+
+def converge_each(text: str, combine: Combine, *, tag: str, timeout_s: float) -> tuple[Any, Any]:
+    """`converge` where the outcome differs per process: `combine(texts)` returns
+    `{"all": what every process gets, "each": {process: what it alone gets}}`; the
+    decider stores each process's share under its own key, and every process reads
+    only the common outcome and its share (one call more than `converge`).
+
+    Returns:
+      (the common outcome, this process's share or None).
+
+    Raises:
+      As `converge`.
+    """
+    if process_count() == 1:
+        decided = json.loads(json.dumps(combine({0: text})))
+        return decided["all"], decided["each"].get("0")
+    client, me, count, clock = _session()
+    key = next_key(tag)
+    return exchange(
+        client, me, count, key, text, combine, timeout_s=timeout_s, clock=clock, each=True
     )
 
 
@@ -251,8 +287,10 @@ def exchange(
     timeout_s: float,
     clock: Callable[[], float] = time.monotonic,
     retire_later: bool = False,
+    each: bool = False,
 ) -> Any:
-    """One round of `converge` through `client` under `key` (see the module docstring).
+    """One round of `converge` (`converge_each` with `each`) through `client` under `key`
+    (see the module docstring).
 
     Raises:
       TimeoutError: if some process did not contribute before the deadline.
@@ -263,6 +301,7 @@ def exchange(
     what = key.removeprefix(f"{_PREFIX}/")
     finished = False
     outcome: str | None = None
+    share: str | None = None
     retiring = _retiring_list()
     with _lock:
         done_with = list(retiring)
@@ -272,7 +311,7 @@ def exchange(
             client.key_value_set(f"{key}/v/{me}", posted_text)
             arrived = client.key_value_increment(f"{key}/n", 1)
             if arrived == count:  # the last to arrive decides, and tells the others
-                outcome = _decide(client, key, combine)
+                outcome = _decide(client, key, combine, each)
             elif arrived > count:  # somebody gave up before this process arrived
                 outcome = _get(client, f"{key}/all", max(deadline, clock() + _GRACE_S), clock)
             else:
@@ -280,6 +319,8 @@ def exchange(
                     client, key, me, count, clock
                 )
             ok = outcome is not None and outcome.startswith(_OK)
+            if ok and each:  # set before the outcome: there already
+                share = _get(client, f"{key}/to/{me}", max(deadline, clock() + _GRACE_S), clock)
             decided = {} if ok else _failure(outcome)
             posted = _posted(client, key) if not ok and "failed" not in decided else set()
             finished = True
@@ -307,6 +348,8 @@ def exchange(
             gone = set(json.loads(line))
             with _lock:
                 retiring[:] = [k for k in retiring if k not in gone]
+        if each:
+            return _unpack(body), _unpack(share) if share else None
         return _unpack(body)
     if "failed" in decided:
         raise mark_agreed(
@@ -318,8 +361,9 @@ def exchange(
     raise mark_agreed(_timeout(me, what, timeout_s, count, posted, decided.get("gave_up")))
 
 
-def _decide(client: KeyValueClient, key: str, combine: Combine) -> str:
-    """Reads every value once, combines them and publishes the outcome (the last arrival)."""
+def _decide(client: KeyValueClient, key: str, combine: Combine, each: bool = False) -> str:
+    """Reads every value once, combines them and publishes the outcome (the last arrival);
+    with `each`, every process's own share first (see `converge_each`)."""
     texts = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{key}/v")}
     # Exchanges every process is done with (it posted so), deleted now.
     done_with: list[set[str]] = []
@@ -334,7 +378,14 @@ def _decide(client: KeyValueClient, key: str, combine: Combine) -> str:
         client.key_value_delete(old)
     prefix = f"{_RETIRING}{json.dumps(retired)}\n" if retired else ""
     try:
-        outcome = _OK + prefix + _pack(json.dumps(combine(texts), separators=(",", ":")))
+        combined = combine(texts)
+        if each:
+            for p, share in combined["each"].items():
+                client.key_value_set(
+                    f"{key}/to/{p}", _pack(json.dumps(share, separators=(",", ":")))
+                )
+            combined = combined["all"]
+        outcome = _OK + prefix + _pack(json.dumps(combined, separators=(",", ":")))
     except Exception as e:  # every process raises it (see `exchange`)
         outcome = json.dumps({"failed": f"{type(e).__name__}: {e}"})
     client.key_value_set(f"{key}/all", outcome)

@@ -345,7 +345,7 @@ class Persister:
                 # recreates a step directory that garbage collection removed.
                 if not gone:
                     try:
-                        _fs.fsync_path(final / _format.index_file(manifest.owner))
+                        _fs.fsync_path(_index.index_path(final, manifest.owner))
                         part = final / _format.part_dir_name(manifest.owner)
                         _fs.replace_dir(staging, part, make_parents=False)
                         # The new name, and the finalized step's own names, survive a
@@ -372,8 +372,11 @@ class Persister:
                     kept.commit(None, manifest.to_json(), None)
                 elif keeping:
                     try:
+                        # A step's combined index names every part: the kept part gets its
+                        # own index manifest instead (what a per-part index holds).
+                        index = _index.index_path(final, manifest.owner)
                         kept.commit(
-                            final / _format.index_file(manifest.owner),
+                            None if index.name == _format.STEP_INDEX_FILE else index,
                             manifest.to_json(),
                             final.parent,
                         )
@@ -433,7 +436,7 @@ class Persister:
                 max(deadline - time.monotonic(), 1.0),
                 self._closing,
             )
-        if not _storage.exists(final / _format.index_file(manifest.owner)):
+        if not _index.has_index(final):
             raise FileNotFoundError(
                 f"Step {manifest.step} was deleted (garbage-collected) before it was persisted."
             )

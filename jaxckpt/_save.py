@@ -35,6 +35,7 @@ from jaxckpt import (
     _finite,
     _format,
     _fs,
+    _index,
     _memory_tier,
     _metrics,
     _multihost,
@@ -225,7 +226,7 @@ class Save:
         if self._peers is not None and options.replicas:
             push_start = time.perf_counter()
             # Data-parallel replicas: the copy goes to a partner holding the rest of the shard.
-            holders = self._peers.holders_with(self._snapshot.partners)[pi]
+            holders = self._peers.holders_with(self._snapshot.partners)
             sent = await self._peers.push_replicas(part, step, pi, holders)
             metrics.replicate_s = push_s = time.perf_counter() - push_start
             metrics.replicate_bytes = sent
@@ -247,15 +248,18 @@ class Save:
                     committed=committed,
                 )
             )
-        # IMPORTANT: every process agrees that all committed the same tree before any writes
-        # its index manifest: a step is indexed by every process or by none.
-        agree_start = time.perf_counter()
-        await self._choreography.agree(self._snapshot.leaves)
-        self.metrics.agree_s = time.perf_counter() - agree_start
-        # IMPORTANT: the index manifest is written only after the memory part is committed
-        # (and replicated), so an index never points at copies that do not exist yet.
+        # IMPORTANT: the step's index is written within the agreement, by the one process
+        # that decides it, once every process committed the same tree: a step is indexed
+        # by every process or by none. It is written only after every memory part is
+        # committed (and replicated), so an index never points at copies that do not exist.
         manifest = dataclasses.replace(manifest, metrics=metrics.to_dict())
-        _storage.write_file(self._item.path / _format.index_file(pi), manifest.to_json())
+        agree_start = time.perf_counter()
+        await self._choreography.agree(
+            self._snapshot.leaves, _index.entry(manifest), self._write_index
+        )
+        self.metrics.agree_s = time.perf_counter() - agree_start
+        # One process wrote the step's objects: the others' cached listings do not show them.
+        _storage.forget_listings(self._item.path)
         _faults.maybe_crash("index", step, pi)
         self._services.publisher.announce(self._set_up())
         self._services.publisher.publish(metrics.to_dict())
@@ -277,3 +281,15 @@ class Save:
             + ("; NaN/Inf counted" if o.count_nonfinite else "")
             + ". Each save and persist is logged at DEBUG."
         )
+
+    def _write_index(self, entries: dict[int, str]) -> None:
+        """Writes the step's index from every process's entry (on the deciding process)."""
+        path = self._item.path / _format.STEP_INDEX_FILE
+        try:
+            _index.write_step_index(self._item.path, self._snapshot.leaves, entries)
+        except Exception as e:
+            raise OSError(
+                f"[process {self._process}] could not write the index of step {self._step} "
+                f"({path}): {e}. The step is not saved on any process; the earlier steps "
+                "are untouched. Check that the checkpoint directory is writable and save again."
+            ) from e

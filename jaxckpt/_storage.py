@@ -27,6 +27,7 @@ chunk.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -108,6 +109,18 @@ def write_file(path: Path, data: str) -> None:
         path.write_text(data)  # one PUT
     else:
         _fs.write_atomic(path, data)
+
+
+def forget_listings(path: Path) -> None:
+    """Drops this process's cached object-store listings of `path` and its parents
+    (gcsfs and s3fs cache them), so that its next look, or Orbax's, sees what
+    another process wrote there. Nothing on a local path."""
+    if not is_remote(path):
+        return
+    from etils.epath import backend
+
+    with contextlib.suppress(Exception):  # a cache only: nothing to lose
+        backend.fsspec_backend.fs(str(path)).invalidate_cache(str(path))
 
 
 def delete_objects(directory: Path, keys: Sequence[str]) -> None:

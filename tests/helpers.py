@@ -220,3 +220,27 @@ def fill(directory: Path) -> None:
         assert e.errno == errno.ENOSPC, e
     finally:
         os.close(fd)
+
+
+def index_manifest(item_dir: Path, owner: int = 0) -> dict[str, Any]:
+    """`owner`'s index manifest of the step in `item_dir`, as a manifest's JSON members
+    (read from the step's combined index, or from an older step's `index_<p>.json`)."""
+    from jaxckpt import _index
+
+    return _index.read_index(item_dir)[owner].to_dict()
+
+
+def as_per_part_index(item_dir: Path) -> list[Path]:
+    """Rewrites a step's combined index as the layout of earlier versions, one
+    `index_<p>.json` per part; returns those files."""
+    from jaxckpt import _format, _index
+
+    index = _index.read_index(item_dir)
+    assert index, f"{item_dir} holds no index"
+    files = []
+    for owner, manifest in index.items():
+        path = item_dir / _format.index_file(owner)
+        path.write_text(manifest.to_json())
+        files.append(path)
+    (item_dir / _format.STEP_INDEX_FILE).unlink()
+    return files

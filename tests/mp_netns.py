@@ -92,8 +92,9 @@ def scenario_network(args: dict) -> dict:
             dropped = drop_own_part(step)
             out[name] = attempt(lambda step=step: restore(step))
             out[name]["dropped"] = dropped
-    out["addresses"] = [a.host for a in h._runs.peers.addresses]
-    out["holders"] = [list(x) for x in h._runs.peers.holders]
+    # Its holders' addresses it was told; the others' it looks up.
+    out["addresses"] = [h._runs.peers.addresses[p].host for p in range(jax.process_count())]
+    out["holders"] = list(h._runs.peers.holders)
     phase(args["sync"], "end")
     mngr.close()
     return out

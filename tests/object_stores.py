@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ import portpicker
 # driver opens), so an earlier emulator's driver for the same bucket could be reused.
 BUCKET_PREFIX = "jaxckpt-test"
 START_TIMEOUT_S = 30.0
+_REQUEST = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+"')
 
 
 class Emulator:
@@ -118,6 +121,40 @@ class Emulator:
         else:
             request = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT")
         urllib.request.urlopen(request, timeout=10).close()
+
+    def requests(self) -> list[tuple[str, str]]:
+        """(method, decoded target) of every request the emulator logged so far."""
+        self._log.flush()
+        out = []
+        for line in Path(self._log.name).read_text(errors="replace").splitlines():
+            found = _REQUEST.search(line)
+            if found:
+                out.append((found.group(1), urllib.parse.unquote(found.group(2))))
+        return out
+
+    def object_writes(self) -> list[str]:
+        """The name of every object written so far, once per write (a simple upload, a
+        multipart upload's completion, a resumable upload's start; never a bucket's
+        creation). On GCS, an upload that names its object only in its body shows "?"."""
+        names = []
+        for method, target in self.requests():
+            path, _, query = target.partition("?")
+            params = urllib.parse.parse_qs(query)
+            if self.kind == "s3":
+                prefix = f"/{self.bucket}/"
+                if not path.startswith(prefix) or path == prefix:
+                    continue
+                if (method == "PUT" and "partNumber" not in params) or (
+                    method == "POST" and "uploadId" in params
+                ):
+                    names.append(path[len(prefix) :])
+            elif (
+                method == "POST"
+                and path == f"/upload/storage/v1/b/{self.bucket}/o"
+                and "upload_id" not in params  # a resumable upload's data, not another object
+            ):
+                names.append(params.get("name", ["?"])[0])
+        return names
 
     def kill(self) -> None:
         """Kills the emulator at once (a store that vanishes mid-upload)."""

@@ -166,7 +166,9 @@ class FakePeers(_peers.Peers):
         ckpt_dir: Path | None = None,
     ):
         replicas = 1 if push else 0  # two failure domains: process 1 holds process 0's copy
-        super().__init__(own, token, run_id, [own.address, peer], ["a", "b"], replicas, timeout_s)
+        addresses = _peers.Addresses(run_id, {0: own.address, 1: peer}, timeout_s)
+        holders = (1,) if push else ()
+        super().__init__(own, token, run_id, addresses, holders, replicas, timeout_s)
         self.held = held or {}
         self.holder_memory, self.ckpt_dir = holder_memory, ckpt_dir
 

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import patience
 import pytest
-from helpers import REPO, flip_slab_byte, fresh_iterator, manager, mesh_1d, save, sharded_state
+from helpers import (
+    REPO,
+    flip_slab_byte,
+    fresh_iterator,
+    index_manifest,
+    manager,
+    mesh_1d,
+    save,
+    sharded_state,
+)
 
 import jaxckpt
 from jaxckpt import _format, cli
@@ -64,7 +73,7 @@ def copy(saved, tmp_path) -> tuple[Path, Path]:
 
 
 def index(ckpt: Path, step: int) -> dict:
-    return json.loads((ckpt / str(step) / "train" / "index_00000.json").read_text())
+    return index_manifest(ckpt / str(step) / "train")
 
 
 def first_chunk(part_dir: Path, manifest: dict, path: str) -> Path:

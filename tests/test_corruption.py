@@ -211,7 +211,7 @@ INDEX_CORRUPTIONS = ["index_garbage", "index_missing", "index_scalar_flip", "ind
 
 
 def corrupt_index(item_dir: Path, how: str) -> None:
-    index = item_dir / _format.index_file(0)
+    index = item_dir / _format.STEP_INDEX_FILE
     text = index.read_text()
     if how == "index_garbage":
         index.write_text(text[: len(text) // 2])

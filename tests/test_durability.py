@@ -47,7 +47,7 @@ def test_every_file_and_directory_of_a_persisted_part_is_fsynced(
         h.wait_for_persistence()
     item = ckpt_dir / "1" / "train"
     part = item / "part_00000"
-    expected = {part, item, item.parent, ckpt_dir, item / "index_00000.json"}
+    expected = {part, item, item.parent, ckpt_dir, item / "index.json"}
     expected |= {Path(d) / n for d, dirs, files in os.walk(part) for n in dirs + files}
     missing = sorted(str(p) for p in expected if _identity(p) not in synced)
     assert not missing, f"{len(missing)} not fsynced, such as {missing[:3]}"

@@ -15,6 +15,7 @@ from helpers import (
     assert_tree_equal,
     flip_slab_byte,
     fresh_iterator,
+    index_manifest,
     manager,
     mesh_1d,
     restore,
@@ -176,7 +177,7 @@ def test_restore_from_memory_in_a_new_process(memory_root, ckpt_dir):
     run_python(code, env={"MODE": "save"})
     out = run_python(code, env={"MODE": "restore"})
     # Restored from memory: the step was never persisted (no part_* in the item directory).
-    assert "RESULT memory ['commit_success.txt', 'index_00000.json']" in out, out
+    assert "RESULT memory ['commit_success.txt', 'index.json']" in out, out
 
 
 def test_restore_from_persistent_after_memory_is_lost(memory_root, ckpt_dir):
@@ -472,7 +473,7 @@ def test_metrics_reach_the_callback_the_log_and_the_manifest(memory_root, ckpt_d
     assert saved["safe_in_memory_s"] >= saved["stall_s"]
     persisted = next(e for e in events if e["event"] == "persist")
     assert persisted["step"] == 1 and persisted["persist_s"] > 0
-    index = json.loads((ckpt_dir / "1/train/index_00000.json").read_text())
+    index = index_manifest(ckpt_dir / "1/train")
     assert index["metrics"]["stall_s"] == saved["stall_s"]
     durable = json.loads((ckpt_dir / "1/train/part_00000/manifest.json").read_text())
     assert durable["metrics"]["persist_s"] == persisted["persist_s"]

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_chunking",
             "_sharding",
             "_multihost",
+            "_published",
             "_placement",
             "_replicas",
             "_options",

@@ -28,5 +28,5 @@ def test_a_bare_checkpointer_with_an_explicit_step_still_saves(memory_root, tmp_
     handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=1))
     ckptr = ocp.Checkpointer(handler)
     ckptr.save(tmp_path / "one" / "item", args=jaxckpt.TieredSave({"w": jnp.ones(3)}, step=7))
-    assert (tmp_path / "one" / "item" / "index_00000.json").exists()
+    assert (tmp_path / "one" / "item" / "index.json").exists()
     ckptr.close()

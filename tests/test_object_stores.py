@@ -119,7 +119,7 @@ def test_garbage_collection_deletes_manifests_first(tmp_path, memory_root, store
 
         def recorded(directory, keys):
             # What is left of the step when its manifests go: everything (the index too).
-            index = _storage.exists(directory / "index_00000.json")
+            index = _storage.exists(directory / "index.json")
             seen.append((str(directory), list(keys), index))
             delete(directory, keys)
 

@@ -721,3 +721,30 @@ def test_push_header_round_trip_and_rejections() -> None:
     for data, message in bad.items():
         with pytest.raises(ValueError, match=message):
             decode_push_header(data)
+
+
+def test_a_request_before_the_runs_token_is_told_waits_for_it(root: Path) -> None:
+    """The set-up starts each service before the run's token is exchanged: a peer that
+    learned it first (and pushes at once) is answered once this service learns it too,
+    and a wrong token, or none told within the I/O timeout, is refused."""
+    (root / RUN).mkdir(parents=True)
+    (root / RUN / "f").write_bytes(b"data")
+    with PeerServer(root, run_id=RUN, token=None, io_timeout=1.0) as srv:
+        got: list[object] = []
+        reader = threading.Thread(
+            target=lambda: got.append(fetch_file(srv.address, relpath="f", **_kw()))
+        )
+        reader.start()
+        time.sleep(0.3)
+        assert reader.is_alive() and got == []  # waiting for the token
+        srv.set_token(TOKEN)
+        reader.join(10)
+        assert got == [b"data"]
+        with pytest.raises(PermissionError):
+            fetch_file(srv.address, relpath="f", **_kw(token="another-token-value"))
+    never_told = PeerServer(root, run_id=RUN, token=None, io_timeout=0.5)
+    with never_told as srv, pytest.raises(PermissionError):  # refused after the I/O timeout
+        fetch_file(srv.address, relpath="f", **_kw())
+    made_with_one = PeerServer(root, run_id=RUN, token=TOKEN)
+    with made_with_one as srv, pytest.raises(ValueError, match="made with its token"):
+        srv.set_token(TOKEN)

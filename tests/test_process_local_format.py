@@ -16,7 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
+from helpers import (
+    as_per_part_index,
+    assert_tree_equal,
+    index_manifest,
+    manager,
+    mesh_1d,
+    restore,
+    save,
+    sharded_state,
+)
 
 import jaxckpt
 from jaxckpt import _format, _readers, _target
@@ -29,7 +38,7 @@ def test_numpy_and_scalars_are_per_process_and_arrays_global_in_one_process(memo
     with manager(ckpt_dir, jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root))) as m:
         save(m, 1, state)
         m.wait_until_finished()
-    raw = json.loads((ckpt_dir / "1" / "train" / _format.index_file(0)).read_text())
+    raw = index_manifest(ckpt_dir / "1" / "train")
     assert raw["version"] == _format.FORMAT_VERSION == 3
     leaves = {leaf["path"]: leaf for leaf in raw["leaves"]}
     by_index = {leaf["path"]: i for i, leaf in enumerate(raw["leaves"])}
@@ -111,6 +120,7 @@ def test_a_version_1_checkpoint_still_restores(memory_root, ckpt_dir):
         save(mngr, 1, state)
         mngr.wait_until_finished()
         h.wait_for_persistence()
+    as_per_part_index(ckpt_dir / "1" / "train")  # version 1 had one index file per part
     manifests = [
         *Path(memory_root).rglob(_format.MANIFEST_FILE),
         *ckpt_dir.rglob(_format.MANIFEST_FILE),

@@ -8,8 +8,11 @@ of N processes against one simulated coordinator (`_coordinator`: one service
 queue, a per-call latency, a bandwidth; no JAX devices) for three operations:
 
 - setup: the peer set-up (`Peers.meet`: the run's token, every process's
-  address and failure domain) and the replica placement computed from it;
-- save: one save's agreement (`_agreement.agree_on_save`: verdict and tree digest);
+  address published, its address and failure domain posted, the replica
+  placement computed once by the decider, each process told its holders);
+- save: one save's agreement (`_agreement.agree_on_save`: verdict, tree digest
+  and each part's index entry; the decider builds the step's one index, not
+  written anywhere here);
 - restore: one restore after a node loss: the inventories
   (`Peers.exchange_inventories`; the lost process holds nothing, its part
   lives on its peer), every process's plan (`_plan.plan_step` and the chunk
@@ -31,10 +34,19 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from jaxckpt import _agreement, _format, _multihost, _placement, _plan
+from jaxckpt import (
+    _agreement,
+    _format,
+    _index,
+    _multihost,
+    _placement,
+    _plan,
+    _published,
+    _resources,
+)
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
-from jaxckpt.peer._peers import Peers
+from jaxckpt.peer._peers import Addresses, Peers
 from jaxckpt.peer._wire import PeerAddress
 
 OPS: Final = ("setup", "save", "restore")
@@ -53,6 +65,9 @@ class _Service:
 
     def __init__(self, p: int):
         self.address = PeerAddress(f"10.{p >> 16}.{(p >> 8) & 255}.{p & 255}", 40000 + p % 20000)
+
+    def set_token(self, token: str) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -111,9 +126,6 @@ class Setup:
 
     def __init__(self, count: int):
         self.count = count
-        # Placement is pure CPU, the same on every process: in the simulation only process
-        # 0 computes it (on its clock), lest one core run it N times; replays all do.
-        self.placing: Callable[[int], bool] = lambda p: p == 0
 
     def __call__(self, p: int) -> None:
         opts = TierOptions(
@@ -122,10 +134,9 @@ class Setup:
             timeout_s=TIMEOUT_S,
             failure_domain=_domain(p, self.count),
         )
-        peers = Peers.meet(RUN_ID, lambda token: _Service(p), opts)
-        if self.placing(p):
-            peers.holders  # noqa: B018 -- placement, as the first save computes it
-        # Nothing kept: the simulation holds N processes, each with its N addresses.
+        peers = Peers.meet(RUN_ID, lambda: _Service(p), opts)
+        if len(peers.holders) != 1:  # the decider placed them once
+            raise RuntimeError(f"process {p} was told holders {peers.holders}")
 
 
 class Restore:
@@ -146,8 +157,14 @@ class Restore:
         self.planned: dict[int, float] = {}  # process -> when it had its plan
 
     def __call__(self, p: int) -> bool:
-        domains = [_domain(q, self.count) for q in range(self.count)]
-        peers = Peers(_Service(p), "t" * 64, RUN_ID, [], domains, 1, TIMEOUT_S)
+        # As `TieredCheckpointHandler.restore` does: the cyclic collector paused (else a
+        # replay bills the walk of the simulation's whole heap to the planning process).
+        with _resources.SHARED.gc_paused():
+            return self._restore(p)
+
+    def _restore(self, p: int) -> bool:
+        addresses = Addresses(RUN_ID, {}, TIMEOUT_S)
+        peers = Peers(_Service(p), "t" * 64, RUN_ID, addresses, self.holders[p], 1, TIMEOUT_S)
         held = peers.exchange_inventories({STEP: self.inventory[p]})
         plan = _plan.plan_step(
             STEP, self.manifests, p, {q: h[STEP] for q, h in held.items()}, set()
@@ -164,10 +181,20 @@ class Restore:
 def save_fn(count: int) -> Callable[[int], None]:
     tree = leaves(count)
     _agreement.tree_digest(tree)  # computed once per tree and remembered, as in a training run
+    parts = manifests(count, tree)
+
+    def build_index(entries: dict[int, str]) -> None:
+        _index.step_index_text(tree, entries)  # what the decider writes (no I/O here)
 
     def save(p: int) -> None:
         _agreement.agree_on_save(
-            tree, None, tag=f"save/{RUN_ID}/{STEP}", step=STEP, timeout_s=TIMEOUT_S
+            tree,
+            None,
+            tag=f"save/{RUN_ID}/{STEP}",
+            step=STEP,
+            timeout_s=TIMEOUT_S,
+            entry=_index.entry(parts[p]),
+            write_index=build_index,
         )
 
     return save
@@ -198,13 +225,13 @@ def measure(
     if failed:
         p, r = failed[0]
         raise RuntimeError(f"{op} with {count} processes failed on {len(failed)}, first {p}: {r}")
-    if sim.coordinator.data:
-        raise RuntimeError(f"{op} left {len(sim.coordinator.data)} keys in the coordinator.")
+    # What the set-up publishes (every process's address) stays for the run, by design.
+    left = [k for k in sim.coordinator.data if not k.startswith(f"{_published.PUBLISHED}/")]
+    if left:
+        raise RuntimeError(f"{op} left {len(left)} keys in the coordinator, such as {left[0]}.")
     # Per-process CPU and memory: the busiest process (the one that combined the values)
     # and an ordinary one, each run again alone against its recorded replies.
     busiest = max(sim.processes, key=lambda proc: proc.counts.bytes).index
-    if isinstance(fn, Setup):
-        fn.placing = lambda p: True
     cpu, peak = 0.0, 0
     for p in sorted({busiest, 0, count - 1}):
         c, m = _replay(fn, p, count, sim.processes[p].calls)

@@ -1,17 +1,26 @@
 """The other processes: their addresses, who holds whose replicas, and what they hold.
 
-`Peers.connect` is collective (every process calls it once per run): process 0
-makes the run's secret token, every process starts its peer data service on
-`TierOptions.peer_host`, and addresses and failure domains are exchanged
-through jax.distributed. Replica placement is then a pure function of the
-failure domains, so every process agrees on it without another message.
+`Peers.connect` is collective (every process calls it once per run): every
+process starts its peer data service on `TierOptions.peer_host` (without
+the run's token yet: a request waits for it), publishes its address in
+the coordinator's store and posts its address and failure domain to one
+exchange, process 0 the run's secret token too, which every process gets back
+and serves under from then on. No process reads every address: the process
+that decides the exchange computes the replica placement
+(`_placement.place_replicas`, a pure function of the failure domains) once and
+tells each process only its holders and their addresses
+(`_agreement.agree_each`), so the set-up moves O(N) bytes through the
+coordinator, a few hundred a process. Any other address (a holder of another
+owner's part, read on a restore onto another mesh) is looked up when first
+needed (`Addresses`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +34,7 @@ from jaxckpt import (
     _multihost,
     _options,
     _placement,
+    _published,
     _slab,
 )
 from jaxckpt.peer import _client, _server, _wire
@@ -37,7 +47,41 @@ class Service(Protocol):
 
     @property
     def address(self) -> _wire.PeerAddress: ...
+    def set_token(self, token: str) -> None: ...
     def close(self) -> None: ...
+
+
+class Addresses:
+    """Process -> its peer address: those told at set-up, any other looked up in the
+    coordinator's store once, when first needed (every process published its own)."""
+
+    def __init__(self, run_id: str, known: Mapping[int, _wire.PeerAddress], timeout_s: float):
+        self._run_id = run_id
+        self._known = dict(known)
+        self._timeout_s = timeout_s
+
+        self._domains: dict[int, str] = {}
+
+    def __getitem__(self, process: int) -> _wire.PeerAddress:
+        if process not in self._known:
+            self._look_up(process)
+        return self._known[process]
+
+    def domain(self, process: int) -> str:
+        """`process`'s failure domain (published beside its address), looked up once."""
+        if process not in self._domains:
+            self._look_up(process)
+        return self._domains[process]
+
+    def _look_up(self, process: int) -> None:
+        raw = json.loads(_published.look_up(address_name(self._run_id, process), self._timeout_s))
+        self._domains[process] = str(raw.pop("domain", ""))
+        self._known[process] = _wire.PeerAddress.from_dict(raw)
+
+
+def address_name(run_id: str, process: int) -> str:
+    """Where `process` publishes its peer address for the run (`_multihost.publish`)."""
+    return f"{run_id}/address/{process}"
 
 
 class Peers:
@@ -48,19 +92,22 @@ class Peers:
         server: Service,
         token: str,
         run_id: str,
-        addresses: list[_wire.PeerAddress],
-        domains: list[str],
+        addresses: Addresses,
+        holders: tuple[int, ...] | ValueError,
         replicas: int,
         timeout_s: float,
+        domain: str = "",
     ):
+        """Args: `holders` are the processes that keep copies of this process's parts,
+        or why `replicas` cannot be placed (raised by `holders` when a save needs them)."""
         self._server = server
         self._token = token
         self.run_id = run_id
         self.addresses = addresses
-        self.domains = domains
         self.replicas = replicas
-        self._holders: tuple[tuple[int, ...], ...] | None = None
-        self._partnered: tuple[Any, tuple[tuple[int, ...], ...]] | None = None
+        self._holders = holders
+        self._domain = domain  # this process's failure domain
+        self._partnered: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.skipped: list[tuple[int, int]] = []  # (step, holder) of pushes that failed
         self._timeout_s = timeout_s
         # IMPORTANT: a peer that stalls for half the timeout is given up (its copy skipped,
@@ -80,11 +127,11 @@ class Peers:
             built-in type, naming it), on every process.
         """
 
-        def serve(token: str) -> _server.PeerServer:
+        def serve() -> _server.PeerServer:
             server = _server.PeerServer(
                 memory.run_dir.parent,
                 run_id=memory.run_id,
-                token=token,
+                token=None,  # the run's, told by `meet` (requests wait for it)
                 host=options.peer_host,
                 io_timeout=options.timeout_s,
                 reuse_free_slabs=options.spare_slabs,
@@ -117,74 +164,103 @@ class Peers:
     def meet(
         cls,
         run_id: str,
-        serve: Callable[[str], Service] | None,
+        serve: Callable[[], Service] | None,
         options: _options.TierOptions,
         error: BaseException | None = None,
     ) -> Peers:
-        """The exchanges of `connect` (collective): the token, then every process's address
-        and failure domain. `serve(token)` starts this process's service; None (or
-        `error`) takes part without one, and every process raises the error."""
-        tag = f"peers/{run_id}"
-        token = _multihost.broadcast(
-            secrets.token_hex(32) if _multihost.process_index() == 0 else None,
-            tag=f"{tag}/token",
-            timeout_s=options.timeout_s,
-        )
+        """The exchange of `connect` (collective; see the module docstring). `serve()`
+        starts this process's service; None (or `error`) takes part without one, and
+        every process raises the error."""
+        me = _multihost.process_index()
         server = None
         if error is None and serve is not None:
             try:
-                server = serve(token)
+                server = serve()
+                # IMPORTANT: published before the exchange below, so that once it ends
+                # every address is there to look up.
+                published = {**server.address.to_dict(), "domain": options.resolved_failure_domain}
+                _published.publish(address_name(run_id, me), json.dumps(published))
             except Exception as e:  # agreed on below, so every process raises it
+                if server is not None:
+                    server.close()
                 server, error = None, e
-        me = (
-            {"address": server.address.to_dict(), "domain": options.resolved_failure_domain}
-            if server is not None
-            else None
-        )
+        hello: dict[str, Any] | None = None
+        if server is not None:
+            hello = {"address": server.address.to_dict(), "domain": options.resolved_failure_domain}
+            if me == 0:
+                hello["token"] = secrets.token_hex(32)
         try:
             # IMPORTANT: a process that cannot serve still takes part, with its error, so
             # the others raise it at once instead of timing out.
-            everyone = _agreement.agree(
+            common, told = _agreement.agree_each(
                 error,
-                tag=f"{tag}/hello",
+                tag=f"peers/{run_id}/hello",
                 what=f"Starting the peer data service of run {run_id}",
                 timeout_s=options.timeout_s,
-                payload=me,
+                payload=hello,
+                share=lambda everyone: placement_shares(everyone, options.replicas),
             )
+            assert server is not None  # no process failed, this one included
+            token = str(common["token"])
+            server.set_token(token)
         except BaseException:
             if server is not None:
                 server.close()
+                _published.unpublish(address_name(run_id, me))
             raise
-        assert server is not None  # no process failed, this one included
-        addresses = [_wire.PeerAddress.from_dict(p["address"]) for p in everyone]
-        domains = [str(p["domain"]) for p in everyone]
-        return cls(server, token, run_id, addresses, domains, options.replicas, options.timeout_s)
+        known = {me: server.address}
+        holders: tuple[int, ...] | ValueError
+        if "placement_error" in told:
+            holders = ValueError(told["placement_error"])
+        else:
+            holders = tuple(int(h) for h, _ in told["holders"])
+            known.update({int(h): _wire.PeerAddress.from_dict(a) for h, a in told["holders"]})
+        addresses = Addresses(run_id, known, options.timeout_s)
+        return cls(
+            server,
+            token,
+            run_id,
+            addresses,
+            holders,
+            options.replicas,
+            options.timeout_s,
+            options.resolved_failure_domain,
+        )
 
     @property
-    def holders(self) -> tuple[tuple[int, ...], ...]:
-        """holders[owner]: the processes that keep copies of `owner`'s parts.
+    def holders(self) -> tuple[int, ...]:
+        """The processes that keep copies of this process's parts.
 
         Raises:
           ValueError: if `replicas` cannot be placed outside each owner's failure
             domain (only saving needs placement; restoring never does).
         """
-        if self._holders is None:
-            self._holders = _placement.place_replicas(self.domains, self.replicas)
+        if isinstance(self._holders, ValueError):
+            raise ValueError(str(self._holders))
         return self._holders
 
-    def holders_with(self, partners: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-        """`holders`, each owner's partners (the processes holding the same shards in
-        other data-parallel replicas: `_replicas.partners`) taken first where the
-        failure domains allow; the last answer is kept (a loop saves one tree)."""
-        if not any(partners):
+    def holders_with(self, partners: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """`holders`, with this process's partners (the processes holding the same shards
+        in other data-parallel replicas: `_replicas.partners`, alike on every process)
+        taken first where they are in another failure domain; the set-up's holders fill
+        the rest. The last answer is kept (a loop saves one tree)."""
+        me = _multihost.process_index()
+        mine = tuple(partners[me]) if me < len(partners) else ()
+        if not mine:
             return self.holders
-        if self._partnered is None or self._partnered[0] != partners:
-            placed = _placement.place_replicas(self.domains, self.replicas, partners)
-            self._partnered = (partners, placed)
+        if self._partnered is None or self._partnered[0] != mine:
+            preferred = [q for q in mine if self.addresses.domain(q) != self._domain]
+            chosen = preferred[: self.replicas]
+            if len(chosen) < self.replicas:
+                chosen += [h for h in self.holders if h not in chosen][
+                    : self.replicas - len(chosen)
+                ]
+            self._partnered = (mine, tuple(chosen))
         return self._partnered[1]
 
     def close(self) -> None:
         self._server.close()
+        _published.unpublish(address_name(self.run_id, _multihost.process_index()))
 
     def redact(self, text: str) -> str:
         """`text` without the run's token (kept out of every error and log)."""
@@ -262,8 +338,8 @@ class Peers:
     async def push_replicas(
         self, part_dir: Path, step: int, owner: int, holders: Sequence[int] | None = None
     ) -> int:
-        """Copies a committed part to every holder of `owner`'s replicas at once (`holders`,
-        else `self.holders[owner]`); bytes sent.
+        """Copies a committed part to every holder of this process's replicas at once
+        (`holders`, else `self.holders`); bytes sent.
 
         This process only sends (`push_part`: sendfile, no checksum); each holder
         verifies every chunk against the part's manifest before keeping it. A
@@ -305,7 +381,7 @@ class Peers:
                     f"({self.addresses[holder]}) was refused: {self.redact(str(e))}"
                 ) from e
 
-        targets = self.holders[owner] if holders is None else holders
+        targets = self.holders if holders is None else holders
         sent = await asyncio.gather(*(asyncio.to_thread(push, h) for h in targets))
         return sum(sent)
 
@@ -328,3 +404,23 @@ class Peers:
             p: {int(s): {p + o for o in offsets} for s, offsets in inv.items()}
             for p, inv in enumerate(everyone)
         }
+
+
+def placement_shares(everyone: list[Any], replicas: int) -> dict[str, Any]:
+    """What the set-up's decider tells every process (the run's token, from process 0)
+    and each process alone: its holders, with their addresses (`replicas` placed once
+    over every process's failure domain), or why they cannot be placed."""
+    common = {"token": everyone[0]["token"]}
+    domains = [str(p["domain"]) for p in everyone]
+    try:
+        placed = _placement.place_replicas(domains, replicas)
+    except ValueError as e:
+        return {
+            "all": common,
+            "each": {p: {"placement_error": str(e)} for p in range(len(everyone))},
+        }
+    each = {
+        p: {"holders": [[h, everyone[h]["address"]] for h in holders]}
+        for p, holders in enumerate(placed)
+    }
+    return {"all": common, "each": each}

@@ -35,6 +35,24 @@ def no_free_slab(dest: Path, nbytes: int) -> bool:
     return False
 
 
+class LaterToken:
+    """A run's token that a service learns after it started serving (the set-up tells
+    it once every process's address is exchanged): a request waits for it."""
+
+    def __init__(self) -> None:
+        self._value = b""
+        self._known = threading.Event()
+
+    def set(self, token: bytes) -> None:
+        self._value = token
+        self._known.set()
+
+    def wait(self, timeout: float) -> bytes:
+        """The token, or b"" (which no request matches) if it is not known in time."""
+        self._known.wait(timeout)
+        return self._value
+
+
 @dataclasses.dataclass(frozen=True)
 class ServiceConfig:
     """What the request handlers of one peer service share.
@@ -43,6 +61,8 @@ class ServiceConfig:
       run_dir: Real path of the run directory served and written.
       run_id: The run served; requests naming another run are refused.
       token: The run's shared secret, encoded; every request must carry it.
+      later_token: Where the secret arrives instead, once known (`LaterToken`):
+        until then requests wait for it (for at most `io_timeout`).
       max_push_bytes: Largest push body accepted; bigger ones get HTTP 413.
       io_timeout: Seconds any one recv/send on a connection may block.
       temp_name: Returns a fresh name (starting with `TEMP_PREFIX`) for a
@@ -68,6 +88,7 @@ class ServiceConfig:
     )
     take_free_slab: Callable[[Path, int], bool] = no_free_slab
     retire_part: Callable[[str], None] = _fs.remove_entry
+    later_token: LaterToken | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
@@ -191,7 +212,10 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
     def _route(self, method: str, kind: str) -> str:
         """Authenticates the request and returns its cleaned relative path."""
         sent = (self.headers.get(_wire.TOKEN_HEADER) or "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(sent, self.config.token):
+        token = self.config.token
+        if self.config.later_token is not None:
+            token = self.config.later_token.wait(self.config.io_timeout)
+        if not token or not hmac.compare_digest(sent, token):
             raise _wire.Refusal(403, f"Missing or wrong {_wire.TOKEN_HEADER} header.")
         try:
             path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path, errors="strict")

@@ -102,7 +102,7 @@ class PeerServer:
         root: str | os.PathLike[str],
         *,
         run_id: str,
-        token: str,
+        token: str | None,
         host: str = "127.0.0.1",
         port: int = 0,
         max_push_bytes: int = 1 << 40,
@@ -115,7 +115,8 @@ class PeerServer:
         Args:
           root: Memory-tier root; the server serves and writes ``root/run_id/``.
           run_id: Identifies the run; requests naming another run are refused.
-          token: Shared secret every request must carry.
+          token: Shared secret every request must carry; None: told later
+            (`set_token`), requests waiting for it meanwhile.
           host: Interface to listen on; a wildcard (``0.0.0.0``, ``::``) is
             advertised under this machine's hostname.
           port: TCP port; 0 picks a free one.
@@ -132,7 +133,8 @@ class PeerServer:
           OSError: If the socket cannot be bound.
         """
         _wire.check_run_id(run_id)
-        _wire.check_token(token)
+        if token is not None:
+            _wire.check_token(token)
         if isinstance(max_push_bytes, bool) or not isinstance(max_push_bytes, int):
             raise ValueError(f"max_push_bytes must be an int, got {max_push_bytes!r}.")
         if max_push_bytes <= 0 or not io_timeout > 0:
@@ -145,7 +147,8 @@ class PeerServer:
         config = _request_handler.ServiceConfig(
             run_dir=run_dir,
             run_id=run_id,
-            token=token.encode(),
+            token=token.encode() if token is not None else b"",
+            later_token=_request_handler.LaterToken() if token is None else None,
             max_push_bytes=max_push_bytes,
             io_timeout=io_timeout,
             temp_name=_temp_name,
@@ -174,6 +177,18 @@ class PeerServer:
         """How many connections this server has served to their end (each request's
         cleanup included)."""
         return self._httpd.handled
+
+    def set_token(self, token: str) -> None:
+        """Tells a server made without a token the run's (see `__init__`).
+
+        Raises:
+          ValueError: if the token is malformed, or the server was made with one.
+        """
+        _wire.check_token(token)
+        later = self._httpd.config.later_token
+        if later is None:
+            raise ValueError("This peer server was made with its token.")
+        later.set(token.encode())
 
     def start(self) -> None:
         """Starts serving; idempotent.

@@ -351,6 +351,7 @@ def _single_item(directory: Path) -> str:
             and _paths.step_of_name(step_dir.name) is not None
         ):
             items.update(p.parent.name for p in step_dir.glob("*/index_*.json"))
+            items.update(p.parent.name for p in step_dir.glob(f"*/{_format.STEP_INDEX_FILE}"))
     if len(items) > 1:
         raise ValueError(
             f"{directory} holds several jaxckpt items ({', '.join(sorted(items))}); "

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _format, _storage
+from jaxckpt import _format, _index, _storage
 from jaxckpt.tools import _catalog, _table
 
 # Save metrics shown as columns by `inspect`, in this order (others only in --json).
@@ -294,7 +294,9 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     if info.item_dir is not None:
         try:
-            raw = json.loads((info.item_dir / _format.index_file(owners[0])).read_text())
+            raw = json.loads(_index.index_path(info.item_dir, owners[0]).read_text())
+            if raw.get("format") == _index.STEP_INDEX_FORMAT:  # the step index: its parts'
+                raw = {**raw, "format": _format.FORMAT_NAME, "version": raw["manifest_version"]}
         except (OSError, ValueError):
             raw = {}
     leaves = []

@@ -1,0 +1,173 @@
+"""One combined index per step, written by one process inside the save's agreement.
+
+Threads play processes for the agreement (tests/test_multihost.py's `job`); the
+handler tests save and restore in this process. The object count per step on
+an object store is in tests/test_index_objects.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import (
+    abstract,
+    as_per_part_index,
+    assert_tree_equal,
+    manager,
+    mesh_1d,
+    restore,
+    sharded_state,
+)
+from helpers import save as save_step
+from test_agreement import leaf
+from test_multihost import job  # noqa: F401 -- the fixture
+
+import jaxckpt
+from jaxckpt import _agreement, _format, _index
+
+
+def leaves(scalar_type: str = "int", uncommitted: bool = False) -> tuple[_format.LeafRecord, ...]:
+    return (
+        leaf("['b']", shape=(48,)),
+        _format.LeafRecord(
+            "['loc']", _format.ARRAY, shape=(4,), dtype="float32", stored_shape=(4,),
+            stored_dtype="float32", chunk_shape=(4,), per_process=True, uncommitted=uncommitted,
+        ),
+        _format.LeafRecord("['step']", _format.SCALAR, scalar_type=scalar_type, per_process=True),
+    )  # fmt: skip
+
+
+def manifest(owner: int, count: int = 3, **kw) -> _format.PartManifest:
+    return _format.PartManifest(
+        step=5,
+        run_id="run",
+        save_id=f"save-{owner}",
+        owner=owner,
+        process_count=count,
+        failure_domain=f"node{owner}",
+        leaves=kw.pop("leaves", leaves()),
+        chunks={0: (_format.ChunkRecord((owner,), 32, crc32c=owner + 7, offset=0),)},
+        iterator_states={},
+        scalars={2: owner},
+        shardings={1: {"type": "single", "device_id": owner}},
+        created=1.0,
+        metrics={"stall_s": 0.1 * owner},
+        **kw,
+    )
+
+
+def agree_all(run, write, *, failing: int | None = None, count: int = 3) -> dict:
+    def one(p: int) -> None:
+        m = manifest(p, count)
+        error = OSError(f"[process {p}] disk full") if p == failing else None
+        _agreement.agree_on_save(
+            m.leaves,
+            error,
+            tag="save/run/train",
+            step=5,
+            timeout_s=10,
+            entry=None if error else _index.entry(m),
+            write_index=write,
+        )
+
+    return run(count, one)
+
+
+def test_one_process_writes_the_index_of_every_part_once_all_agreed(job):  # noqa: F811
+    _, run = job
+    calls = []
+    results = agree_all(run, lambda entries: calls.append(dict(entries)))
+    assert all(kind == "ok" for kind, _, _ in results.values()), results
+    assert len(calls) == 1 and sorted(calls[0]) == [0, 1, 2]
+    index = _index.parse_step_index(_index.step_index_text(leaves(), calls[0]).encode())
+    assert index == {p: manifest(p) for p in range(3)}
+
+
+def test_no_index_is_written_when_a_process_failed(job):  # noqa: F811
+    _, run = job
+    calls = []
+    results = agree_all(run, lambda entries: calls.append(entries), failing=1)
+    assert calls == []
+    assert all(kind == "error" for kind, _, _ in results.values()), results
+
+
+def test_a_failed_index_write_fails_the_save_on_every_process(job):  # noqa: F811
+    _, run = job
+
+    def write(entries):
+        raise OSError("[process 9] could not write the index of step 5: the bucket is gone")
+
+    results = agree_all(run, write)
+    for p, (kind, error, _) in results.items():
+        assert kind == "error" and _agreement.is_agreed(error), (p, error)
+        assert "could not write the index of step 5: the bucket is gone" in str(error)
+
+
+def test_each_part_keeps_its_own_fields_of_a_per_process_leaf():
+    """The leaf records are written once; the fields a per-process leaf's record may hold
+    differently on each process (a scalar's type, uncommitted) stay each part's own."""
+    own = {
+        0: manifest(0),
+        1: manifest(1, leaves=leaves(scalar_type="float", uncommitted=True)),
+        2: manifest(2, persist=True),
+    }
+    text = _index.step_index_text(own[0].leaves, {p: _index.entry(m) for p, m in own.items()})
+    assert text.count('"path":"[\'b\']"') == 1  # the records once, not once per part
+    index = _index.parse_step_index(text.encode())
+    assert index == own
+    assert index[1].leaves[2].scalar_type == "float" and index[1].leaves[1].uncommitted
+    assert index[0].leaves is index[2].leaves  # parsed once and shared
+
+
+def test_a_damaged_step_index_is_not_believed(tmp_path):
+    text = _index.step_index_text(leaves(), {0: _index.entry(manifest(0, 1))})
+    flipped = text.replace('"save-0"', '"save-1"')
+    (tmp_path / _format.STEP_INDEX_FILE).write_text(flipped)
+    assert _index.read_index(tmp_path) == {}
+    with pytest.raises(ValueError, match="damaged"):
+        _index.parse_step_index(flipped.encode())
+    other = json.loads(text[: text.rindex(',"crc32c"')] + "}")
+    other["version"] = 99
+    with pytest.raises(ValueError, match="upgrade jaxckpt"):
+        _index.parse_step_index(_format.with_checksum(json.dumps(other)).encode())
+
+
+def test_a_step_saved_with_one_index_per_part_still_restores(memory_root, ckpt_dir):
+    """Steps written by earlier versions hold `index_<p>.json` per part: still read."""
+    state = sharded_state(mesh_1d())
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        save_step(mngr, 1, state)
+        save_step(mngr, 2, state)
+        h.wait_for_persistence()
+    for step in (1, 2):
+        item = ckpt_dir / str(step) / "train"
+        files = as_per_part_index(item)
+        assert [f.name for f in files] == ["index_00000.json"]
+        assert not (item / _format.STEP_INDEX_FILE).exists()
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        assert jaxckpt.latest_restorable_step(mngr, delete_newer=False) == 2
+        assert_tree_equal(restore(mngr, 2, abstract(state)), state)
+        assert h.last_restore_metrics["tier"] == "memory"
+        assert mngr.item_metadata(2).train["w"].shape == state["w"].shape  # read there too
+
+
+def test_a_save_whose_index_cannot_be_written_fails_and_keeps_the_previous_step(
+    memory_root, ckpt_dir, monkeypatch
+):
+    state = sharded_state(mesh_1d())
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=1000))
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        save_step(mngr, 1, state)
+
+        def broken(item_dir, leaves, entries):
+            raise PermissionError(f"{item_dir} is read-only")
+
+        monkeypatch.setattr(_index, "write_step_index", broken)
+        with pytest.raises(OSError, match=r"could not write the index of step 2 .*read-only"):
+            save_step(mngr, 2, state)
+        monkeypatch.undo()
+        assert jaxckpt.latest_restorable_step(mngr, delete_newer=False) == 1
+        assert_tree_equal(restore(mngr, 1, abstract(state)), state)
