@@ -2,14 +2,14 @@
 
 from jaxckpt._args import TieredRestore as TieredRestore
 from jaxckpt._args import TieredSave as TieredSave
-from jaxckpt._existing import restore_existing as restore_existing
-from jaxckpt._export import export as export
-from jaxckpt._format import JAXCKPT_VERSION as __version__
 from jaxckpt._handler import TieredCheckpointHandler as TieredCheckpointHandler
 from jaxckpt._manager_options import manager_options as manager_options
 from jaxckpt._options import TierOptions as TierOptions
-from jaxckpt._prometheus import PrometheusMetrics as PrometheusMetrics
 from jaxckpt._resume import latest_restorable_step as latest_restorable_step
+from jaxckpt.format._format import JAXCKPT_VERSION as __version__
+from jaxckpt.restore._existing import restore_existing as restore_existing
+from jaxckpt.restore._export import export as export
+from jaxckpt.tools._prometheus import PrometheusMetrics as PrometheusMetrics
 
 __all__ = [
     "PrometheusMetrics",

@@ -10,7 +10,9 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from jaxckpt import _multihost, _target, _tree
+from jaxckpt.coord import _multihost
+from jaxckpt.format import _tree
+from jaxckpt.restore import _target
 
 
 @dataclasses.dataclass

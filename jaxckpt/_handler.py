@@ -14,26 +14,14 @@ from absl import logging as log
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 
-from jaxckpt import (
-    _aio,
-    _background,
-    _choreography,
-    _index,
-    _metrics,
-    _multihost,
-    _paths,
-    _resources,
-    _restore,
-    _retention,
-    _run,
-    _save,
-    _slab,
-    _snapshot,
-    _storage,
-    _target,
-)
+from jaxckpt import _aio, _metrics, _resources
 from jaxckpt._args import TieredRestore, TieredSave
 from jaxckpt._options import TierOptions
+from jaxckpt.coord import _multihost
+from jaxckpt.restore import _restore, _target
+from jaxckpt.run import _choreography, _run
+from jaxckpt.save import _background, _save, _snapshot
+from jaxckpt.tiers import _index, _paths, _retention, _slab, _storage
 
 
 class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):

@@ -8,8 +8,8 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from jaxckpt import _storage
 from jaxckpt._handler import TieredCheckpointHandler
+from jaxckpt.tiers import _storage
 
 
 def manager_options(

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from absl import logging as log
 
-from jaxckpt import _multihost
+from jaxckpt.coord import _multihost
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ import re
 import socket
 from typing import Final
 
-from jaxckpt import _paths
+from jaxckpt.tiers import _paths
 
 PERSIST_COMPRESSIONS: Final = (None, "zstd", "gzip", "blosc")
 # The longest `timeout_s`: a week. Every wait it bounds (threads, sockets, the

@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jaxckpt import _finite, _index, _internals, _kept, _multihost, _paths, _storage
+from jaxckpt import _internals
 from jaxckpt._handler import TieredCheckpointHandler
+from jaxckpt.coord import _multihost
+from jaxckpt.format import _finite
+from jaxckpt.tiers import _index, _kept, _paths, _storage
 
 log = logging.getLogger(__name__)
 

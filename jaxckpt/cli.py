@@ -33,7 +33,7 @@ from typing import Any, TextIO
 import rich.console
 from rich import progress
 
-from jaxckpt import _export
+from jaxckpt.restore import _export
 from jaxckpt.tools import _advise, _catalog, _inspect, _table, _verify
 
 OK, BAD_COPY, ERROR, NOT_IN_REACH = 0, 1, 2, 3

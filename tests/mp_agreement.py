@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 from mp_worker import ROWS, check, expected, manager, mesh, state, target
 
 import jaxckpt
-from jaxckpt import _format, _multihost
+from jaxckpt.coord import _multihost
+from jaxckpt.format import _format
 
 
 def attempt(fn) -> dict:

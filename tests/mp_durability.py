@@ -9,7 +9,7 @@ import mp_worker
 import orbax.checkpoint as ocp
 
 import jaxckpt
-from jaxckpt import _persister
+from jaxckpt.tiers import _persister
 
 
 def manager(args: dict) -> tuple[ocp.CheckpointManager, jaxckpt.TieredCheckpointHandler]:

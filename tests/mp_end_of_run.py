@@ -12,7 +12,7 @@ import mp_worker
 import orbax.checkpoint as ocp
 
 import jaxckpt
-from jaxckpt import _persister
+from jaxckpt.tiers import _persister
 
 
 def _manager(ckpt: str, **options) -> tuple[ocp.CheckpointManager, jaxckpt.TieredCheckpointHandler]:

@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _format, _paths
+from jaxckpt.format import _format
+from jaxckpt.tiers import _paths
 
 # name -> (shape, dtype, spec over ('dp', 'fsdp')): a mixed tree.
 LEAVES = {

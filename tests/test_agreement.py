@@ -11,7 +11,8 @@ import re
 
 from test_multihost import job  # noqa: F401 -- the fixture
 
-from jaxckpt import _agreement, _format
+from jaxckpt.coord import _agreement
+from jaxckpt.format import _format
 
 SHARDING = {
     "type": "named",

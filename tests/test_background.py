@@ -13,7 +13,7 @@ import pytest
 from helpers import manager, mesh_1d, save, sharded_state
 
 import jaxckpt
-from jaxckpt import _memory_tier, _persister
+from jaxckpt.tiers import _memory_tier, _persister
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -123,7 +123,7 @@ def test_wait_for_persistence_waits_for_a_commit_still_running(memory_root, ckpt
     from helpers import manager, mesh_1d, save, sharded_state
 
     import jaxckpt
-    from jaxckpt import _slab
+    from jaxckpt.tiers import _slab
 
     write = _slab.write
 

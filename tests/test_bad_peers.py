@@ -42,12 +42,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _format, _index, _memory_tier, _quarantine
 from jaxckpt._options import TierOptions
+from jaxckpt.format import _format
 from jaxckpt.peer import _peers
 from jaxckpt.peer._client import check_part, fetch_file
 from jaxckpt.peer._server import PeerServer
 from jaxckpt.peer._wire import TOKEN_HEADER, PeerAddress
+from jaxckpt.tiers import _index, _memory_tier, _quarantine
 
 RUN = "bad-peers-run"
 TOKEN = "a" * 64

@@ -15,7 +15,9 @@ import pytest
 from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
 
 import jaxckpt
-from jaxckpt import _choreography, _faults, _index, _paths
+from jaxckpt import _faults
+from jaxckpt.run import _choreography
+from jaxckpt.tiers import _index, _paths
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 from multiproc import run
 
-from jaxckpt import _choreography, _faults
+from jaxckpt import _faults
+from jaxckpt.run import _choreography
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -26,7 +26,8 @@ from helpers import (
 )
 
 import jaxckpt
-from jaxckpt import _format, cli
+from jaxckpt import cli
+from jaxckpt.format import _format
 from jaxckpt.tools import _advise, _inspect
 
 STEPS = (1, 2, 3)  # persist_every=2 persists step 2; memory_keep=2 keeps steps 2 and 3

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxckpt import _agreement, _placement, _plan
 from jaxckpt.bench import _coordinator, _scale
+from jaxckpt.coord import _agreement, _placement, _plan
 from jaxckpt.peer import _peers
 
 COUNT = 24

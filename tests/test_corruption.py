@@ -34,9 +34,10 @@ from helpers import (
 from test_bad_peers import RUN, TOKEN, FakePeers, Outcome, attach, bounded, own_server, tally
 
 import jaxckpt
-from jaxckpt import _format, _memory_tier, _persister, _slab
 from jaxckpt._options import TierOptions
+from jaxckpt.format import _format
 from jaxckpt.peer._server import PeerServer
+from jaxckpt.tiers import _memory_tier, _persister, _slab
 
 STEP = 1
 LEAF = "['w']"  # sharded over 8 devices: 8 chunks in process 0's part

@@ -27,7 +27,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _format, _snapshot, _tree, _zarr
+from jaxckpt.format import _format, _tree
+from jaxckpt.save import _snapshot
+from jaxckpt.tiers import _zarr
 
 JAX_DTYPES = [
     "bool",

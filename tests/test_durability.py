@@ -88,7 +88,7 @@ def test_steps_still_being_persisted_are_kept_with_the_newest_durable_one(
     """While step 4 is being persisted, step 2 (durable) and 4 both survive LatestN(1)."""
     import threading
 
-    from jaxckpt import _persister
+    from jaxckpt.tiers import _persister
 
     gate = threading.Event()
     original = _persister.Persister._persist
@@ -158,7 +158,7 @@ def test_a_step_asked_to_persist_is_kept_until_durable_and_persisted_after_a_cra
     """Step 3 asked for persistence, but the job died before its persist ran: garbage
     collection keeps it (it is the next durable step), and the restarted job persists it
     from memory, as it does for a step due by persist_every."""
-    from jaxckpt import _persister
+    from jaxckpt.tiers import _persister
 
     submit = _persister.Persister.submit
     monkeypatch.setattr(

@@ -47,8 +47,8 @@ from helpers import (
 from test_bad_peers import Outcome, bounded, tally
 
 import jaxckpt
-from jaxckpt import _paths
 from jaxckpt._options import TierOptions
+from jaxckpt.tiers import _paths
 
 CRASH_STEP = 3
 PHASES_ONE_PROCESS = [

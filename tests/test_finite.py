@@ -10,7 +10,8 @@ import pytest
 from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
 
 import jaxckpt
-from jaxckpt import _finite, _format, _index, _slab
+from jaxckpt.format import _finite, _format
+from jaxckpt.tiers import _index, _slab
 
 BLOCK = 1 << 20
 

@@ -8,7 +8,8 @@ import zlib
 
 import pytest
 
-from jaxckpt import _chunking, _format, _plan
+from jaxckpt.coord import _plan
+from jaxckpt.format import _chunking, _format
 
 
 def manifest(owner: int, count: int = 2, step: int = 5) -> _format.PartManifest:

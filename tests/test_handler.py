@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _kept, _persister, _slab
+from jaxckpt.tiers import _kept, _persister, _slab
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -120,7 +120,8 @@ def test_reshard_onto_other_meshes(memory_root, ckpt_dir, shape):
 
 
 def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypatch):
-    from jaxckpt import _paths, _restore
+    from jaxckpt.restore import _restore
+    from jaxckpt.tiers import _paths
 
     state = {
         "w": jax.device_put(
@@ -329,7 +330,7 @@ def test_large_leaves_read_in_the_background_fail_and_fall_back_alike(memory_roo
     """Leaves of 1 MiB and more are read on threads while the next ones are asked for:
     a damaged chunk of one still falls back to another tier, or fails the restore
     with its name, and no read outlives the failed restore."""
-    from jaxckpt import _restore
+    from jaxckpt.restore import _restore
 
     row = NamedSharding(mesh_1d(), P("data"))
     rng = np.random.default_rng(0)
@@ -395,7 +396,7 @@ def test_without_spare_slabs_the_tier_holds_only_the_kept_steps(memory_root, ckp
     """Step 0 is still being persisted when the later saves' retention runs, so they
     keep it; once it is durable it leaves the tier without waiting for another save,
     and only the kept step's slab is left (no spares)."""
-    from jaxckpt._persister import Persister
+    from jaxckpt.tiers._persister import Persister
 
     release = threading.Event()
     persist = Persister._persist

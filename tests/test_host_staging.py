@@ -8,7 +8,7 @@ import pytest
 from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
 
 import jaxckpt
-from jaxckpt import _snapshot
+from jaxckpt.save import _snapshot
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from test_memory_tier import commit_step
 
-from jaxckpt import _checksum, _format, _landing, _slab
-from jaxckpt._memory_tier import MemoryTier
+from jaxckpt.format import _checksum, _format
+from jaxckpt.tiers import _landing, _slab
+from jaxckpt.tiers._memory_tier import MemoryTier
 
 SHAPE = (512, 1024)  # float32: 2 MiB a chunk
 

@@ -16,80 +16,37 @@ import jaxckpt
 
 PACKAGE = Path(jaxckpt.__file__).parent
 
-# Lowest first. Patterns are module names relative to the package.
+# Lowest first. Patterns are module names relative to the package. Each package is one
+# layer (its README.md says what it owns and may import); a module may import its own
+# layer or lower ones.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    (
-        "foundations",
-        (
-            "_format",
-            "_fs",
-            "_faults",
-            "_chunking",
-            "_sharding",
-            "_multihost",
-            "_published",
-            "_placement",
-            "_replicas",
-            "_options",
-            "_paths",
-            "_tree",
-            "_liveness",
-            "_agreement",
-            "_aio",
-            "_storage",
-            "_checksum",
-            "_slab",
-            "_internals",
-            "_metrics",
-            "_resources",
-            "_weak_type",
-            "_finite",
-        ),
-    ),
-    (
-        "storage and planning",
-        (
-            "_zarr",
-            "_memory_budget",
-            "_quarantine",
-            "_memory_tier",
-            "_plan",
-            "_readers",
-            "_landing",
-            "_index",
-            "_kept",
-        ),
-    ),
-    (
-        "save and restore steps",
-        (
-            "_persister",
-            "_recovery",
-            "_retention",
-            "_snapshot",
-            "_restore",
-            "_target",
-            "_durable_step",
-        ),
-    ),
+    ("foundations", ("_internals", "_resources", "_aio", "_faults")),
+    ("on-disk format", ("format", "format.*")),
+    ("coordination", ("coord", "coord.*")),
+    ("tiers", ("tiers", "tiers.*")),
+    ("options and metrics", ("_options", "_metrics")),
     ("peer service", ("peer", "peer.*")),
-    ("handler", ("_args", "_run", "_choreography", "_save", "_background", "_handler")),
-    (
-        "public API",
-        (
-            "_resume",
-            "_existing",
-            "_existing_msgpack",
-            "_export",
-            "_prometheus",
-            "_manager_options",
-            "__init__",
-        ),
-    ),
+    ("run", ("run", "run.*")),
+    ("save and restore paths", ("save", "save.*", "restore", "restore.*")),
+    ("handler and public API", ("_args", "_handler", "_resume", "_manager_options", "__init__")),
     ("operator tools and launcher", ("tools", "tools.*", "launch", "launch.*")),
     ("benchmark", ("bench", "bench.*")),
     ("command line", ("cli",)),
 ]
+# The packages by flow, and the top-level modules (public API, handler, foundations).
+PACKAGES = (
+    "format",
+    "coord",
+    "tiers",
+    "peer",
+    "run",
+    "save",
+    "restore",
+    "tools",
+    "launch",
+    "bench",
+)
+TOP_LEVEL_AT_MOST = 12
 
 
 def _module_name(path: Path) -> str:
@@ -182,11 +139,11 @@ def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
     # The checker itself: an import of a higher layer is found, a lower one is not.
     source = tmp_path / "m.py"
     source.write_text(
-        "from jaxckpt import _format\nfrom jaxckpt.peer import _wire\nimport jaxckpt\n"
+        "from jaxckpt.format import _format\nfrom jaxckpt.peer import _wire\nimport jaxckpt\n"
     )
-    found = _imports(source, {"_format", "peer._wire", "__init__"})
-    assert found == {"_format", "peer._wire", "__init__"}
-    assert _layer("_format") < _layer("peer._wire") < _layer("__init__")
+    found = _imports(source, {"format._format", "peer._wire", "__init__"})
+    assert found == {"format._format", "peer._wire", "__init__"}
+    assert _layer("format._format") < _layer("peer._wire") < _layer("__init__")
 
 
 def test_importing_the_library_imports_none_of_its_extras() -> None:
@@ -199,3 +156,42 @@ def test_importing_the_library_imports_none_of_its_extras() -> None:
     code = f"import sys, jaxckpt, jaxckpt.launch; print(sorted({extras} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"import jaxckpt imported the extras {out.stdout.strip()}"
+
+
+def _package(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_packages_import_each_other_without_cycles() -> None:
+    # The graph between packages (a top-level module counts as its own package): save may
+    # use run, run may use peer, ... never the other way round.
+    graph: dict[str, set[str]] = {}
+    for module, deps in _graph().items():
+        graph.setdefault(_package(module), set()).update(
+            _package(d) for d in deps if _package(d) != _package(module)
+        )
+    done: set[str] = set()
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for dep in graph.get(start, ()):
+            if dep == goal or (dep not in seen and reaches(dep, goal, seen | {dep})):
+                return True
+        return False
+
+    cycles = sorted(p for p in graph if reaches(p, p, {p}))
+    done.update(graph)
+    assert not cycles, f"Packages in an import cycle: {cycles}"
+
+
+def test_the_top_level_holds_few_modules_and_every_package_says_what_it_owns() -> None:
+    top = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert len(top) <= TOP_LEVEL_AT_MOST, f"{len(top)} modules at jaxckpt/ top level: {top}"
+    found = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert found == sorted(PACKAGES), found
+    for name in PACKAGES:
+        readme = PACKAGE / name / "README.md"
+        assert readme.is_file(), f"jaxckpt/{name} has no README.md"
+        modules = sorted(p.stem for p in (PACKAGE / name).glob("_*.py") if p.stem != "__init__")
+        text = readme.read_text()
+        missing = [m for m in modules if f"`{m}`" not in text]
+        assert not missing, f"jaxckpt/{name}/README.md does not name {missing}"

@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _slab, _zarr
-from jaxckpt._persister import Persister
+from jaxckpt.tiers import _slab, _zarr
+from jaxckpt.tiers._persister import Persister
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -150,7 +150,7 @@ def test_persistence_starts_early_but_a_failed_commit_persists_nothing(
     """The persist job is queued once the part is in memory; when the rest of the commit
     (push, agreement, index) fails, the job makes nothing durable, reports no second
     error, and the next step persists."""
-    from jaxckpt import _agreement
+    from jaxckpt.coord import _agreement
 
     agree = _agreement.agree_on_save
     writing: list[int] = []

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import time
 
-from jaxckpt import _liveness
-from jaxckpt._memory_tier import MemoryTier
+from jaxckpt.coord import _liveness
+from jaxckpt.tiers._memory_tier import MemoryTier
 
 
 def commit_step(tier: MemoryTier, step: int, owner: int = 0, size: int = 64) -> None:
@@ -111,7 +111,7 @@ def test_pins_of_dead_processes_are_ignored(tmp_path):
         [
             sys.executable,
             "-c",
-            f"from jaxckpt._memory_tier import MemoryTier; MemoryTier({str(tmp_path)!r}, 'run-a').pin(1)",
+            f"from jaxckpt.tiers._memory_tier import MemoryTier; MemoryTier({str(tmp_path)!r}, 'run-a').pin(1)",
         ],
         check=True,
     )
@@ -146,8 +146,8 @@ def test_the_smallest_free_slab_that_fits_is_taken(tmp_path):
 def _made_by_a_dead_process(tier: MemoryTier) -> list[str]:
     """A staging part and a trash directory made by a process that then died (SIGKILL)."""
     script = (
-        "import os, signal; from jaxckpt import _liveness; "
-        "from jaxckpt._memory_tier import MemoryTier; "
+        "import os, signal; from jaxckpt.coord import _liveness; "
+        "from jaxckpt.tiers._memory_tier import MemoryTier; "
         f"tier = MemoryTier({str(tier.run_dir.parent)!r}, {tier.run_id!r}); "
         "part = tier.new_staging_dir(3, 0); (part / 'slab').write_bytes(b'x' * 4096); "
         "trash = tier.run_dir / '.staging' / _liveness.owned_name('trash.2'); "

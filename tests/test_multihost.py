@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from jaxckpt import _multihost
+from jaxckpt.coord import _multihost
 
 
 class FakeStore:

@@ -18,7 +18,7 @@ from helpers import abstract, assert_tree_equal, mesh_1d, restore, save, sharded
 from object_stores import Emulator, reset_clients, running
 
 import jaxckpt
-from jaxckpt import _persister, _retention, _storage, _zarr
+from jaxckpt.tiers import _persister, _retention, _storage, _zarr
 
 pytestmark = pytest.mark.slow
 
@@ -250,7 +250,7 @@ def test_stalled_endpoint_is_bounded(tmp_path, memory_root, store_env, monkeypat
 
 def test_remote_paths_never_become_local(tmp_path):
     """`gs://b/x` must not turn into the local path `gs:/b/x` anywhere."""
-    from jaxckpt import _paths, _storage
+    from jaxckpt.tiers import _paths, _storage
 
     item = "gs://bucket/run/5/train"
     assert str(_paths.final_item_dir(item)) == item

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxckpt import _checksum, _format, _liveness, _slab
+from jaxckpt.coord import _liveness
+from jaxckpt.format import _checksum, _format
 from jaxckpt.peer import _client, _request_handler
 from jaxckpt.peer._client import (
     delete_path,
@@ -36,6 +37,7 @@ from jaxckpt.peer._wire import (
     encode_push_header,
     push_body_length,
 )
+from jaxckpt.tiers import _slab
 
 TOKEN = "s3cret-token-value"
 RUN = "run1"

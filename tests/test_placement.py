@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from jaxckpt import _placement
-from jaxckpt._placement import place_replicas
+from jaxckpt.coord import _placement
+from jaxckpt.coord._placement import place_replicas
 
 
 def _random_layouts(seed: int, count: int) -> list[tuple[list[str], int]]:

@@ -28,7 +28,9 @@ from helpers import (
 )
 
 import jaxckpt
-from jaxckpt import _format, _readers, _target
+from jaxckpt.format import _format
+from jaxckpt.restore import _target
+from jaxckpt.tiers import _readers
 
 # ---- what a save records ------------------------------------------------------
 

@@ -72,7 +72,7 @@ def test_the_handler_reports_its_failures(memory_root, ckpt_dir, monkeypatch):
     """A failed persist, a refused save and a failed restore reach the failures counter."""
     import pytest
 
-    from jaxckpt import _persister
+    from jaxckpt.tiers import _persister
 
     def broken(self, job):
         raise OSError(28, "No space left on device (injected)")

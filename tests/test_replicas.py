@@ -14,8 +14,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt import _chunking, _replicas
-from jaxckpt._placement import place_replicas
+from jaxckpt.coord import _replicas
+from jaxckpt.coord._placement import place_replicas
+from jaxckpt.format import _chunking
 
 MIB = 1 << 20
 
@@ -226,7 +227,7 @@ def test_placement_falls_back_where_partners_share_a_domain() -> None:
 
 def test_partner_placement_is_the_same_under_another_hash_seed() -> None:
     code = (
-        "from jaxckpt._placement import place_replicas;"
+        "from jaxckpt.coord._placement import place_replicas;"
         "print(place_replicas(['a','b','c','a','b','c'], 2, [(3,),(4,),(5,),(0,),(1,),(2,)]))"
     )
     outs = {

@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 from test_bad_peers import RUN, TOKEN, FakePeers, Proxy, attach, own_server, small_state
 
 import jaxckpt
-from jaxckpt import _memory_tier, _slab
 from jaxckpt._options import TierOptions
 from jaxckpt.peer._server import PeerServer
+from jaxckpt.tiers import _memory_tier, _slab
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from multiproc import run
 
-from jaxckpt import _format, _memory_tier, _paths, _quarantine
+from jaxckpt.format import _format
+from jaxckpt.tiers import _memory_tier, _paths, _quarantine
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

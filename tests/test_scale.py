@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from test_agreement import tree
 
-from jaxckpt import _agreement, _multihost, _placement, _published
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator, _scale
+from jaxckpt.coord import _agreement, _multihost, _placement, _published
 from jaxckpt.peer import _peers
 
 REPO = Path(__file__).resolve().parent.parent

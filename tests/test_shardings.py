@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _sharding
+from jaxckpt.format import _sharding
 
 
 def handler(memory_root: str) -> jaxckpt.TieredCheckpointHandler:

@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from jaxckpt import _checksum, _slab
+from jaxckpt.format import _checksum
+from jaxckpt.tiers import _slab
 
 
 def test_layout_aligns_every_chunk():

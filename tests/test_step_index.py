@@ -24,7 +24,9 @@ from test_agreement import leaf
 from test_multihost import job  # noqa: F401 -- the fixture
 
 import jaxckpt
-from jaxckpt import _agreement, _format, _index
+from jaxckpt.coord import _agreement
+from jaxckpt.format import _format
+from jaxckpt.tiers import _index
 
 
 def leaves(scalar_type: str = "int", uncommitted: bool = False) -> tuple[_format.LeafRecord, ...]:

@@ -19,7 +19,9 @@ from helpers import mesh_1d, save, sharded_state
 from object_stores import reset_clients, running
 
 import jaxckpt
-from jaxckpt import _chunking, _format, _index, _paths, _readers, _storage, _zarr, cli
+from jaxckpt import cli
+from jaxckpt.format import _chunking, _format
+from jaxckpt.tiers import _index, _paths, _readers, _storage, _zarr
 from jaxckpt.tools import _verify
 
 pytestmark = pytest.mark.slow

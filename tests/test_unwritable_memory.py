@@ -32,7 +32,8 @@ from helpers import (
 )
 
 import jaxckpt
-from jaxckpt import _liveness, _memory_tier
+from jaxckpt.coord import _liveness
+from jaxckpt.tiers import _memory_tier
 
 
 def handler(memory_root, **kw) -> jaxckpt.TieredCheckpointHandler:

@@ -25,7 +25,7 @@ from typing import Any, Final
 import numpy as np
 import psutil
 
-from jaxckpt import _checksum
+from jaxckpt.format import _checksum
 
 _SOCKET_BUFFER: Final = 8 << 20
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-from jaxckpt import _multihost
+from jaxckpt.coord import _multihost
 
 LATENCY_S: Final = 50e-6  # the coordinator's time per call
 BANDWIDTH: Final = 1e9  # bytes per second through the coordinator

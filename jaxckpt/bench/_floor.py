@@ -27,7 +27,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from jaxckpt import _checksum
+from jaxckpt.format import _checksum
 
 _BLOCK: Final = 1 << 20
 _SOCKET_BUFFER: Final = 8 << 20

@@ -27,9 +27,9 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _storage
 from jaxckpt.bench import _state
 from jaxckpt.bench._managers import Jaxckpt
+from jaxckpt.tiers import _storage
 
 
 def own_chunks(tree: Any) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxckpt import _aio, _multihost
+from jaxckpt import _aio
 from jaxckpt.bench import (
     _baselines,
     _floor,
@@ -40,6 +40,7 @@ from jaxckpt.bench import (
     _state,
 )
 from jaxckpt.bench._managers import Jaxckpt, orbax_manager
+from jaxckpt.coord import _multihost
 
 Record = dict[str, list[float]]
 

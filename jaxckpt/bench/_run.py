@@ -38,7 +38,6 @@ from typing import Any, Final
 
 import psutil
 
-from jaxckpt import _storage
 from jaxckpt.bench import _emulator, _hsdp, _plot, _report
 from jaxckpt.bench._worker import (
     ENV_COORDINATOR,
@@ -48,6 +47,7 @@ from jaxckpt.bench._worker import (
     RESULT_PREFIX,
 )
 from jaxckpt.launch import _timeline_plot
+from jaxckpt.tiers import _storage
 
 FORMAT_VERSION: Final = 1  # of the JSON report; bump on incompatible changes
 _PORT_RETRIES: Final = 2

@@ -34,20 +34,14 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from jaxckpt import (
-    _agreement,
-    _format,
-    _index,
-    _multihost,
-    _placement,
-    _plan,
-    _published,
-    _resources,
-)
+from jaxckpt import _resources
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
+from jaxckpt.coord import _agreement, _multihost, _placement, _plan, _published
+from jaxckpt.format import _format
 from jaxckpt.peer._peers import Addresses, Peers
 from jaxckpt.peer._wire import PeerAddress
+from jaxckpt.tiers import _index
 
 OPS: Final = ("setup", "save", "restore")
 DEFAULT_PROCESSES: Final = (8, 64, 512, 4096)

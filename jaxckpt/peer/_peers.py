@@ -26,18 +26,11 @@ from typing import Any, Protocol
 
 from absl import logging as log
 
-from jaxckpt import (
-    _agreement,
-    _faults,
-    _format,
-    _memory_tier,
-    _multihost,
-    _options,
-    _placement,
-    _published,
-    _slab,
-)
+from jaxckpt import _faults, _options
+from jaxckpt.coord import _agreement, _multihost, _placement, _published
+from jaxckpt.format import _format
 from jaxckpt.peer import _client, _server, _wire
+from jaxckpt.tiers import _memory_tier, _slab
 
 Inventory = dict[int, set[int]]  # step -> owners whose verified part a process holds
 

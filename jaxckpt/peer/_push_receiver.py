@@ -15,8 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from jaxckpt import _checksum, _format, _fs, _memory_tier, _resources, _slab
+from jaxckpt import _resources
+from jaxckpt.format import _checksum, _format
 from jaxckpt.peer import _wire
+from jaxckpt.tiers import _fs, _memory_tier, _slab
 
 _MAX_PUSH_HEADER_BYTES: Final = 1 << 16
 _MAX_MANIFEST_BYTES: Final = 1 << 30  # read into memory whole

@@ -24,8 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _fs, _multihost, _quarantine
+from jaxckpt.coord import _multihost
 from jaxckpt.peer import _push_receiver, _wire
+from jaxckpt.tiers import _fs, _quarantine
 
 logger = logging.getLogger(__name__)
 

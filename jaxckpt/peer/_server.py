@@ -20,8 +20,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _fs, _liveness, _memory_tier
+from jaxckpt.coord import _liveness
 from jaxckpt.peer import _request_handler, _wire
+from jaxckpt.tiers import _fs, _memory_tier
 
 logger = logging.getLogger(__name__)
 

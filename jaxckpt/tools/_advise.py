@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _format
+from jaxckpt.format import _format
 from jaxckpt.tools import _catalog, _table
 
 COVERS = {

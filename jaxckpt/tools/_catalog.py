@@ -25,7 +25,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
-from jaxckpt import _format, _index, _memory_tier, _paths, _placement, _plan, _storage
+from jaxckpt.coord import _placement, _plan
+from jaxckpt.format import _format
+from jaxckpt.tiers import _index, _memory_tier, _paths, _storage
 
 UNREADABLE: Final = "unreadable manifest"
 OTHER_SAVE: Final = "another save of the step"

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _format, _index, _storage
+from jaxckpt.format import _format
+from jaxckpt.tiers import _index, _storage
 from jaxckpt.tools import _catalog, _table
 
 # Save metrics shown as columns by `inspect`, in this order (others only in --json).

@@ -18,7 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _checksum, _format, _plan, _readers, _slab, _storage
+from jaxckpt.coord import _plan
+from jaxckpt.format import _checksum, _format
+from jaxckpt.tiers import _readers, _slab, _storage
 from jaxckpt.tools import _catalog, _table
 
 # (chunks done, chunks in all, bytes done, bytes in all)

@@ -1,0 +1,3 @@
+"""Coordination between processes: the jax.distributed exchanges, agreement, placement
+and planning. See README.md beside this file.
+"""

@@ -1,0 +1,441 @@
+"""One restore path for every tier and every mesh: read verified chunks, build arrays.
+
+For each target shard (any sharding, any process count) the chunks that
+intersect it are read from the fastest source in the plan, checked against
+their CRC-32C, and on any error the next source is tried. Only chunks that
+intersect this process's target shards are read. A per-process leaf (every
+part holds its own value) is read from the one owner the caller names.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+import jax
+import numpy as np
+from absl import logging as log
+
+from jaxckpt import _resources
+from jaxckpt.coord import _plan, _replicas
+from jaxckpt.format import _checksum, _chunking, _format, _sharding
+from jaxckpt.tiers import _landing, _memory_tier, _quarantine, _readers, _storage
+
+ReaderFor = Callable[[_plan.Source, int], _readers.ChunkReader]  # (source, owner) -> reader
+# (source, owner, what is wrong): told once per copy whose bytes failed their checksum.
+OnDamaged = Callable[[_plan.Source, int, str], None]
+
+# Chunks of one leaf are read in parallel from this many bytes on (below, the
+# hand-off to a thread costs more than it saves).
+_PARALLEL_BYTES = 4 << 20
+_POOL: Final = _resources.SHARED.pool(min(8, os.cpu_count() or 1), "jaxckpt-restore")
+
+
+class ChunkUnavailableError(OSError):
+    """No source of a chunk gave verified bytes."""
+
+
+class PeerRanges(Protocol):
+    """What a restore needs of a run's peers: byte ranges of a held slab, and telling
+    a holder that its copy gave bytes that failed their checksum."""
+
+    def slab_range_reader(self, holder: int, step: int, owner: int) -> Callable[..., None]: ...
+
+    def report_damaged(self, holder: int, step: int, owner: int, why: str) -> None: ...
+
+
+def quarantiner(
+    memory: _memory_tier.MemoryTier, peers: PeerRanges | None, step: int, process_index: int
+) -> OnDamaged:
+    """The `Restorer`'s `on_damaged` for one step: a copy in this process's memory tier
+    that gave bytes failing their checksum is quarantined here; a peer's copy is
+    checked (and quarantined) by its holder, told through its peer service. Either
+    way no inventory offers it again, so a resumed job does not pick that copy (or,
+    without another one, that step) again."""
+
+    def on_damaged(source: _plan.Source, owner: int, why: str) -> None:
+        if source.tier == _plan.MEMORY:
+            _quarantine.quarantine(memory.part_dir(step, owner), why, process_index)
+        elif source.tier == _plan.PEER and peers is not None and source.holder is not None:
+            peers.report_damaged(source.holder, step, owner, why)
+
+    return on_damaged
+
+
+def reader_factory(
+    item_dir: Path,
+    memory: _memory_tier.MemoryTier,
+    peers: PeerRanges | None,
+    step: int,
+    manifests: Mapping[int, _format.PartManifest] | None = None,
+    process_index: int | None = None,
+    timeout_s: float = 120.0,
+) -> ReaderFor:
+    """The chunk reader of each (source, owner) of one step's plan: own memory (its slab,
+    lent to the restore), a peer's memory (byte ranges, received into a landing slab
+    lent to the restored arrays: `_landing`, all of `process_index`'s own part at
+    once; into new buffers without the part's manifest in `manifests`), or
+    persistent storage."""
+
+    def reader_for(source: _plan.Source, owner: int) -> _readers.ChunkReader:
+        if source.tier == _plan.MEMORY:
+            return _readers.SlabReader(memory.slab(step, owner), memory.lend(step, owner))
+        if source.tier == _plan.PEER and peers is not None and source.holder is not None:
+            fetch = peers.slab_range_reader(source.holder, step, owner)
+            manifest = (manifests or {}).get(owner)
+            landing = _landing.landing_for(memory, manifest) if manifest is not None else None
+            if landing is None or manifest is None:
+                return _readers.RangeReader(fetch)
+            # Its own part is what a process restoring after a node loss needs whole.
+            own = owner == process_index
+            chunks = [c for cs in manifest.chunks.values() for c in cs] if own else []
+            return _landing.LandingReader(fetch, landing, chunks, timeout_s)
+        if source.tier == _plan.PERSISTENT:
+            return _readers.ZarrReader(_storage.kvstore(item_dir / _format.part_dir_name(owner)))
+        raise ValueError(f"No reader for {source.describe()}.")
+
+    return reader_for
+
+
+def pin_memory(
+    memory: _memory_tier.MemoryTier, plan: _plan.StepPlan, process_index: int
+) -> tuple[_plan.StepPlan, _memory_tier.Pin | None]:
+    """Pins the planned step in this process's memory tier while it is restored, if
+    the tier holds parts of it.
+
+    Its slabs are read in place and lent to the restored arrays (and the peers
+    read theirs): the pin keeps the step from being retired (and its slabs
+    refilled) meanwhile. A step that cannot be pinned is not read from this
+    tier: the plan without it, logged. A tier `prepare` could not write offers
+    nothing (`memory_parts`) and is not pinned.
+
+    Returns:
+      The plan to read with, and the pin to release once read (None: no pin).
+    """
+    if memory.unwritable is not None or not memory.parts(plan.step):
+        return plan, None
+    try:
+        return plan, memory.pin(plan.step)
+    except OSError as e:
+        log.warning(
+            "jaxckpt: [process %d] the restore of step %d skips the memory tier %s: the "
+            "step cannot be pinned there while it is read (%s); reading its parts from "
+            "peers and persistent storage instead.",
+            process_index,
+            plan.step,
+            memory.run_dir,
+            e,
+        )
+        return plan.without(_plan.MEMORY), None
+
+
+class Restorer:
+    """Reads the leaves of one planned step into the shapes and shardings of a target.
+
+    Synchronous, with one bounded thread pool for every leaf's chunks: a leaf of
+    small chunks is read inline (microseconds), a large one in parallel.
+    """
+
+    def __init__(
+        self,
+        plan: _plan.StepPlan,
+        reader_for: ReaderFor,
+        process_index: int,
+        redact: Callable[[str], str] = str,
+        timeout_s: float = 120.0,
+        on_damaged: OnDamaged | None = None,
+        agree: Callable[[BaseException | None], None] | None = None,
+    ):
+        """`agree(error)`: the restore's agreement across processes (collective; raises on
+        every process if one failed). Given, a leaf replicated across processes is read
+        1/R a process and resharded by a collective, which `place` starts only once the
+        processes agreed that every read succeeded (see `array`)."""
+        self._plan = plan
+        self._on_damaged = on_damaged
+        self._damaged: set[tuple[_plan.Source, int]] = set()  # told to `on_damaged` already
+        self._agree = agree
+        self.agreed = False  # whether `place` held the restore's agreement
+        self._redact = redact
+        self._reader_for = reader_for
+        self._process_index = process_index
+        self._owners = plan.chunk_owners()
+        self._readers: dict[tuple[_plan.Source, int], _readers.ChunkReader] = {}
+        self._chunk_records: dict[tuple[int, int], dict[tuple[int, ...], _format.ChunkRecord]] = {}
+        self._lock = threading.Lock()
+        self.bytes_by_tier: dict[str, int] = {}
+        self.failures: list[str] = []
+        self._timeout_s = timeout_s
+        self._dead: set[_plan.Source] = set()  # sources that did not answer in time
+
+    def finish(self) -> None:
+        """Lets go of what the readers hold for this restore once its arrays are placed
+        (a landing slab's page-making thread, the pages of chunks never received); the
+        restored arrays keep the pages they use."""
+        with self._lock:
+            readers = list(self._readers.values())
+        for reader in readers:
+            finish = getattr(reader, "finish", None)
+            if finish is not None:
+                finish()
+
+    # ---- chunks -------------------------------------------------------------
+
+    def _reader(self, source: _plan.Source, owner: int) -> _readers.ChunkReader:
+        key = (source, owner)
+        with self._lock:  # leaves are read on several threads
+            reader = self._readers.get(key)
+            if reader is None:
+                reader = self._readers[key] = self._reader_for(source, owner)
+        return reader
+
+    def _saved_chunks(self, owner: int, leaf: int) -> dict[tuple[int, ...], _format.ChunkRecord]:
+        """index -> record of the chunks of `leaf` in the part of `owner`."""
+        key = (owner, leaf)
+        found = self._chunk_records.get(key)
+        if found is None:
+            saved = self._plan.manifests[owner].chunks.get(leaf, ())
+            found = self._chunk_records[key] = {c.index: c for c in saved}
+        return found
+
+    def _read_chunk(
+        self, leaf: int, index: tuple[int, ...], owner: int | None = None
+    ) -> np.ndarray:
+        record = self._plan.leaves[leaf]
+        if owner is None:
+            owner = self._owners.get((leaf, index))
+        expected = self._saved_chunks(owner, leaf).get(index) if owner is not None else None
+        if owner is None or expected is None:
+            raise ChunkUnavailableError(
+                f"Chunk {index} of {record.path} is in no part of step {self._plan.step}"
+                + (f" (looked in the part of process {owner})." if owner is not None else ".")
+            )
+        tried = []
+        for source in self._plan.sources.get(owner, ()):
+            if source in self._dead:
+                tried.append(f"{source.describe()}: gave no answer earlier in this restore")
+                continue
+            try:
+                reader = self._reader(source, owner)
+                data = reader.read(leaf, record, expected, self._timeout_s)
+            except TimeoutError as e:
+                self._dead.add(source)
+                # The reader's own message states the bound it waited for (a peer's range
+                # read waits half the timeout), not the restore's.
+                why = self._redact(str(e)) or f"no answer within {self._timeout_s:g} s"
+                tried.append(f"{source.describe()}: {why}")
+                continue
+            except _readers.ChecksumMismatchError as e:
+                tried.append(f"{source.describe()}: {self._redact(str(e))}")
+                self._damaged_copy(source, owner, str(e))
+                continue
+            except Exception as e:
+                tried.append(f"{source.describe()}: {self._redact(str(e))}")
+                continue
+            # A reader that checks as it receives has raised on a mismatch already.
+            checked = getattr(reader, "verifies_checksums", False)
+            if not checked and not _checksum.matches(expected.crc32c, expected.crc32, data):
+                tried.append(f"{source.describe()}: checksum mismatch")
+                self._damaged_copy(
+                    source, owner, f"checksum mismatch of chunk {index} of {record.path}"
+                )
+                continue
+            with self._lock:
+                self.bytes_by_tier[source.tier] = (
+                    self.bytes_by_tier.get(source.tier, 0) + data.nbytes
+                )
+                self.failures.extend(tried)
+            if tried:
+                log.warning(
+                    "jaxckpt: chunk %s of %s: fell back to %s after %s",
+                    index,
+                    record.path,
+                    source.describe(),
+                    tried,
+                )
+            return data
+        raise ChunkUnavailableError(
+            f"[process {self._process_index}] No verified copy of chunk {index} of {record.path} "
+            f"(part of process {owner}) at step {self._plan.step}: "
+            + ("; ".join(tried) if tried else "no source holds it")
+        )
+
+    def _damaged_copy(self, source: _plan.Source, owner: int, why: str) -> None:
+        """Tells `on_damaged` (once per copy) that `source`'s copy of `owner`'s part
+        failed a checksum, so that it is quarantined and not offered again."""
+        with self._lock:
+            if self._on_damaged is None or (source, owner) in self._damaged:
+                return
+            self._damaged.add((source, owner))
+        try:
+            self._on_damaged(source, owner, why)
+        except Exception as e:  # the restore goes on with the other copies either way
+            log.warning(
+                "jaxckpt: [process %d] could not quarantine the damaged copy of part %d of "
+                "step %d (%s): %s",
+                self._process_index,
+                owner,
+                self._plan.step,
+                source.describe(),
+                self._redact(str(e)),
+            )
+
+    def _read_regions(
+        self, leaf: int, regions: Sequence[_chunking.Region], owner: int | None = None
+    ) -> list[np.ndarray]:
+        record = self._plan.leaves[leaf]
+        assert (
+            record.stored_shape is not None
+            and record.chunk_shape is not None
+            and record.stored_dtype
+        )
+        shape, chunk_shape = record.stored_shape, record.chunk_shape
+        overlapping = [list(_chunking.chunks_overlapping(r, shape, chunk_shape)) for r in regions]
+        needed = sorted({i for found in overlapping for i in found})
+        itemsize = np.dtype(record.stored_dtype).itemsize
+        nbytes = len(needed) * itemsize * math.prod(chunk_shape)
+        if len(needed) > 1 and nbytes >= _PARALLEL_BYTES:
+            read = list(_POOL.map(lambda i: self._read_chunk(leaf, i, owner), needed))
+        else:
+            read = [self._read_chunk(leaf, i, owner) for i in needed]
+        chunks = dict(zip(needed, read, strict=True))
+        out = []
+        for region, found in zip(regions, overlapping, strict=True):
+            if len(found) == 1 and _chunking.is_chunk(region, found[0], shape, chunk_shape):
+                out.append(chunks[found[0]])  # the target shard is one whole chunk: no copy
+                continue
+            # Aligned as a slab is: JAX on CPU keeps it without another copy.
+            dims = [s.stop - s.start for s in region]
+            buf = _readers.aligned_empty(math.prod(dims) * itemsize)
+            buf = buf.view(record.stored_dtype).reshape(dims)
+            for i in found:
+                where = _chunking.chunk_region(i, shape, chunk_shape)
+                both = _chunking.intersect(region, where)
+                buf[_chunking.relative(both, region)] = chunks[i][_chunking.relative(both, where)]
+            out.append(buf)
+        return out
+
+    # ---- leaves -------------------------------------------------------------
+
+    def array(
+        self, leaf: int, sharding: jax.sharding.Sharding, owner: int | None = None
+    ) -> Deferred:
+        """The saved array leaf, laid out with `sharding` (any mesh), read to host: put
+        on its devices by `place`, together with the others.
+
+        `owner` names the part to read a per-process leaf from.
+        """
+        record = self._plan.leaves[leaf]
+        assert record.stored_shape is not None and record.shape is not None
+        data_sharding = (
+            _sharding.with_trailing_dims(sharding, len(record.stored_shape) - len(record.shape))
+            if record.key_impl
+            else sharding
+        )
+        # Replicated across processes: each of the R reads a distinct 1/R, and a collective
+        # over the replica axes carries it to the others (`place`): no byte read twice.
+        spread = (
+            _replicas.read_sharding(data_sharding, record.stored_shape)
+            if owner is None and self._agree is not None
+            else None
+        )
+        read_as = spread or data_sharding
+        index_map = read_as.addressable_devices_indices_map(record.stored_shape)
+        regions = [
+            _chunking.normalize_region(r or (), record.stored_shape) for r in index_map.values()
+        ]
+        # Replicated targets ask for the same region on many devices: read it once.
+        unique = {_chunking.region_key(r): r for r in regions}
+
+        def read() -> dict[tuple[tuple[int, int], ...], np.ndarray]:
+            got = self._read_regions(leaf, list(unique.values()), owner)
+            return dict(zip(unique, got, strict=True))
+
+        assert record.stored_dtype is not None
+        itemsize = np.dtype(record.stored_dtype).itemsize
+        nbytes = itemsize * sum(math.prod(s.stop - s.start for s in r) for r in unique.values())
+        reading: concurrent.futures.Future[dict[tuple[tuple[int, int], ...], np.ndarray]]
+        if nbytes >= _BACKGROUND_LEAF_BYTES:
+            reading = LEAF_POOL.submit(read)  # while the next leaves are asked for
+        else:
+            reading = concurrent.futures.Future()
+            reading.set_result(read())
+        return Deferred(record, read_as, reading, data_sharding if spread else None)
+
+    def place(self, values: list[Any]) -> list[Any]:
+        """`values` with every `Deferred` among them put on its devices as a jax.Array,
+        once every leaf is read: one `make_array_from_callback` a leaf, which puts all
+        its host buffers on their devices in one call (a `device_put` per shard costs
+        ~0.4 ms: seconds for a tree of thousands of leaves). Leaves read 1/R a process
+        (`array`) are then resharded onto their targets, all in one collective."""
+        out: list[Any] = list(values)
+        deferred = [(k, v) for k, v in enumerate(values) if isinstance(v, Deferred)]
+        spread = any(d.then is not None for _, d in deferred)
+        try:
+            pending = [(k, d, d.reading.result()) for k, d in deferred]
+        except BaseException as e:
+            # IMPORTANT: no read may still run when the restore fails (and unpins the step).
+            for _, d in deferred:
+                d.reading.cancel()
+            concurrent.futures.wait([d.reading for _, d in deferred])
+            if spread and isinstance(e, Exception):
+                self._agree_once(e)  # the others do not start the collective: all raise
+            raise
+        if spread:
+            # IMPORTANT: the reshard is a collective: every process starts it or none.
+            self._agree_once(None)
+        resharded: list[tuple[int, jax.Array, jax.sharding.Sharding]] = []
+        for k, d, bufs in pending:
+            shape = d.record.stored_shape
+            assert shape is not None
+
+            def shard(index: Any, bufs: Any = bufs, shape: Any = shape) -> np.ndarray:
+                return bufs[_chunking.region_key(_chunking.normalize_region(index, shape))]
+
+            data = jax.make_array_from_callback(shape, d.sharding, shard)
+            if d.then is not None:
+                resharded.append((k, data, d.then))
+                continue
+            key_impl = d.record.key_impl
+            out[k] = jax.random.wrap_key_data(data, impl=key_impl) if key_impl else data
+        if resharded:
+            gathered = _replicas.reshard([a for _, a, _ in resharded], [s for _, _, s in resharded])
+            for (k, _, _), whole in zip(resharded, gathered, strict=True):
+                key_impl = out[k].record.key_impl
+                out[k] = jax.random.wrap_key_data(whole, impl=key_impl) if key_impl else whole
+        return out
+
+    def _agree_once(self, error: BaseException | None) -> None:
+        assert self._agree is not None
+        self.agreed = True
+        self._agree(error)
+
+    def host_array(self, leaf: int, owner: int | None = None) -> np.ndarray:
+        """The whole saved array leaf as one numpy array (`owner`: as for `array`)."""
+        record = self._plan.leaves[leaf]
+        assert record.stored_shape is not None
+        whole = tuple(slice(0, n) for n in record.stored_shape)
+        return self._read_regions(leaf, [whole], owner)[0]
+
+
+@dataclasses.dataclass
+class Deferred:
+    """An array leaf being read to host (a large one on a thread, while the next
+    leaves are asked for), one buffer per distinct target region; not yet placed."""
+
+    record: _format.LeafRecord
+    sharding: jax.sharding.Sharding
+    reading: concurrent.futures.Future[dict[tuple[tuple[int, int], ...], np.ndarray]]
+    then: jax.sharding.Sharding | None = None  # the target, resharded onto from `sharding`
+
+
+# Leaves of this many bytes on are read on `LEAF_POOL`, several at once (a peer's
+# byte ranges overlap their round trips and checks); smaller ones inline, where a
+# hand-off would cost more than the read.
+_BACKGROUND_LEAF_BYTES = 1 << 20
+LEAF_POOL: Final = _resources.SHARED.pool(min(4, os.cpu_count() or 1), "jaxckpt-restore-leaf")

@@ -1,0 +1,3 @@
+"""A run on this process: opened explicitly, its peers met, its collective operations
+choreographed. See README.md beside this file.
+"""

@@ -1,0 +1,405 @@
+"""What stays: the steps garbage collection must keep, and the memory tier's steps.
+
+Orbax decides which steps to delete from the user's options alone (`max_to_keep`,
+`LatestN`, ...). Those know nothing of jaxckpt's tiers: with `LatestN(1)` and
+`persist_every=2`, step 2 is deleted as soon as step 3 (memory only) is saved,
+and a memory loss then leaves nothing to restore. So a manager set up with
+`jaxckpt.manager_options(directory, handler=handler, ...)` (or with
+`preservation_policy=handler.preservation_policy(base)`) never deletes:
+
+- the newest step whose parts are all persisted (durable), and
+- any newer step that is to be persisted (`step % persist_every == 0`, or its save
+  asked for it with `TieredSave(persist=True)`, as its index manifest says): its
+  persistence may still be running on some process, and it is the next durable
+  step; plus any step this process is still persisting.
+
+Once a newer step is durable, the older one is deleted as the options say. The
+rule is an ordinary Orbax `PreservationPolicy` (`KeepDurable`): nothing of
+Orbax is rewritten. It reads only the shared checkpoint directory (through the
+checked manifest parser, `_index`), so every process reaches the same decision
+once persistence has settled; only the primary process deletes. On an object
+store the policy also deletes the part manifests of the steps it lets go, before
+the manager deletes the steps' other objects (`retire_manifests`). On a filesystem
+a manager without the policy still leaves the newest durable step, in the kept
+area (`_kept`); on an object store a handler whose manager has no such policy
+logs, once, the one-line fix.
+
+The first save into a directory holding another loop's checkpoint and no durable
+jaxckpt step is persisted (`Keeper.switching_in`).
+
+`MemoryRetainer` bounds the memory tier: after each finalized step it keeps the
+newest `memory_keep` steps and any step still queued for persistence, on a thread
+of its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence, Set
+from pathlib import Path
+from typing import Any
+
+from absl import logging as log
+
+from jaxckpt.coord import _multihost
+from jaxckpt.format import _format
+from jaxckpt.tiers import _index, _kept, _memory_tier, _paths, _storage
+
+
+class DurableSteps:
+    """Finds the newest durable step of an item; remembers what it found durable."""
+
+    def __init__(self) -> None:
+        # (item dir, inode and ctime of its first part): durable for as long as that
+        # part exists; a step deleted and saved again has a new part.
+        self._durable: set[tuple[Path, int, int]] = set()
+
+    def is_durable(self, item_dir: Path) -> bool:
+        """Whether every process's part of the step in `item_dir` is persisted."""
+        if _storage.is_remote(item_dir):
+            return self._is_durable_remote(item_dir)
+        try:
+            first = os.stat(item_dir / _format.part_dir_name(0))  # cheap: most steps have none
+        except OSError:
+            return False
+        key = (item_dir, first.st_ino, first.st_ctime_ns)
+        if key in self._durable:
+            return True
+        count = _index.part_count(item_dir)
+        if count is None:
+            return False
+        if all(_index.is_persisted(item_dir, p) for p in range(count)):
+            self._durable.add(key)
+            return True
+        return False
+
+    def _is_durable_remote(self, item_dir: Path) -> bool:
+        """On an object store a part is durable once its manifest object exists (no rename;
+        objects have no inode to remember them by, so nothing is cached)."""
+        count = _index.part_count(item_dir)
+        try:
+            return count is not None and all(_index.is_persisted(item_dir, p) for p in range(count))
+        except OSError:
+            return False
+
+    def steps_to_keep(
+        self,
+        root: Path,
+        item: str,
+        steps: Iterable[int],
+        persist_every: int,
+        pending: Set[int] = frozenset(),
+    ) -> set[int]:
+        """Of `steps`, those garbage collection must keep (see the module docstring).
+
+        Args:
+          root: the CheckpointManager's directory.
+          item: the item's name (its directory in each step directory).
+          steps: the manager's steps.
+          persist_every: `TierOptions.persist_every`.
+          pending: steps this process is still persisting.
+        """
+        steps = sorted(set(steps), reverse=True)
+        item_dirs = _item_dirs(root, item)
+
+        def _is_due(step: int) -> bool:
+            if step % persist_every == 0:
+                return True
+            first = _index.first_index(item_dirs[step]) if step in item_dirs else None
+            return first is not None and first.is_due(persist_every)
+
+        newest = next((s for s in steps if s in item_dirs and self.is_durable(item_dirs[s])), None)
+        keep = {s for s in steps if s in pending}
+        keep |= {s for s in steps if (newest is None or s > newest) and _is_due(s)}
+        if newest is not None:
+            keep.add(newest)
+        return keep
+
+
+class Keeper:
+    """One handler's view of what garbage collection must keep, in every manager it serves."""
+
+    def __init__(self, persist_every: int, pending: Callable[[], Set[int]]):
+        self._persist_every = persist_every
+        self._pending = pending  # steps this process is still persisting
+        self._durable = DurableSteps()
+        self._lock = threading.Lock()
+        self._items: set[tuple[Path, str]] = set()  # (checkpoint dir, item) seen
+        self._guarded: set[str] = set()  # checkpoint dirs whose manager has our policy
+        self._guarded_anywhere = False  # a policy made without its directory exists
+        self._warned: set[tuple[Path, str, int]] = set()  # newest steps said to be in memory
+        self._saved: set[tuple[Path, str]] = set()  # (checkpoint dir, item) saved into
+
+    def note(self, item: _paths.ItemDir) -> None:
+        """Remembers the checkpoint directory and item of a save or restore; says once
+        per object-store directory how to keep its durable steps if no policy of ours
+        guards it."""
+        with self._lock:
+            first = (item.root, item.item) not in self._items
+            self._items.add((item.root, item.item))
+            guarded = self._guarded_anywhere or _storage.identity(item.root) in self._guarded
+        # On a filesystem the kept area holds the newest durable step whatever the
+        # manager deletes (`_kept`); an object store has no hard links.
+        if first and not guarded and _storage.is_remote(item.root):
+            log.warning(
+                "jaxckpt: garbage collection in %s does not know which step is durable: "
+                "if the manager's options delete steps (max_to_keep, a preservation "
+                "policy), build them with options=jaxckpt.manager_options(directory, "
+                "handler=handler, **options) so that it keeps the newest persisted step.",
+                item.root,
+            )
+
+    def switching_in(self, item: _paths.ItemDir) -> bool:
+        """Whether this is the handler's first save into `item`'s checkpoint directory
+        and item while no jaxckpt step of it is durable but the directory holds older
+        steps of another kind (an Orbax or flax checkpoint of the loop before jaxckpt).
+        That save is persisted: the manager's options (`LatestN(1)`) delete the old step
+        as soon as it is finalized, and the first step due by `persist_every` may be
+        far away."""
+        with self._lock:
+            if (item.root, item.item) in self._saved:
+                return False
+            self._saved.add((item.root, item.item))
+        if _storage.is_remote(item.root) or not item.root.is_dir():
+            return False
+        if _kept.newest_complete(item.root, [item.item]) is not None:
+            return False
+        ours = _paths.finalized_steps(item.root, item.item)
+        if any(self._durable.is_durable(ours[s]) for s in sorted(ours, reverse=True)):
+            return False
+        return any(
+            not name.startswith(".")
+            and not _paths.is_temporary(name)
+            and _paths.step_of_name(name) is not None
+            and not (item.root / name / item.item / _format.index_file(0)).exists()
+            for name in os.listdir(item.root)
+        )
+
+    def steps_to_keep(self, root: Path, item: str, steps: Sequence[int]) -> set[int]:
+        return self._durable.steps_to_keep(root, item, steps, self._persist_every, self._pending())
+
+    def newest_not_durable(
+        self, items: Iterable[tuple[Path, str]] | None = None
+    ) -> list[tuple[Path, str, int]]:
+        """(checkpoint directory, item, step) for every item seen (of `items`, if given)
+        whose newest finalized step is not durable: it lives in memory tiers only."""
+        with self._lock:
+            seen = sorted(self._items if items is None else set(items) & self._items)
+        out = []
+        for root, item in seen:
+            finalized = _paths.finalized_steps(root, item)
+            if finalized and not self._durable.is_durable(finalized[max(finalized)]):
+                out.append((root, item, max(finalized)))
+        return out
+
+    def warn_newest_not_durable(self) -> None:
+        """Logs a warning (once a step) for every item seen whose newest finalized step
+        lives in memory tiers only: a handler's close says so."""
+        for root, item, step in self.newest_not_durable():
+            if (root, item, step) in self._warned:
+                continue
+            self._warned.add((root, item, step))
+            log.warning(
+                "jaxckpt: closing with step %d of %s (item %r) in memory tiers only: it was "
+                "not due for persistence (persist_every=%d). To end a run with the trained "
+                "state on disk, call handler.release_memory() on every process before "
+                "closing, or save the last step with TieredSave(state, persist=True).",
+                step,
+                root,
+                item,
+                self._persist_every,
+            )
+
+    def policy(self, base: Any, root: os.PathLike[str] | str | None = None) -> KeepDurable:
+        """`base`, plus the steps to keep of the items seen so far in the checkpoint
+        directory `root` (every directory seen, if None)."""
+        where = _storage.identity(root) if root is not None else None
+        with self._lock:
+            if where is None:
+                self._guarded_anywhere = True
+            else:
+                self._guarded.add(where)
+
+        def items() -> list[tuple[Path, str]]:
+            with self._lock:
+                seen = list(self._items)
+            return [(r, i) for r, i in seen if where is None or _storage.identity(r) == where]
+
+        def keep(steps: Sequence[int]) -> set[int]:
+            out = set(self._pending())
+            for r, i in items():
+                out |= self.steps_to_keep(r, i, steps)
+            return out
+
+        def retire(steps: Sequence[int]) -> None:
+            roots = {r for r, _ in items()}
+            if len(roots) != 1:  # which manager's steps these are is unknown: leave them
+                return
+            (r,) = roots
+            retire_manifests(r, sorted({i for _, i in items()}), steps)
+
+        return KeepDurable(base, keep, retire)
+
+
+def _item_dirs(root: Path, item: str) -> dict[int, Path]:
+    """step -> `<root>/<step name>/<item>` for every finalized step name (one listdir)."""
+    if _storage.is_remote(root):
+        return _paths.finalized_steps(root, item)
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return {}
+    out = {}
+    for name in names:
+        if name.startswith(".") or _paths.is_temporary(name):
+            continue
+        step = _paths.step_of_name(name)
+        if step is not None:
+            out[step] = root / name / item
+    return out
+
+
+def retire_manifests(root: Path, items: Sequence[str], steps: Sequence[int]) -> None:
+    """On an object store, deletes the part manifests of `steps` of `items` under the
+    checkpoint directory `root` before the manager deletes the steps' other objects.
+
+    IMPORTANT: a part's manifest is its durability marker there, and deleting a
+    prefix is one request per object in no given order: without its manifest first,
+    a reader could meet a part that still looks durable while its chunks vanish.
+    """
+    if not _storage.is_remote(root) or not steps:
+        return
+    for item in items:
+        item_dirs = _item_dirs(root, item)
+        for step in steps:
+            if step not in item_dirs:
+                continue
+            count = _index.part_count(item_dirs[step])
+            if count is None:
+                continue  # no index: nothing of this step was ever persisted
+            manifests = [
+                f"{_format.part_dir_name(p)}/{_format.MANIFEST_FILE}" for p in range(count)
+            ]
+            _storage.delete_objects(item_dirs[step], manifests)
+
+
+@dataclasses.dataclass
+class KeepDurable:
+    """An Orbax PreservationPolicy: what `base` keeps, plus what `keep(steps)` names.
+
+    The manager deletes the steps it does not preserve; on an object store their
+    part manifests go first (`retire`). Should deciding or retiring fail, it keeps
+    every step this time (and logs why) rather than delete one. Which steps it keeps
+    against `base` is logged when that changes, not at every save.
+    """
+
+    base: Any
+    keep: Callable[[Sequence[int]], set[int]]
+    retire: Callable[[Sequence[int]], None] = lambda steps: None
+    _said: list[int] = dataclasses.field(default_factory=list, init=False, repr=False)
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> Sequence[bool]:
+        preserved = list(self.base.should_preserve(checkpoints, context=context))
+        if all(preserved):
+            return preserved
+        steps = [c.step for c in checkpoints]
+        try:
+            keep = self.keep(steps)
+        except Exception:
+            log.exception("jaxckpt: deciding which steps to keep failed; deleting none")
+            return [True] * len(checkpoints)
+        saved = sorted(s for s, p in zip(steps, preserved, strict=True) if not p and s in keep)
+        if saved and saved != self._said:
+            log.debug(
+                "jaxckpt: keeping steps %s (newest durable, or to be persisted) that the "
+                "preservation policy would delete",
+                saved,
+            )
+        self._said = saved
+        out = [p or s in keep for p, s in zip(preserved, steps, strict=True)]
+        doomed = [s for s, p in zip(steps, out, strict=True) if not p]
+        try:
+            self.retire(doomed)
+        except Exception:
+            log.exception(
+                "jaxckpt: retiring the manifests of steps %s failed; deleting none", doomed
+            )
+            return [True] * len(checkpoints)
+        return out
+
+
+class MemoryRetainer:
+    """Bounds the memory tier after each finalized step, on a thread of its own.
+
+    Of the steps up to the one just finalized it keeps the newest `memory_keep` and
+    any step still queued for persistence. A failure is recorded and raised by
+    the handler's next `wait_for_persistence()` or `close()` (`take_errors`).
+    """
+
+    def __init__(
+        self,
+        memory_keep: int,
+        timeout_s: float,
+        pending: Callable[[], Set[int]],
+        closing: threading.Event,
+    ):
+        self._memory_keep = memory_keep
+        self._timeout_s = timeout_s
+        self._pending = pending  # steps queued for persistence: never retired
+        self._closing = closing  # the manager has finished: finalization waits end
+        self._lock = threading.Lock()
+        self._pool = self._new_pool()
+        self._last: tuple[_memory_tier.MemoryTier, _paths.ItemDir, int] | None = None
+        self._errors: list[BaseException] = []
+
+    @staticmethod
+    def _new_pool() -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-retain")
+
+    def after(self, memory: _memory_tier.MemoryTier, item: _paths.ItemDir, step: int) -> None:
+        """Queues the retention that follows the finalization of `step` in `item`."""
+        with self._lock:
+            self._last = (memory, item, step)
+            self._pool.submit(self._retain, memory, item, step)
+
+    def again(self) -> None:
+        """Queues the newest retention again: a step it kept while it was queued for
+        persistence is retired once durable, not only at the next save's retention."""
+        with self._lock:
+            if self._last is not None:
+                self._pool.submit(self._retain, *self._last)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Waits for the retention runs queued so far."""
+        self._pool.submit(lambda: None).result(timeout=timeout_s)
+
+    def take_errors(self) -> list[BaseException]:
+        errors, self._errors = self._errors, []
+        return errors
+
+    def close(self) -> None:
+        """Waits for the queued runs; a later `after` starts a new thread."""
+        with self._lock:
+            pool, self._pool = self._pool, self._new_pool()
+        pool.shutdown(wait=True)
+
+    def _retain(self, memory: _memory_tier.MemoryTier, item: _paths.ItemDir, step: int) -> None:
+        try:
+            item.wait_finalized(step, self._timeout_s, self._closing)
+        except OSError as e:  # not finalized: keep everything
+            log.warning("jaxckpt: memory retention skipped after step %d: %s", step, e)
+            return
+        try:
+            memory.retain(self._memory_keep, upto=step, pinned=self._pending())
+        except Exception as e:
+            log.exception("jaxckpt: memory retention after step %d failed", step)
+            error = OSError(
+                f"[process {_multihost.process_index()}] Memory retention after step {step} "
+                f"in {memory.run_dir} failed: {e}. Older steps stay in memory until it "
+                "succeeds; check that the memory root is writable and has free space."
+            )
+            error.__cause__ = e
+            self._errors.append(error)
