@@ -115,18 +115,13 @@ def agree_each(
         shared = share(payloads)
         return {"all": {**shared["all"], **verdict}, "each": shared["each"]}
 
-    try:
-        decided, got = _multihost.converge_each(
+    decided, got = _settle(
+        error,
+        what,
+        lambda: _multihost.converge_each(
             json.dumps(mine, separators=(",", ":")), combine, tag=tag, timeout_s=timeout_s
-        )
-    except (TimeoutError, ConnectionError, RuntimeError) as failed:
-        if error is not None:
-            raise mark_agreed(error) from failed
-        raise mark_agreed(failed) from None
-    if error is not None:
-        raise mark_agreed(error)
-    if "first" in decided:
-        raise mark_agreed(_rebuild(decided, what))
+        ),
+    )
     if got is None:  # a share every process gets, unless the store lost it
         raise mark_agreed(
             ConnectionError(
@@ -171,8 +166,24 @@ def _converge(
     combine: _multihost.Combine = _combine
     if write_index is not None:
         combine = lambda texts: _combine(texts, write_index)  # noqa: E731
+    decided, _ = _settle(
+        error,
+        what,
+        lambda: (_multihost.converge(text, combine, tag=tag, timeout_s=timeout_s), None),
+    )
+    return decided
+
+
+def _settle(
+    error: BaseException | None,
+    what: str,
+    converge: Callable[[], tuple[dict[str, Any], Any]],
+) -> tuple[dict[str, Any], Any]:
+    """Runs one exchange (`converge`: the outcome every process gets, and this one's
+    share) and raises its verdict: this process's `error`, the first process's failure,
+    or the exchange's own failure, on every process alike."""
     try:
-        decided = _multihost.converge(text, combine, tag=tag, timeout_s=timeout_s)
+        decided, share = converge()
     except (TimeoutError, ConnectionError, RuntimeError) as failed:
         # Every process that took part gets this error too (see _multihost), so all raise.
         if error is not None:
@@ -182,7 +193,7 @@ def _converge(
         raise mark_agreed(error)
     if "first" in decided:
         raise mark_agreed(_rebuild(decided, what))
-    return decided
+    return decided, share
 
 
 WriteIndex = Callable[[dict[int, str]], None]  # every process's index entry -> written
