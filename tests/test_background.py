@@ -148,7 +148,10 @@ class _SlowPeers:
     def __init__(self, writing: list[int]):
         self.writing, self.during_push, self.pushed = writing, None, []
 
-    async def push_replicas(self, part: Path, step: int, pi: int) -> int:
+    def holders_with(self, partners: object) -> tuple[int, ...]:
+        return ()
+
+    async def push_replicas(self, part: Path, step: int, pi: int, holders: object = None) -> int:
         import asyncio
 
         await asyncio.sleep(0.5)
