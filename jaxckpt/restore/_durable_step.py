@@ -94,13 +94,14 @@ class DurableStep:
 
 
 def only_item(root: Path, step: int) -> str:
-    """The one jaxckpt item (a directory with an index manifest) of `step` in `root`."""
+    """The one jaxckpt item (a directory with a step index, or older per-part index
+    manifests) of `step` in `root`."""
     items: set[str] = set()
     if root.is_dir():
         for step_dir in root.iterdir():
             if _paths.is_temporary(step_dir.name) or _paths.step_of_name(step_dir.name) != step:
                 continue
-            items |= {p.parent.name for p in step_dir.glob(f"*/{_format.index_file(0)}")}
+            items |= {p.name for p in step_dir.iterdir() if _index.has_index(p)}
     if len(items) != 1:
         raise ValueError(
             f"export: step {step} in {root} holds {len(items)} jaxckpt items "

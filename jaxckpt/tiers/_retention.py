@@ -174,7 +174,7 @@ class Keeper:
             not name.startswith(".")
             and not _paths.is_temporary(name)
             and _paths.step_of_name(name) is not None
-            and not (item.root / name / item.item / _format.index_file(0)).exists()
+            and not _index.has_index(item.root / name / item.item)
             for name in os.listdir(item.root)
         )
 
