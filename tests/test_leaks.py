@@ -160,7 +160,7 @@ def test_persistence_starts_early_but_a_failed_commit_persists_nothing(
         writing.append(manifest.step)
         return await write(self, manifest, *args, **kwargs)
 
-    def failing(leaves, error, *, tag, step, timeout_s):
+    def failing(leaves, error, *, tag, step, timeout_s, **index):
         if step == 2 and leaves is not None:
             error = error or ValueError("the other processes saved another tree (injected)")
         if step == 3:  # the agreement waits until step 3's persistence is under way
@@ -168,7 +168,7 @@ def test_persistence_starts_early_but_a_failed_commit_persists_nothing(
             while 3 not in writing:
                 assert time.monotonic() < deadline, "persistence did not start before the index"
                 time.sleep(0.01)
-        return agree(leaves, error, tag=tag, step=step, timeout_s=timeout_s)
+        return agree(leaves, error, tag=tag, step=step, timeout_s=timeout_s, **index)
 
     monkeypatch.setattr(Persister, "_write_arrays", spy)
     monkeypatch.setattr(_agreement, "agree_on_save", failing)
