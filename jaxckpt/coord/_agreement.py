@@ -111,7 +111,8 @@ def agree_each(
         verdict = _combine(texts)
         payloads = verdict.pop("payloads", None)
         if "first" in verdict or payloads is None:
-            return {"all": verdict, "each": {}}
+            # Every process still gets a share (an empty one): each waits for its own.
+            return {"all": verdict, "each": dict.fromkeys(texts)}
         shared = share(payloads)
         return {"all": {**shared["all"], **verdict}, "each": shared["each"]}
 
