@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from jaxckpt.coord import _placement
-from jaxckpt.coord._placement import place_replicas
+from jaxckpt.coord._placement import partner_holders, place_replicas
 
 
 def _random_layouts(seed: int, count: int) -> list[tuple[list[str], int]]:
@@ -191,3 +191,37 @@ def test_rejects_bad_replicas(bad: object) -> None:
 def test_rejects_bad_domain() -> None:
     with pytest.raises(ValueError, match="process 1"):
         place_replicas(["a", ""], 1)
+
+
+# ---- partner_holders: one owner's holders in a data-parallel layout ---------------------
+
+
+def test_partners_in_other_domains_come_first_and_each_copy_gets_a_domain_of_its_own():
+    domains = ["a", "a", "b", "b", "c", "c"]
+    # Process 0's partners are 1 (same domain), 2 and 3 (both in b), 4 (in c).
+    got = partner_holders(0, [1, 2, 3, 4], domains.__getitem__, [5, 3], 2, 6)
+    assert got == (2, 4)  # never a second copy in b, never the owner's domain
+    # One replica: the first partner after the owner in another domain.
+    assert partner_holders(0, [1, 2, 3, 4], domains.__getitem__, [5], 1, 6) == (2,)
+
+
+def test_without_partners_in_other_domains_the_set_up_holders_fill_unused_domains_first():
+    domains = ["a", "a", "b", "c"]
+    got = partner_holders(0, [1], domains.__getitem__, [2, 3], 2, 4)
+    assert got == (2, 3)
+    # A partner in b takes one copy; the set-up's holder in b is then second to c.
+    assert partner_holders(0, [2], domains.__getitem__, [2, 3], 2, 4) == (2, 3)
+    assert partner_holders(1, [2], {0: "a", 1: "a", 2: "b", 3: "b"}.__getitem__, [3, 2], 1, 4) == (
+        2,
+    )
+
+
+def test_a_leaf_every_process_holds_spreads_its_copies_around_the_ring():
+    n = 8
+    domains = [f"host{p}" for p in range(n)]
+    holders = [
+        partner_holders(p, [q for q in range(n) if q != p], domains.__getitem__, [], 1, n)
+        for p in range(n)
+    ]
+    assert [h for (h,) in holders] == [(p + 1) % n for p in range(n)]
+    assert sorted(h for (h,) in holders) == list(range(n))  # each holds exactly one copy

@@ -9,7 +9,7 @@ owner's replicas over distinct domains.
 
 import collections
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
 
@@ -217,3 +217,46 @@ def _apply(
         held[h2].append(owner)
         h2 = h
     load[h2] -= 1
+
+
+def partner_holders(
+    owner: int,
+    partners: Sequence[int],
+    domain_of: Callable[[int], str],
+    placed: Sequence[int],
+    replicas: int,
+    process_count: int,
+) -> tuple[int, ...]:
+    """One owner's holders in a data-parallel layout, from what that owner knows (pure).
+
+    Its `partners` (the processes holding the same shards in other replicas,
+    `_replicas.partners`) come first, tried in ring order after the owner so that
+    where every process is a partner (a replicated leaf) the copies spread evenly,
+    each taken only in a failure domain of its own outside the owner's; the
+    holders `placed` at the run's set-up fill the rest, those in unused domains
+    first. Every process computes its own holders alike from the same inputs;
+    no process needs every domain.
+
+    Args:
+      owner: the process whose copies are placed.
+      partners: its partners.
+      domain_of: a process's failure domain (the owner's included).
+      placed: the owner's holders as the set-up placed them (`place_replicas`).
+      replicas: how many holders to choose.
+      process_count: how many processes there are (the ring's size).
+
+    Returns:
+      At most `replicas` distinct holders, none of them the owner.
+    """
+    count = max(process_count, owner + 1, *(q + 1 for q in partners))
+    chosen: list[int] = []
+    used = {domain_of(owner)}
+    for q in sorted(partners, key=lambda q: (q - owner) % count):
+        domain = domain_of(q)
+        if len(chosen) < replicas and q != owner and domain not in used:
+            chosen.append(q)
+            used.add(domain)
+    rest = [h for h in placed if h not in chosen and h != owner]
+    spread = [h for h in rest if domain_of(h) not in used]
+    chosen += [*spread, *(h for h in rest if h not in spread)][: max(0, replicas - len(chosen))]
+    return tuple(chosen)

@@ -236,29 +236,21 @@ class Peers:
         """`holders`, with this process's partners (the processes holding the same shards
         in other data-parallel replicas: `_replicas.partners`, alike on every process)
         taken first, each copy in a failure domain of its own outside this process's;
-        the set-up's holders fill the rest. Partners are tried in turn from the process
-        after this one, so that where every process is a partner (a replicated leaf) the
-        copies spread evenly. The last answer is kept (a loop saves one tree)."""
+        the set-up's holders fill the rest (`_placement.partner_holders`). The last
+        answer is kept (a loop saves one tree)."""
         me = _multihost.process_index()
         mine = tuple(partners[me]) if me < len(partners) else ()
         if not mine:
             return self.holders
         if self._partnered is None or self._partnered[0] != mine:
-            count = max(len(partners), me + 1)
-            chosen: list[int] = []
-            used = {self._domain}
-            for q in sorted(mine, key=lambda q: (q - me) % count):
-                domain = self.addresses.domain(q)
-                if len(chosen) < self.replicas and domain not in used:
-                    chosen.append(q)
-                    used.add(domain)
-            if len(chosen) < self.replicas:
-                rest = [h for h in self.holders if h not in chosen]
-                spread = [h for h in rest if self.addresses.domain(h) not in used]
-                chosen += [*spread, *(h for h in rest if h not in spread)][
-                    : self.replicas - len(chosen)
-                ]
-            self._partnered = (mine, tuple(chosen))
+
+            def domain_of(p: int) -> str:
+                return self._domain if p == me else self.addresses.domain(p)
+
+            chosen = _placement.partner_holders(
+                me, mine, domain_of, self.holders, self.replicas, len(partners)
+            )
+            self._partnered = (mine, chosen)
         return self._partnered[1]
 
     def close(self) -> None:
