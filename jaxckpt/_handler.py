@@ -18,7 +18,7 @@ from jaxckpt import _aio, _metrics, _resources
 from jaxckpt._args import TieredRestore, TieredSave
 from jaxckpt._options import TierOptions
 from jaxckpt.coord import _multihost
-from jaxckpt.restore import _restore, _target
+from jaxckpt.restore import _fill, _restore, _target
 from jaxckpt.run import _choreography, _run
 from jaxckpt.save import _background, _save, _snapshot
 from jaxckpt.tiers import _index, _paths, _retention, _slab, _storage
@@ -225,7 +225,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         )
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)
-            result = _target.fill(restorer, plan.leaves, args.abstract_state, ctx)
+            result = _fill.fill(restorer, plan.leaves, args.abstract_state, ctx)
         except _restore.ChunkUnavailableError as e:
             raise unavailable(e) from e
         finally:

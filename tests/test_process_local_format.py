@@ -214,7 +214,7 @@ def test_same_process_count_gets_its_own_value():
         ctx = _ctx(manifests, p, 4)
         assert [_target.source(i, r, ctx) for i, r in enumerate(RECORDS)] == [p, p, p]
         assert (
-            _target._scalar(0, RECORDS[0], manifests[_target.source(0, RECORDS[0], ctx)]) == 10 + p
+            _target.scalar(0, RECORDS[0], manifests[_target.source(0, RECORDS[0], ctx)]) == 10 + p
         )
         _target.check(RECORDS, None, ctx)
 
@@ -256,10 +256,10 @@ def test_the_mapping_function_decides_differing_values_and_the_old_name_maps_ite
     ctx = _ctx(differing, 1, 2, per_process_fn=fn)
     _target.check(RECORDS, None, ctx)
     assert [_target.source(i, r, ctx) for i, r in enumerate(RECORDS)] == [None, None, None]
-    assert _target._iterator_state(2, RECORDS[2], ctx) == {"pos": 3}
+    assert _target.iterator_state(2, RECORDS[2], ctx) == {"pos": 3}
     assert calls == [("['it']", [{"pos": v} for v in range(4)], 1, 2)]
     # iterator_state_fn: iterators only, called whenever the count changed (as before).
     old = _ctx(_saved([7, 7, 7, 7]), 0, 2, iterator_state_fn=lambda states, p, n: {"pos": -1})
-    assert _target._iterator_state(2, RECORDS[2], old) == {"pos": -1}
+    assert _target.iterator_state(2, RECORDS[2], old) == {"pos": -1}
     with pytest.raises(ValueError, match=r"Leaves \['s'\], \['np'\] at step 5"):
         _target.check(RECORDS, None, _ctx(differing, 0, 2, iterator_state_fn=lambda *a: 0))

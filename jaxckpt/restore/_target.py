@@ -1,4 +1,4 @@
-"""Matching a restore target against the saved tree, and filling it in.
+"""Matching a restore target against the saved tree (`_fill` fills it in).
 
 Everything a target can get wrong (structure, shape, dtype, kind, per-process
 values for another process count) is checked before any byte is read, and
@@ -30,8 +30,7 @@ from typing import Any, Final
 import jax
 import numpy as np
 
-from jaxckpt.format import _format, _sharding, _tree, _weak_type
-from jaxckpt.restore._restore import Restorer
+from jaxckpt.format import _format, _sharding, _tree
 
 # (states saved by every process, in process order; this process; process count) -> state
 IteratorStateFn = Callable[[list[Any], int, int], Any]
@@ -113,7 +112,7 @@ def leaf_metadata(i: int, record: _format.LeafRecord, manifest: _format.PartMani
             dtype = jax.eval_shape(lambda: jax.random.key(0, impl=record.key_impl)).dtype
         else:
             dtype = np.dtype(record.dtype)
-        sharding = _saved_sharding(i, record, manifest)
+        sharding = saved_sharding(i, record, manifest)
         # Weakly typed as saved: a restore through this target keeps `lr * bf16` bfloat16.
         weak = i in manifest.weak_types
         return jax.ShapeDtypeStruct(record.shape, dtype, sharding=sharding, weak_type=weak)
@@ -121,16 +120,16 @@ def leaf_metadata(i: int, record: _format.LeafRecord, manifest: _format.PartMani
         assert record.shape is not None and record.dtype is not None
         return jax.ShapeDtypeStruct(record.shape, np.dtype(record.dtype))
     if record.kind == _format.SCALAR:
-        return _scalar(i, record, manifest)
+        return scalar(i, record, manifest)
     return IteratorState(_tree.decode_iterator_state(manifest.iterator_states.get(i)))
 
 
-def _saved_sharding(
+def saved_sharding(
     i: int, record: _format.LeafRecord, manifest: _format.PartManifest | None
 ) -> jax.sharding.Sharding | None:
     """The sharding `manifest`'s owner saved an array with, if it exists here (a
     per-process one only on this process's devices); None for an uncommitted array."""
-    if _own_record(i, record, manifest).uncommitted:
+    if own_record(i, record, manifest).uncommitted:
         return None
     if not record.per_process:
         return _sharding.rebuild(record.sharding)
@@ -138,15 +137,15 @@ def _saved_sharding(
     return sharding if sharding is not None and sharding.is_fully_addressable else None
 
 
-def _scalar(i: int, record: _format.LeafRecord, manifest: _format.PartManifest) -> Any:
+def scalar(i: int, record: _format.LeafRecord, manifest: _format.PartManifest) -> Any:
     """The scalar `manifest`'s owner saved (version 1: the one value in the record)."""
     if record.per_process:
-        own = _own_record(i, record, manifest)
+        own = own_record(i, record, manifest)
         record = dataclasses.replace(own, value=manifest.scalars.get(i))
     return _tree.scalar_value(record)
 
 
-def _own_record(
+def own_record(
     i: int, record: _format.LeafRecord, manifest: _format.PartManifest | None
 ) -> _format.LeafRecord:
     """`manifest`'s own record of a per-process leaf: its owner's scalar type and
@@ -175,7 +174,7 @@ def _saved_key(i: int, record: _format.LeafRecord, manifest: _format.PartManifes
         if isinstance(value, float) or not isinstance(value, (int, str, type(None))):
             value = json.dumps(value, sort_keys=True)  # NaN equals itself as text
         # The type too: 1 and True and 1.0 are not the same saved value.
-        return (_own_record(i, record, manifest).scalar_type, type(value).__name__, value)
+        return (own_record(i, record, manifest).scalar_type, type(value).__name__, value)
     return tuple(sorted((c.index, c.checksum, c.nbytes) for c in manifest.chunks.get(i, ())))
 
 
@@ -183,7 +182,9 @@ def _saved_alike(i: int, record: _format.LeafRecord, ctx: Context) -> bool:
     return len({_saved_key(i, record, m) for m in ctx.manifests.values()}) <= 1
 
 
-def _mapper(record: _format.LeafRecord, ctx: Context) -> Callable[[list[Any]], Any] | None:
+def per_process_mapper(
+    record: _format.LeafRecord, ctx: Context
+) -> Callable[[list[Any]], Any] | None:
     """The user's function for this leaf's saved values, bound to this process."""
     iterator_fn, fn = ctx.iterator_state_fn, ctx.per_process_fn
     if record.kind == _format.ITERATOR and iterator_fn is not None:
@@ -213,7 +214,7 @@ def source(i: int, record: _format.LeafRecord, ctx: Context) -> int | None:
         owner = None  # the iterator-only hook maps whenever the count changed, as it always did
     elif _saved_alike(i, record, ctx):
         owner = owners[ctx.process % len(owners)]  # all copies are alike: spread the reads
-    elif _mapper(record, ctx) is not None:
+    elif per_process_mapper(record, ctx) is not None:
         owner = None
     else:
         raise _differing_error([record], ctx)
@@ -236,7 +237,7 @@ def _differing_error(records: Sequence[_format.LeafRecord], ctx: Context) -> Val
     )
 
 
-def _iterator_state(i: int, record: _format.LeafRecord, ctx: Context) -> Any:
+def iterator_state(i: int, record: _format.LeafRecord, ctx: Context) -> Any:
     owner = source(i, record, ctx)
     if owner is not None:
         return _tree.decode_iterator_state(ctx.manifests[owner].iterator_states.get(i))
@@ -244,7 +245,7 @@ def _iterator_state(i: int, record: _format.LeafRecord, ctx: Context) -> Any:
         _tree.decode_iterator_state(ctx.manifests[o].iterator_states.get(i))
         for o in sorted(ctx.manifests)
     ]
-    mapper = _mapper(record, ctx)
+    mapper = per_process_mapper(record, ctx)
     assert mapper is not None
     return mapper(states)
 
@@ -324,7 +325,7 @@ def check(records: Sequence[_format.LeafRecord], target: Any, ctx: Context) -> N
         _check_leaf(record, leaf, ctx)
         if record.kind in (_format.ARRAY, _format.NUMPY):
             owner = source(i, record, ctx) if ctx.complete and record.per_process else None
-            placement = _placement(i, record, leaf, ctx, owner)
+            placement = leaf_placement(i, record, leaf, ctx, owner)
             if (
                 record.per_process
                 and isinstance(placement, jax.sharding.Sharding)
@@ -361,51 +362,7 @@ def _check_leaf(record: _format.LeafRecord, leaf: Any, ctx: Context) -> None:
         raise ValueError(f"{where}: expected dtype {record.dtype} (saved), the target has {dtype}.")
 
 
-def fill(
-    restorer: Restorer, records: Sequence[_format.LeafRecord], target: Any, ctx: Context
-) -> Any:
-    """The restored tree, in the structure and layout of `target` (None: everything on host)."""
-    if target is None:
-        return _tree.nest(
-            [(r.keys, _leaf(restorer, i, r, None, ctx)) for i, r in enumerate(records)]
-        )
-    pairs, treedef = match(records, target, ctx)
-    out = [_leaf(restorer, i, records[i], leaf, ctx) for i, leaf in pairs]
-    placed = restorer.place(out)
-    kept = [_weak_type.as_target(v, leaf) for v, (_, leaf) in zip(placed, pairs, strict=True)]
-    return jax.tree_util.tree_unflatten(treedef, kept)
-
-
-def _leaf(restorer: Restorer, i: int, record: _format.LeafRecord, leaf: Any, ctx: Context) -> Any:
-    """Saved leaf `i` restored into target leaf `leaf` (None: no target, to host); an
-    array for a target sharding comes back `Deferred` (`Restorer.place` puts it)."""
-    if record.kind == _format.ITERATOR:
-        state = _iterator_state(i, record, ctx)
-        if _tree.is_iterator(leaf):
-            leaf.set_state(state)
-            return leaf
-        return state
-    owner = source(i, record, ctx) if record.per_process else None
-    mapper = _mapper(record, ctx) if record.per_process and owner is None else None
-    owners = sorted(ctx.manifests)
-    if record.kind == _format.SCALAR:
-        if mapper is not None:
-            return mapper([_scalar(i, record, ctx.manifests[o]) for o in owners])
-        manifest = ctx.manifests[owner] if owner is not None else next(iter(ctx.manifests.values()))
-        return _scalar(i, record, manifest)
-    placement = _placement(i, record, leaf, ctx, owner)
-    if mapper is not None:
-        saved = [_with_key_impl(restorer.host_array(i, o), record) for o in owners]
-        return _place(_mapped_data(mapper(saved), record, ctx), record, placement)
-    if placement == HOST:
-        return _with_key_impl(restorer.host_array(i, owner), record)
-    if placement == UNCOMMITTED:
-        return _place(restorer.host_array(i, owner), record, UNCOMMITTED)
-    assert isinstance(placement, jax.sharding.Sharding)
-    return restorer.array(i, placement, owner)
-
-
-def _placement(
+def leaf_placement(
     i: int, record: _format.LeafRecord, leaf: Any, ctx: Context, owner: int | None
 ) -> Placement:
     """Where an array leaf goes: the target's sharding, numpy, or uncommitted for an
@@ -425,9 +382,9 @@ def _placement(
         return HOST  # a numpy array was saved and no sharding asked for
     if owner is None:
         owner = ctx.process if ctx.process in ctx.manifests else min(ctx.manifests, default=0)
-    if _own_record(i, record, ctx.manifests.get(owner)).uncommitted:
+    if own_record(i, record, ctx.manifests.get(owner)).uncommitted:
         return UNCOMMITTED
-    saved = _saved_sharding(i, record, ctx.manifests.get(owner))
+    saved = saved_sharding(i, record, ctx.manifests.get(owner))
     if saved is None:
         whose = f"process {owner} saved it with" if record.per_process else "saved sharding"
         desc = ctx.manifests[owner].shardings.get(i) if record.per_process else record.sharding
@@ -437,38 +394,3 @@ def _placement(
             "sharding (jax.ShapeDtypeStruct(shape, dtype, sharding=...))."
         )
     return saved
-
-
-def _mapped_data(value: Any, record: _format.LeafRecord, ctx: Context) -> np.ndarray:
-    """The stored form of what the user's function returned for an array leaf, checked."""
-    data = np.asarray(jax.random.key_data(value) if record.key_impl else value)
-    if data.shape != record.stored_shape or data.dtype.name != record.stored_dtype:
-        raise ValueError(
-            f"{ctx.where(record)}: per_process_fn returned shape {data.shape} and dtype "
-            f"{data.dtype}; the leaf was saved with shape {record.stored_shape} and dtype "
-            f"{record.stored_dtype}. Return one of the saved values or one like them."
-        )
-    return data
-
-
-def _place(data: np.ndarray, record: _format.LeafRecord, placement: Placement) -> Any:
-    """Host data of a whole leaf, laid out as `placement` says."""
-    if placement == HOST:
-        return _with_key_impl(data, record)
-    if placement == UNCOMMITTED:
-        out = jax.device_put(data)  # no device: uncommitted, jit may move it
-    else:
-        assert isinstance(placement, jax.sharding.Sharding) and record.shape is not None
-        sharding = (
-            _sharding.with_trailing_dims(placement, data.ndim - len(record.shape))
-            if record.key_impl
-            else placement
-        )
-        out = jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
-    return jax.random.wrap_key_data(out, impl=record.key_impl) if record.key_impl else out
-
-
-def _with_key_impl(data: np.ndarray, record: _format.LeafRecord) -> Any:
-    if record.key_impl:
-        return jax.random.wrap_key_data(jax.numpy.asarray(data), impl=record.key_impl)
-    return data

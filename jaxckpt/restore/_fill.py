@@ -1,0 +1,111 @@
+"""Filling a matched restore target in: each saved leaf read into its place.
+
+`_target` matched the target against the saved tree and checked it before any
+byte was read; here every leaf is materialised where the target says: onto the
+target's sharding (through `Restorer.array`, placed together by
+`Restorer.place`), as numpy on the host, or uncommitted; per-process values as
+`_target.source` or the user's `per_process_fn` choose; typed PRNG keys with
+their impl, and weak types kept where the target has them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt.format import _format, _sharding, _tree, _weak_type
+from jaxckpt.restore._restore import Restorer
+from jaxckpt.restore._target import (
+    HOST,
+    UNCOMMITTED,
+    Context,
+    Placement,
+    iterator_state,
+    leaf_placement,
+    match,
+    per_process_mapper,
+    scalar,
+    source,
+)
+
+
+def fill(
+    restorer: Restorer, records: Sequence[_format.LeafRecord], target: Any, ctx: Context
+) -> Any:
+    """The restored tree, in the structure and layout of `target` (None: everything on host)."""
+    if target is None:
+        return _tree.nest(
+            [(r.keys, _leaf(restorer, i, r, None, ctx)) for i, r in enumerate(records)]
+        )
+    pairs, treedef = match(records, target, ctx)
+    out = [_leaf(restorer, i, records[i], leaf, ctx) for i, leaf in pairs]
+    placed = restorer.place(out)
+    kept = [_weak_type.as_target(v, leaf) for v, (_, leaf) in zip(placed, pairs, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, kept)
+
+
+def _leaf(restorer: Restorer, i: int, record: _format.LeafRecord, leaf: Any, ctx: Context) -> Any:
+    """Saved leaf `i` restored into target leaf `leaf` (None: no target, to host); an
+    array for a target sharding comes back `Deferred` (`Restorer.place` puts it)."""
+    if record.kind == _format.ITERATOR:
+        state = iterator_state(i, record, ctx)
+        if _tree.is_iterator(leaf):
+            leaf.set_state(state)
+            return leaf
+        return state
+    owner = source(i, record, ctx) if record.per_process else None
+    mapper = per_process_mapper(record, ctx) if record.per_process and owner is None else None
+    owners = sorted(ctx.manifests)
+    if record.kind == _format.SCALAR:
+        if mapper is not None:
+            return mapper([scalar(i, record, ctx.manifests[o]) for o in owners])
+        manifest = ctx.manifests[owner] if owner is not None else next(iter(ctx.manifests.values()))
+        return scalar(i, record, manifest)
+    placement = leaf_placement(i, record, leaf, ctx, owner)
+    if mapper is not None:
+        saved = [_with_key_impl(restorer.host_array(i, o), record) for o in owners]
+        return _place(_mapped_data(mapper(saved), record, ctx), record, placement)
+    if placement == HOST:
+        return _with_key_impl(restorer.host_array(i, owner), record)
+    if placement == UNCOMMITTED:
+        return _place(restorer.host_array(i, owner), record, UNCOMMITTED)
+    assert isinstance(placement, jax.sharding.Sharding)
+    return restorer.array(i, placement, owner)
+
+
+def _mapped_data(value: Any, record: _format.LeafRecord, ctx: Context) -> np.ndarray:
+    """The stored form of what the user's function returned for an array leaf, checked."""
+    data = np.asarray(jax.random.key_data(value) if record.key_impl else value)
+    if data.shape != record.stored_shape or data.dtype.name != record.stored_dtype:
+        raise ValueError(
+            f"{ctx.where(record)}: per_process_fn returned shape {data.shape} and dtype "
+            f"{data.dtype}; the leaf was saved with shape {record.stored_shape} and dtype "
+            f"{record.stored_dtype}. Return one of the saved values or one like them."
+        )
+    return data
+
+
+def _place(data: np.ndarray, record: _format.LeafRecord, placement: Placement) -> Any:
+    """Host data of a whole leaf, laid out as `placement` says."""
+    if placement == HOST:
+        return _with_key_impl(data, record)
+    if placement == UNCOMMITTED:
+        out = jax.device_put(data)  # no device: uncommitted, jit may move it
+    else:
+        assert isinstance(placement, jax.sharding.Sharding) and record.shape is not None
+        sharding = (
+            _sharding.with_trailing_dims(placement, data.ndim - len(record.shape))
+            if record.key_impl
+            else placement
+        )
+        out = jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
+    return jax.random.wrap_key_data(out, impl=record.key_impl) if record.key_impl else out
+
+
+def _with_key_impl(data: np.ndarray, record: _format.LeafRecord) -> Any:
+    if record.key_impl:
+        return jax.random.wrap_key_data(jax.numpy.asarray(data), impl=record.key_impl)
+    return data
