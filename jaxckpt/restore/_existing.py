@@ -297,22 +297,14 @@ def _check_tree(found: _Found, metadata: Any, abstract: Any) -> None:
     saved = ocp.tree.to_flat_dict(getattr(metadata, "tree", metadata))
     wanted = ocp.tree.to_flat_dict(abstract)
     where = f"Step {found.step} at {found.path}"
-    missing = [".".join(k) for k in wanted if k not in saved]
-    if missing:
-        raise ValueError(
-            f"{where} has no leaf {missing[0]!r}"
-            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
-            + f", which the target has; it holds {_names(saved)}. Pass a target with the "
-            "tree the old loop saved (e.g. nnx.state(model) for StandardSave(nnx.state(model)))."
-        )
-    extra = [".".join(k) for k in saved if k not in wanted]
-    if extra:
-        raise ValueError(
-            f"{where} holds leaf {extra[0]!r}"
-            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
-            + " that the target lacks. Pass a target with the tree the old loop saved "
-            "(the optimizer state too, if it saved one)."
-        )
+    _existing_msgpack.require_same_leaves(
+        where,
+        saved,
+        wanted,
+        "Pass a target with the tree the old loop saved (e.g. nnx.state(model) for "
+        "StandardSave(nnx.state(model)))",
+        "the optimizer state",
+    )
     for key, leaf in wanted.items():
         shape = _saved_shape(leaf)
         saved_shape = getattr(saved[key], "shape", None)
@@ -331,11 +323,6 @@ def _saved_shape(leaf: Any) -> tuple[int, ...] | None:
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         return tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
     return tuple(leaf.shape)
-
-
-def _names(flat: dict[tuple[str, ...], Any]) -> str:
-    names = [".".join(k) for k in flat]
-    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
 def _restore_msgpack(found: _Found, saved: Any, target: Any) -> Any:

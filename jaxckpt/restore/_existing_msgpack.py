@@ -82,22 +82,9 @@ def restore(step: int, path: epath.Path, saved: Any, target: Any) -> Any:
     where = f"Step {step} at {path} (a flax msgpack checkpoint)"
     held = _flat(saved)
     wanted = _flat(serialization.to_state_dict(target))
-    extra = [k for k in held if k not in wanted]
-    if extra:
-        raise ValueError(
-            f"{where} holds leaf {'.'.join(extra[0])!r}"
-            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
-            + " that the target lacks; restoring would drop it. Pass a target with the "
-            "tree the old loop saved (the optimizer state too, if it saved one)."
-        )
-    missing = [k for k in wanted if k not in held]
-    if missing:
-        raise ValueError(
-            f"{where} has no leaf {'.'.join(missing[0])!r}"
-            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
-            + f", which the target has; it holds {_names(held)}. Pass a target with the "
-            "tree the old loop saved."
-        )
+    require_same_leaves(
+        where, held, wanted, "Pass a target with the tree the old loop saved", "the optimizer state"
+    )
     try:
         return serialization.from_state_dict(target, saved)
     except (ValueError, KeyError, TypeError) as e:
@@ -117,6 +104,39 @@ def _flat(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]
     return out
 
 
-def _names(flat: dict[tuple[str, ...], Any]) -> str:
+def require_same_leaves(
+    where: str,
+    saved: Mapping[tuple[str, ...], Any],
+    wanted: Mapping[tuple[str, ...], Any],
+    advice: str,
+    also: str,
+) -> None:
+    """Raises ValueError naming the first leaf the saved tree holds and the target lacks
+    (restoring would drop it), or the target has and the saved tree lacks.
+
+    Args:
+      where: the step and path, to start the message.
+      saved, wanted: flat trees (key path -> leaf) of the checkpoint and the target.
+      advice: what to pass instead ("Pass a target with ...").
+      also: what the old loop may have saved besides (named in the advice).
+    """
+    extra = [k for k in saved if k not in wanted]
+    if extra:
+        raise ValueError(
+            f"{where} holds leaf {'.'.join(extra[0])!r}"
+            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+            + f" that the target lacks; restoring would drop it. {advice} ({also} too, "
+            "if it saved one)."
+        )
+    missing = [k for k in wanted if k not in saved]
+    if missing:
+        raise ValueError(
+            f"{where} has no leaf {'.'.join(missing[0])!r}"
+            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + f", which the target has; it holds {_names(saved)}. {advice}."
+        )
+
+
+def _names(flat: Mapping[tuple[str, ...], Any]) -> str:
     names = [".".join(k) for k in flat]
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
