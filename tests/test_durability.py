@@ -205,7 +205,7 @@ def test_release_memory_frees_the_tier_once_the_newest_step_is_durable(memory_ro
                 step, args=ocp.args.Composite(train=jaxckpt.TieredSave(state, persist=step == 3))
             )
         mngr.wait_until_finished()
-        assert len(_slabs(memory_root)) >= 2  # step 3 and a spare slab
+        assert _slabs(memory_root)  # step 3 (and any spare slabs the tier keeps)
         assert h.release_memory() == [3]
         assert _slabs(memory_root) == []
         assert_tree_equal(restore(mngr, 3, abstract(state)), state)
