@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
+from jaxckpt import _internals  # noqa: E402
 
 ROWS = 48  # divisible by 8, 6 and 4 devices
 
@@ -154,7 +155,10 @@ def scenario_save(args: dict) -> dict:
         "replicate_bytes_per_s": h.last_save_metrics.get("replicate_bytes_per_s"),
     }
     if args.get("crash"):
+        # Every process says what it saved before any "crashes": the first os._exit makes the
+        # coordinator abort the others (tests/multiproc.py accepts that after a RESULT line).
         print("RESULT " + json.dumps(out), flush=True)
+        _internals.distributed_client().wait_at_barrier("mp_worker_crash", 120_000)
         os._exit(0)
     mngr.close()
     return out
