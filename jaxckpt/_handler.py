@@ -1,27 +1,22 @@
 """`TieredCheckpointHandler`: the Orbax handler, an adapter from Orbax's calls to the
-operations' choreographies (`_choreography`), the save (`_save`) and the restore
-(`_index`, `_restore`)."""
+save (`save/_operation`), the restore (`restore/_operation`) and the handler's session
+(`run/_session`: background work, retention, the run, close and release)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
-from absl import logging as log
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 
-from jaxckpt import _aio, _metrics, _resources
 from jaxckpt._args import TieredRestore, TieredSave
 from jaxckpt._options import TierOptions
-from jaxckpt.coord import _multihost
-from jaxckpt.restore import _fill, _restore, _target
-from jaxckpt.run import _choreography, _run
-from jaxckpt.save import _background, _save, _snapshot
-from jaxckpt.tiers import _index, _paths, _retention, _slab, _storage
+from jaxckpt.restore import _operation as _restore_operation
+from jaxckpt.run import _session
+from jaxckpt.save import _operation as _save_operation
 
 
 class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
@@ -36,10 +31,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         state = mngr.restore(step, args=ocp.args.Composite(
             train=jaxckpt.TieredRestore(abstract_state))).train
 
-    An adapter: each call parses its item directory once (`_paths.ItemDir`) and
-    runs its operation under that operation's choreography (`_choreography`: the
-    run opened, the exchanges in order), handing the work to the save
-    (`_save.Save`) or the restore's index and reads (`_index`, `_restore`).
+    An adapter: each call goes to its operation (`SaveOperation`, `RestoreOperation`),
+    which runs under that operation's choreography (the run opened, the exchanges in
+    order), or to the handler's `Session` (waits, close, release).
     """
 
     def __init__(
@@ -53,21 +47,20 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"TieredCheckpointHandler needs TierOptions, got {type(options).__name__}."
             )
         self._options = options
-        self._publisher = _metrics.Publisher(on_metrics)
-        self._background = _background.Background(options, self._publisher)
-        persister, retainer = self._background.persister, self._background.retainer
-        self._keeper = _retention.Keeper(options.persist_every, persister.pending_steps)
-        self._runs = _run.Run(options, persister, self._keeper)
-        self._services = _save.Services(options, persister, retainer, self._publisher)
+        self._session = _session.Session(options, on_metrics)
+        self._saves = _save_operation.SaveOperation(self._session)
+        self._restores = _restore_operation.RestoreOperation(self._session)
+        # The run and the background work, for the tools and tests that look at them.
+        self._runs, self._background = self._session.runs, self._session.background
 
     @property
     def options(self) -> TierOptions:
         return self._options
 
     # The latest measurements of each kind (empty before the first).
-    last_save_metrics = property(lambda self: self._publisher.last["save"])
-    last_restore_metrics = property(lambda self: self._publisher.last["restore"])
-    last_persist_metrics = property(lambda self: self._publisher.last["persist"])
+    last_save_metrics = property(lambda self: self._session.publisher.last["save"])
+    last_restore_metrics = property(lambda self: self._session.publisher.last["restore"])
+    last_persist_metrics = property(lambda self: self._session.publisher.last["persist"])
 
     # ---- save -----------------------------------------------------------------
 
@@ -81,60 +74,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         asynchronous one (raising here would strand Orbax's directory-creation
         threads); the step is not finalized either way.
         """
-        started = time.perf_counter()
-        item = _paths.ItemDir.parse(directory)
-        # At once, not through the commit: no step, no save (every process sees the same
-        # directory, so all refuse alike, before any exchange).
-        step = item.require_step(args.step)
-        op = _choreography.SaveChoreography(self._runs, item, step, self._publisher)
-        snapshot, save = None, None
-        persist = args.persist
-        # 1. Open the run; refuse what the tier cannot take; the snapshot (validates every
-        # leaf first). An error is this process's refusal, raised by the commit future.
-        with op.local():
-            # Before the run's memory tier is opened (which may queue a crashed run's
-            # persists): the first save into an old Orbax or flax directory is persisted.
-            if not persist and self._keeper.switching_in(item):
-                log.info(
-                    "jaxckpt: persisting step %d, the first save into %s, which holds older "
-                    "steps that are not jaxckpt's and no durable jaxckpt step of item %r",
-                    step,
-                    item.root,
-                    item.item,
-                )
-                persist = True
-            memory = op.open()
-            memory.require_writable(step)
-            snapshot = _snapshot.take(
-                args.state, _multihost.process_index(), self._options.pinned_host_staging
-            )
-        # 2. Exchange `meet`: the peers (collective, once per run), a refusing process too.
-        op.meet()
-        # 3. The save takes over; on CPU its slab is filled now (the end of the stall).
-        if op.ok and snapshot is not None and op.memory is not None:
-            with op.local():
-                save = _save.Save(
-                    item, step, snapshot, op.memory, op, self._services, started, persist
-                )
-                save.stage()
-        # 4. The commit future, with the exchange `agree` (or this process's refusal).
-        commit = op.commit(save.commit if save is not None else None)
-        return [
-            ocp.future.CommitFutureAwaitingContractedSignals(
-                self._background.in_flight.track(commit),
-                name="jaxckpt_commit",
-                timeout_secs=int(self._options.timeout_s),
-            )
-        ]
+        return await self._saves.start(directory, args.state, args.step, args.persist)
 
     def save(self, directory: epath.Path, args: TieredSave) -> None:
         """Saves synchronously: `async_save`, then waits for its commit."""
-
-        async def run() -> None:
-            for f in await self.async_save(directory, args):
-                f.result()
-
-        _aio.run_sync(run())  # also from a thread that runs an event loop (Jupyter)
+        self._saves.run(directory, args.state, args.step, args.persist)
 
     # ---- restore --------------------------------------------------------------
 
@@ -154,89 +98,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           ValueError, TypeError: if the target does not match the saved tree.
           TimeoutError: if another process does not take part within the timeout.
         """
-        item = _paths.ItemDir.parse(directory)
-        # Its exchanges in order, a failing process's too; the verdict when the block ends
-        # (after the collector resumes). A tree of thousands of leaves allocates some 10^5
-        # small objects: Python's cyclic collector would walk every object of the process
-        # hundreds of times.
-        with (
-            _choreography.RestoreChoreography(self._runs, item, self._publisher) as op,
-            _resources.SHARED.gc_paused(),
-        ):
-            return self._restore_locally(op, item, args if args is not None else TieredRestore())
-
-    def _restore_locally(
-        self, op: _choreography.RestoreChoreography, item: _paths.ItemDir, args: TieredRestore
-    ) -> Any:
-        """`restore` on this process, in order; `op` runs its exchanges."""
-        start = time.perf_counter()
-        # 1. Slabs removed since the last save (a lost memory tier, another process's
-        # retention) are still mapped here, their pages held: let them go before the
-        # restore allocates the target's buffers.
-        _slab.forget_unlinked()
-        step = item.require_step()
-        pi, count = _multihost.process_index(), _multihost.process_count()
-        # 2. The step's index, read once: its parts, and the run its copies carry.
-        index = _index.read_index(item.path)
-        recorded = index.get(pi) or next(iter(index.values()), None)
-        indexes = {step: index}  # read once: the recovery and the inventories reuse it
-        # 3. Open the run: its memory tier, under the run id the index records.
-        memory = op.open(recorded, indexes)
-        # 4. The target, validated before anything is read (agreed on at the end).
-        fns = (args.iterator_state_fn, args.per_process_fn)
-        if index:
-            ctx = _target.Context(index, pi, count, step, *fns)
-            _target.check(next(iter(index.values())).leaves, args.abstract_state, ctx)
-        # 5. Exchanges `meet` (once per run) and `inventories`; the plan: a source per part.
-        op.meet()
-        view = op.inventories(indexes)
-        plan = view.plan(step, item.path)
-        if not plan.restorable:
-            raise FileNotFoundError(view.not_restorable_message(item.path, plan))
-        # IMPORTANT: the step's slabs are read in place (mapped) and lent to the restored
-        # arrays; a pin keeps the step from being retired (by any process sharing the
-        # memory root) before they are marked lent, which keeps them from being reused.
-        plan, pin = _restore.pin_memory(memory, plan, pi)
-        # 6. The reads, fastest source first, into the target's shardings.
-        readers = _restore.reader_factory(
-            item.path, memory, op.peers, step, plan.manifests, pi, self._options.timeout_s
-        )
-
-        def unavailable(e: _restore.ChunkUnavailableError) -> FileNotFoundError:
-            return FileNotFoundError(
-                f"{self._runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
-            )
-
-        def agree_on_reads(error: BaseException | None) -> None:
-            # 7, held early: before a collective reshard (data-parallel replicas), so that
-            # no process enters it alone; a read that failed is agreed on as it is raised.
-            if isinstance(error, _restore.ChunkUnavailableError):
-                error = unavailable(error)
-            op.agree(error)
-
-        restorer = _restore.Restorer(
-            plan,
-            readers,
-            pi,
-            self._runs.redact,
-            timeout_s=self._options.timeout_s,
-            on_damaged=_restore.quarantiner(memory, self._runs.peers, step, pi),
-            agree=agree_on_reads if count > 1 else None,
-        )
-        try:
-            ctx = _target.Context(plan.manifests, pi, count, step, *fns)
-            result = _fill.fill(restorer, plan.leaves, args.abstract_state, ctx)
-        except _restore.ChunkUnavailableError as e:
-            raise unavailable(e) from e
-        finally:
-            restorer.finish()
-            if pin is not None:
-                pin.release()
-        seconds = time.perf_counter() - start
-        self._publisher.publish(_metrics.restore_metrics(step, seconds, restorer))
-        # 7. Exchange `agree` (the verdict): when the choreography's block ends, unless
-        # held before the reshard of data-parallel replicas (`agree_on_reads`).
-        return result
+        return self._restores.restore(directory, args if args is not None else TieredRestore())
 
     # ---- metadata and lifecycle --------------------------------------------
 
@@ -250,10 +112,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         Every node is nested as dicts and lists; the result is a restore target
         for any saved tree (leaves are matched by key names).
         """
-        index = _index.read_index(_storage.as_path(directory))
-        if not index:
-            raise FileNotFoundError(f"{directory} holds no jaxckpt index manifest.")
-        return _target.metadata(index, _multihost.process_index(), _multihost.process_count())
+        return self._restores.metadata(directory)
 
     def finalize(self, directory: epath.Path) -> None:
         """No-op: parts become visible by their own atomic renames."""
@@ -271,13 +130,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           TimeoutError: if persistence is not done within the timeout (it goes on
             in the background; a later save reuses the same worker).
         """
-        try:
-            self._background.close()
-        finally:
-            self._runs.close()  # the last handler's close unmaps the kept slabs too
-        self._background.raise_errors()
-        if _multihost.process_index() == 0:
-            self._keeper.warn_newest_not_durable()
+        self._session.close()
 
     def wait_for_persistence(self, timeout_s: float | None = None) -> None:
         """Blocks until the saves made so far have ended their commits and the
@@ -288,8 +141,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         Raises:
           TimeoutError: if it is not done within `timeout_s` (default: the options').
         """
-        self._background.wait(self._options.timeout_s if timeout_s is None else timeout_s)
-        self._background.raise_errors()
+        self._session.wait_for_persistence(timeout_s)
 
     def restorable_steps(self, item_dir: epath.Path | Path, verify: bool = False) -> list[int]:
         """Every finalized step next to `item_dir` that can be restored from some tier.
@@ -308,19 +160,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         Returns:
           The restorable steps, newest first.
         """
-        item = _paths.ItemDir.parse(item_dir)
-        with _choreography.ListChoreography(self._runs, item) as op:
-            # The newest step's index records the run id its copies carry.
-            finalized = item.finalized_steps()
-            newest = max(finalized, default=None)
-            index = _index.read_index(finalized[newest]) if newest is not None else {}
-            indexes = {newest: index} if newest is not None else {}
-            pi = _multihost.process_index()
-            memory = op.open(index.get(pi) or next(iter(index.values()), None), indexes)
-            if verify:
-                self._runs.verify_held(memory, finalized)
-            op.meet()
-            return op.inventories(indexes).restorable_steps()
+        return self._restores.restorable_steps(item_dir, verify)
 
     def release_memory(self, timeout_s: float | None = None) -> list[int]:
         """Ends a run: makes the newest step durable and frees this host's memory tier.
@@ -344,21 +184,11 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           TimeoutError: on every process, if one did not finish in time or did not
             take part.
         """
-        timeout_s = self._options.timeout_s if timeout_s is None else timeout_s
-        with _choreography.ReleaseChoreography(self._runs) as op:
-            # 1. This process's persistence, and its part of a newest step not durable yet
-            # (not due, at the end of a run) persisted.
-            self.wait_for_persistence(timeout_s)
-            if self._runs.persist_newest():
-                self.wait_for_persistence(timeout_s)
-            # 2. Exchange `agree`: the newest step is durable only once every process's part
-            # is; each frees its tier after all have persisted theirs.
-            op.agree()
-            return self._runs.release_memory()
+        return self._session.release_memory(timeout_s)
 
     def pending_persistence(self) -> set[int]:
         """Steps queued or being written to persistent storage."""
-        return self._background.persister.pending_steps()
+        return self._session.pending_persistence()
 
     def preservation_policy(self, base: Any, directory: Any = None) -> Any:
         """An Orbax PreservationPolicy that keeps what `base` keeps, the newest
@@ -372,7 +202,7 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           directory: the manager's checkpoint directory; without it the policy
             keeps the steps of every checkpoint directory this handler has used.
         """
-        return self._keeper.policy(base, directory)
+        return self._session.keeper.policy(base, directory)
 
 
 checkpoint_args.register_with_handler(TieredCheckpointHandler, for_save=True)(TieredSave)

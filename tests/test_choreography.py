@@ -65,7 +65,7 @@ def test_exchanges_run_only_in_their_order(memory_root, ckpt_dir):
     h = handler(memory_root)
     try:
         item = _paths.ItemDir.parse(Path(ckpt_dir) / "1" / "train")
-        op = _choreography.RestoreChoreography(h._runs, item, h._publisher)
+        op = _choreography.RestoreChoreography(h._runs, item, h._session.publisher)
         with pytest.raises(RuntimeError, match="exchange 'inventories' out of order"):
             op.inventories()
         listing = _choreography.ListChoreography(h._runs, item)

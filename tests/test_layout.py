@@ -195,3 +195,10 @@ def test_the_top_level_holds_few_modules_and_every_package_says_what_it_owns() -
         text = readme.read_text()
         missing = [m for m in modules if f"`{m}`" not in text]
         assert not missing, f"jaxckpt/{name}/README.md does not name {missing}"
+
+
+def test_the_handler_is_an_adapter_over_few_modules() -> None:
+    """The Orbax handler hands each call to an operation or the session: it imports at
+    most 6 modules of jaxckpt, so the save and restore flows live in their packages."""
+    imported = _graph()["_handler"]
+    assert len(imported) <= 6, f"jaxckpt._handler imports {len(imported)}: {sorted(imported)}"

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import jax
 import numpy as np
@@ -42,6 +42,18 @@ PerProcessFn = Callable[[str, list[Any], int, int], Any]
 HOST: Final = "host"  # a numpy array
 UNCOMMITTED: Final = "uncommitted"  # a jax.Array on the default device, free to move
 Placement = jax.sharding.Sharding | str
+
+
+class Target(Protocol):
+    """What a restore is asked for (`jaxckpt.TieredRestore` is one): the target tree and
+    the functions that give per-process leaves."""
+
+    @property
+    def abstract_state(self) -> Any: ...
+    @property
+    def iterator_state_fn(self) -> IteratorStateFn | None: ...
+    @property
+    def per_process_fn(self) -> PerProcessFn | None: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,140 @@
+"""The restore as Orbax calls it (`TieredCheckpointHandler.restore`), in order: the
+item directory parsed, the step's index read once, the run opened, the target
+checked, the exchanges `meet` and `inventories` (the plan: a source per part), the
+reads (`_restore.Restorer` into `_fill`), and the exchange `agree`. Also the two
+other reads of an item: its metadata and its restorable steps (a collective list).
+The one module of `restore` that runs a choreography (`run`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from etils import epath
+
+from jaxckpt import _metrics, _resources
+from jaxckpt.coord import _multihost
+from jaxckpt.restore import _fill, _restore, _target
+from jaxckpt.run import _choreography, _session
+from jaxckpt.tiers import _index, _paths, _slab, _storage
+
+
+class RestoreOperation:
+    """Every restore, metadata and list call of one handler (`session`)."""
+
+    def __init__(self, session: _session.Session):
+        self._session = session
+
+    def restore(self, directory: epath.Path, target: _target.Target) -> Any:
+        """`TieredCheckpointHandler.restore` into `target` (a `TieredRestore`): collective,
+        one verdict."""
+        item = _paths.ItemDir.parse(directory)
+        # Its exchanges in order, a failing process's too; the verdict when the block ends
+        # (after the collector resumes). A tree of thousands of leaves allocates some 10^5
+        # small objects: Python's cyclic collector would walk every object of the process
+        # hundreds of times.
+        session = self._session
+        with (
+            _choreography.RestoreChoreography(session.runs, item, session.publisher) as op,
+            _resources.SHARED.gc_paused(),
+        ):
+            return self._restore_locally(op, item, target)
+
+    def _restore_locally(
+        self, op: _choreography.RestoreChoreography, item: _paths.ItemDir, args: _target.Target
+    ) -> Any:
+        """`restore` on this process, in order; `op` runs its exchanges."""
+        start = time.perf_counter()
+        runs, timeout_s = self._session.runs, self._session.options.timeout_s
+        # 1. Slabs removed since the last save (a lost memory tier, another process's
+        # retention) are still mapped here, their pages held: let them go before the
+        # restore allocates the target's buffers.
+        _slab.forget_unlinked()
+        step = item.require_step()
+        pi, count = _multihost.process_index(), _multihost.process_count()
+        # 2. The step's index, read once: its parts, and the run its copies carry.
+        index = _index.read_index(item.path)
+        recorded = index.get(pi) or next(iter(index.values()), None)
+        indexes = {step: index}  # read once: the recovery and the inventories reuse it
+        # 3. Open the run: its memory tier, under the run id the index records.
+        memory = op.open(recorded, indexes)
+        # 4. The target, validated before anything is read (agreed on at the end).
+        fns = (args.iterator_state_fn, args.per_process_fn)
+        if index:
+            ctx = _target.Context(index, pi, count, step, *fns)
+            _target.check(next(iter(index.values())).leaves, args.abstract_state, ctx)
+        # 5. Exchanges `meet` (once per run) and `inventories`; the plan: a source per part.
+        op.meet()
+        view = op.inventories(indexes)
+        plan = view.plan(step, item.path)
+        if not plan.restorable:
+            raise FileNotFoundError(view.not_restorable_message(item.path, plan))
+        # IMPORTANT: the step's slabs are read in place (mapped) and lent to the restored
+        # arrays; a pin keeps the step from being retired (by any process sharing the
+        # memory root) before they are marked lent, which keeps them from being reused.
+        plan, pin = _restore.pin_memory(memory, plan, pi)
+        # 6. The reads, fastest source first, into the target's shardings.
+        readers = _restore.reader_factory(
+            item.path, memory, op.peers, step, plan.manifests, pi, timeout_s
+        )
+
+        def unavailable(e: _restore.ChunkUnavailableError) -> FileNotFoundError:
+            return FileNotFoundError(
+                f"{runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
+            )
+
+        def agree_on_reads(error: BaseException | None) -> None:
+            # 7, held early: before a collective reshard (data-parallel replicas), so that
+            # no process enters it alone; a read that failed is agreed on as it is raised.
+            if isinstance(error, _restore.ChunkUnavailableError):
+                error = unavailable(error)
+            op.agree(error)
+
+        restorer = _restore.Restorer(
+            plan,
+            readers,
+            pi,
+            runs.redact,
+            timeout_s=timeout_s,
+            on_damaged=_restore.quarantiner(memory, runs.peers, step, pi),
+            agree=agree_on_reads if count > 1 else None,
+        )
+        try:
+            ctx = _target.Context(plan.manifests, pi, count, step, *fns)
+            result = _fill.fill(restorer, plan.leaves, args.abstract_state, ctx)
+        except _restore.ChunkUnavailableError as e:
+            raise unavailable(e) from e
+        finally:
+            restorer.finish()
+            if pin is not None:
+                pin.release()
+        seconds = time.perf_counter() - start
+        self._session.publisher.publish(_metrics.restore_metrics(step, seconds, restorer))
+        # 7. Exchange `agree` (the verdict): when the choreography's block ends, unless
+        # held before the reshard of data-parallel replicas (`agree_on_reads`).
+        return result
+
+    def metadata(self, directory: epath.Path) -> Any:
+        """`TieredCheckpointHandler.metadata`: the saved tree, from the step's index."""
+        index = _index.read_index(_storage.as_path(directory))
+        if not index:
+            raise FileNotFoundError(f"{directory} holds no jaxckpt index manifest.")
+        return _target.metadata(index, _multihost.process_index(), _multihost.process_count())
+
+    def restorable_steps(self, item_dir: epath.Path | Path, verify: bool) -> list[int]:
+        """`TieredCheckpointHandler.restorable_steps`: collective, the same answer everywhere."""
+        runs = self._session.runs
+        item = _paths.ItemDir.parse(item_dir)
+        with _choreography.ListChoreography(runs, item) as op:
+            # The newest step's index records the run id its copies carry.
+            finalized = item.finalized_steps()
+            newest = max(finalized, default=None)
+            index = _index.read_index(finalized[newest]) if newest is not None else {}
+            indexes = {newest: index} if newest is not None else {}
+            pi = _multihost.process_index()
+            memory = op.open(index.get(pi) or next(iter(index.values()), None), indexes)
+            if verify:
+                runs.verify_held(memory, finalized)
+            op.meet()
+            return op.inventories(indexes).restorable_steps()
