@@ -6,12 +6,21 @@ replica in its owner's failure domain, balances how many replicas each process
 holds (memory on the holder's tmpfs), and, where balance allows, spreads each
 owner's replicas over distinct domains.
 
-A failure domain may be a path, widest level first (``"zone-a/rack-3/host-17"``):
-the whole path is the owner's own domain (its host), never given a copy, and
-each copy goes as far from its owner as balance allows: into a subtree (a
-zone, else a rack of the owner's zone, ...) that holds neither the owner nor
-another copy, at the widest level where one is left. A domain without ``/`` is
-a path of one level, and placement over such domains is what it always was.
+A failure domain may be a path of levels, widest first, split on ``/``
+(``"zone-a/rack-3/host-17"``). The whole path is the owner's own domain (its
+host): no copy ever goes there, the one hard rule, as with flat domains.
+Beyond it each copy goes as far from its owner as balance allows: every
+owner's first copy into another subtree at the widest level (another zone),
+each further copy into a subtree that holds neither the owner nor an earlier
+copy, at the widest level where one is left (another zone while one is left,
+else another rack, else another host). Where the subtrees of each level have
+equal sizes, the owner and its k copies lie in min(k + 1, zones) zones,
+min(k + 1, racks) racks and k + 1 hosts, and every process holds exactly k
+copies. Balance comes first: no holder takes more copies than the least
+possible busiest holder (the bound of flat domains), so where a zone has more
+processes than the rest can take copies of, some of its copies stay in it, in
+another rack; with one rack only, copies go to other hosts. A domain without
+``/`` is a path of one level, and its placement is what it always was.
 """
 
 import collections
@@ -75,21 +84,27 @@ def place_replicas(
     read nothing over the network. The remaining replicas are placed as below.
 
     The processes are laid out on a ring that interleaves the failure domains
-    (largest domain first, round-robin), and each owner walks the ring from its
-    own position, taking the first candidates outside its domain: first at most
-    one per domain and none above the lower bound on the busiest holder's
-    load, then relaxing those preferences in turn. When every domain has the
-    same size this already gives each process exactly ``replicas`` replicas to
-    hold. Otherwise load is then evened out by moving replicas along paths from
-    the busiest holders to holders with at least two fewer, until no such path
-    exists, which minimises the busiest holder's load.
+    (largest domain first, round-robin; with levels, the zones, each zone's
+    racks interleaved the same way inside it, and so on), and each owner walks
+    the ring from its own position, taking the first candidates outside its
+    domain: first in subtrees at the widest level that hold neither the owner
+    nor one of its copies (one per domain, flat) and none above the lower bound
+    on the busiest holder's load, then relaxing those preferences in turn, a
+    level at a time. With levels, owners in the biggest zones (then racks) go
+    first and every owner takes its first copy before any takes its second.
+    When every domain has the same size this already gives each process
+    exactly ``replicas`` replicas to hold. Otherwise load is then evened out by
+    moving replicas along paths from the busiest holders to holders with at
+    least two fewer, until no such path exists, which minimises the busiest
+    holder's load; with levels, first only by moves that take no copy nearer
+    its owner.
 
     The answer depends only on the arguments (never on hash seeds or on which
     process asks), so every process computes the same placement.
 
     Args:
-      domains: ``domains[p]`` is the failure domain (for example the hostname)
-        of process ``p``.
+      domains: ``domains[p]`` is the failure domain of process ``p``: a
+        hostname, or a path such as ``"zone-a/rack-3/host-17"``.
       replicas: How many copies of each process's data other processes hold.
       preferred: ``preferred[p]``, the processes to take first as ``p``'s
         holders where the constraints allow (None: none preferred).
@@ -141,20 +156,8 @@ def place_replicas(
 
     load = [0] * n
     holders: list[list[int]] = [[] for _ in range(n)]
-    fixed: set[tuple[int, int]] = set()  # (owner, holder) pairs kept out of the balancing
-    for owner, candidates in enumerate(preferred or ()):
-        taken: set[str] = set()
-        for c in candidates:
-            if len(holders[owner]) == replicas:
-                break
-            if not 0 <= c < n or c == owner or c in holders[owner]:
-                continue
-            if domains[c] == domains[owner] or domains[c] in taken or load[c] >= load_bound:
-                continue
-            holders[owner].append(c)
-            taken.add(domains[c])
-            load[c] += 1
-            fixed.add((owner, c))
+    # (owner, holder) pairs kept out of the balancing
+    fixed = _take_preferred(preferred or (), domains, holders, load, replicas, load_bound)
     position_of = {p: i for i, p in enumerate(ring)}
     # Most constrained owners first: those in big subtrees (widest level first)
     # have few candidates outside them.
@@ -172,6 +175,35 @@ def place_replicas(
         _balance(domains, ring, holders, load, fixed, paths)
     _balance(domains, ring, holders, load, fixed)
     return tuple(tuple(h) for h in holders)
+
+
+def _take_preferred(
+    preferred: Sequence[Sequence[int]],
+    domains: Sequence[str],
+    holders: list[list[int]],
+    load: list[int],
+    replicas: int,
+    load_bound: int,
+) -> set[tuple[int, int]]:
+    """Gives each owner its `preferred` holders outside its domain, in order, one per
+    domain and none above `load_bound` (whole domains compared, levels or not);
+    the (owner, holder) pairs taken."""
+    n = len(domains)
+    fixed: set[tuple[int, int]] = set()
+    for owner, candidates in enumerate(preferred):
+        taken: set[str] = set()
+        for c in candidates:
+            if len(holders[owner]) == replicas:
+                break
+            if not 0 <= c < n or c == owner or c in holders[owner]:
+                continue
+            if domains[c] == domains[owner] or domains[c] in taken or load[c] >= load_bound:
+                continue
+            holders[owner].append(c)
+            taken.add(domains[c])
+            load[c] += 1
+            fixed.add((owner, c))
+    return fixed
 
 
 def _take(
