@@ -271,7 +271,7 @@ def _random_trees(seed: int, count: int) -> list[list[str]]:
 @pytest.mark.parametrize("shape", [(2, 2, 2, 1), (2, 3, 4, 2), (3, 2, 2, 1), (4, 3, 2, 2)])
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_levels_spread_copies_over_zones_then_racks_and_stay_balanced(shape, shuffled) -> None:
-    zones, racks, hosts, per_host = shape
+    zones, racks = shape[:2]
     domains = _tree(*shape)
     if shuffled:
         random.Random(len(domains)).shuffle(domains)
