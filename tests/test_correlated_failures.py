@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxckpt import TierOptions
 from jaxckpt.bench import _coordinator, _scale
 from jaxckpt.coord import _agreement, _placement, _plan
 from jaxckpt.peer import _peers
@@ -165,3 +166,26 @@ def test_levels_a_lost_zone_and_a_rack_of_the_other_refuse_alike_or_read_persist
             assert ok and value[1] == [], (p, value)
             if p in missing:
                 assert value[0] == [_plan.PERSISTENT], (p, value)
+
+
+def test_levels_reach_the_placement_through_the_run_set_up():
+    """`Peers.meet` (the run's set-up) places over the zone/rack/host domains the
+    processes post, and `holders_with` (a replicated leaf: every process a partner)
+    looks the partners' domains up: each copy in the other zone, one copy a holder."""
+    partners = [tuple(q for q in range(COUNT) if q != p) for p in range(COUNT)]
+
+    def meet(p: int) -> tuple:
+        opts = TierOptions("/nonexistent", replicas=1, failure_domain=LEVELS[p])
+        peers = _peers.Peers.meet("run-levels", lambda: _scale._Service(p), opts)
+        return peers.holders, peers.holders_with(partners)
+
+    results = _coordinator.Simulation(COUNT).run(meet)
+    assert all(ok for ok, _ in results), results[:2]
+    placed = _placement.place_replicas(LEVELS, 1)
+    for layout in (0, 1):  # the set-up's holders, then the partner-first ones
+        holders = [value[layout] for _, value in results]
+        if layout == 0:
+            assert holders == list(placed)
+        zone = [d.split("/")[0] for d in LEVELS]
+        assert all(zone[h] != zone[o] for o, (h,) in enumerate(holders)), holders
+        assert sorted(h for (h,) in holders) == list(range(COUNT))  # max/mean held: 1.0
