@@ -37,8 +37,11 @@ class TierOptions:
       persist_every: a step is written to the CheckpointManager's directory
         when `step % persist_every == 0`, or when its save asks for it
         (`TieredSave(state, persist=True)`); other steps live only in memory tiers.
-      failure_domain: this process's failure domain (a host, a rack); defaults
-        to the `JAXCKPT_FAILURE_DOMAIN` environment variable, else the hostname.
+      failure_domain: this process's failure domain (a host, a rack), or a path
+        of them, widest first (`"zone-a/rack-3/host-17"`): copies then go
+        outside the owner's host always, and outside its zone, else its rack,
+        where `replicas` and balance allow; defaults to the
+        `JAXCKPT_FAILURE_DOMAIN` environment variable, else the hostname.
       memory_keep: how many of the newest finalized steps each memory tier
         keeps; older ones are deleted once a newer step is finalized by the
         CheckpointManager (a step still waiting to be persisted is kept until it
@@ -170,6 +173,12 @@ class TierOptions:
                 "TierOptions.failure_domain must be None (the JAXCKPT_FAILURE_DOMAIN "
                 "environment variable, else the hostname) or a non-empty str naming a host or "
                 f"rack, got {domain!r}."
+            )
+        if domain is not None and "" in domain.split("/"):
+            raise ValueError(
+                "TierOptions.failure_domain is a path of levels, widest first, split on '/' "
+                "(such as 'zone-a/rack-3/host-17'), so no level may be empty (no leading, "
+                f"trailing or doubled '/'), got {domain!r}."
             )
         if not _is_host(self.peer_host):
             raise ValueError(

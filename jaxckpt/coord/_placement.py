@@ -5,12 +5,67 @@ computes the same answer without talking to the others. It never places a
 replica in its owner's failure domain, balances how many replicas each process
 holds (memory on the holder's tmpfs), and, where balance allows, spreads each
 owner's replicas over distinct domains.
+
+A failure domain may be a path of levels, widest first, split on ``/``
+(``"zone-a/rack-3/host-17"``). The whole path is the owner's own domain (its
+host): no copy ever goes there, the one hard rule, as with flat domains.
+Beyond it each copy goes as far from its owner as balance allows: every
+owner's first copy into another subtree at the widest level (another zone),
+each further copy into a subtree that holds neither the owner nor an earlier
+copy, at the widest level where one is left (another zone while one is left,
+else another rack, else another host). Where the subtrees of each level have
+equal sizes, the owner and its k copies lie in min(k + 1, zones) zones,
+min(k + 1, racks) racks and k + 1 hosts, and every process holds exactly k
+copies. Balance comes first: no holder takes more copies than the least
+possible busiest holder (the bound of flat domains), so where a zone has more
+processes than the rest can take copies of, some of its copies stay in it, in
+another rack; with one rack only, copies go to other hosts. A domain without
+``/`` is a path of one level, and its placement is what it always was.
 """
 
 import collections
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+
+Path = tuple[str, ...]
+
+
+def domain_path(domain: str) -> Path:
+    """The levels of a failure domain, widest first (``"zone-a/rack-3"`` -> zone, rack)."""
+    return tuple(domain.split("/"))
+
+
+def shared_levels(a: Path, b: Path) -> int:
+    """How many levels, from the widest, two failure-domain paths have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _nearer(path: Path, than: Path, owner: Path) -> bool:
+    """Whether `path` shares more levels with `owner` than `than` does."""
+    return shared_levels(path, owner) > shared_levels(than, owner)
+
+
+def _interleave(
+    procs: list[int], paths: Sequence[Path] | Mapping[int, Path], level: int = 0
+) -> list[int]:
+    """`procs` on a ring that alternates their subtrees at `level` (largest first,
+    round-robin), each subtree's members interleaved the same way one level down;
+    the processes of one domain (one path) keep process order."""
+    if all(paths[p] == paths[procs[0]] for p in procs):
+        return list(procs)
+    groups: dict[str | None, list[int]] = {}
+    for p in procs:
+        groups.setdefault(paths[p][level] if level < len(paths[p]) else None, []).append(p)
+    # A process whose path ends at `level` (None) is a domain of its own: process order.
+    rings = [g if key is None else _interleave(g, paths, level + 1) for key, g in groups.items()]
+    rings.sort(key=lambda ring: (-len(ring), ring[0]))
+    return [r[i] for i in range(len(rings[0])) for r in rings if i < len(r)]
 
 
 def place_replicas(
@@ -29,21 +84,27 @@ def place_replicas(
     read nothing over the network. The remaining replicas are placed as below.
 
     The processes are laid out on a ring that interleaves the failure domains
-    (largest domain first, round-robin), and each owner walks the ring from its
-    own position, taking the first candidates outside its domain: first at most
-    one per domain and none above the lower bound on the busiest holder's
-    load, then relaxing those preferences in turn. When every domain has the
-    same size this already gives each process exactly ``replicas`` replicas to
-    hold. Otherwise load is then evened out by moving replicas along paths from
-    the busiest holders to holders with at least two fewer, until no such path
-    exists, which minimises the busiest holder's load.
+    (largest domain first, round-robin; with levels, the zones, each zone's
+    racks interleaved the same way inside it, and so on), and each owner walks
+    the ring from its own position, taking the first candidates outside its
+    domain: first in subtrees at the widest level that hold neither the owner
+    nor one of its copies (one per domain, flat) and none above the lower bound
+    on the busiest holder's load, then relaxing those preferences in turn, a
+    level at a time. With levels, owners in the biggest zones (then racks) go
+    first and every owner takes its first copy before any takes its second.
+    When every domain has the same size this already gives each process
+    exactly ``replicas`` replicas to hold. Otherwise load is then evened out by
+    moving replicas along paths from the busiest holders to holders with at
+    least two fewer, until no such path exists, which minimises the busiest
+    holder's load; with levels, first only by moves that take no copy nearer
+    its owner.
 
     The answer depends only on the arguments (never on hash seeds or on which
     process asks), so every process computes the same placement.
 
     Args:
-      domains: ``domains[p]`` is the failure domain (for example the hostname)
-        of process ``p``.
+      domains: ``domains[p]`` is the failure domain of process ``p``: a
+        hostname, or a path such as ``"zone-a/rack-3/host-17"``.
       replicas: How many copies of each process's data other processes hold.
       preferred: ``preferred[p]``, the processes to take first as ``p``'s
         holders where the constraints allow (None: none preferred).
@@ -89,13 +150,47 @@ def place_replicas(
     load_bound = max(
         replicas, *(math.ceil(len(m) * replicas / (n - len(m))) for m in members.values())
     )
-    groups = sorted(members.values(), key=lambda procs: (-len(procs), procs[0]))
-    ring = [g[i] for i in range(len(groups[0])) for g in groups if i < len(g)]
+    paths = [domain_path(d) for d in domains]
+    depth = max(len(path) for path in paths)
+    ring = _interleave(list(range(n)), paths)
 
     load = [0] * n
     holders: list[list[int]] = [[] for _ in range(n)]
-    fixed: set[tuple[int, int]] = set()  # (owner, holder) pairs kept out of the balancing
-    for owner, candidates in enumerate(preferred or ()):
+    # (owner, holder) pairs kept out of the balancing
+    fixed = _take_preferred(preferred or (), domains, holders, load, replicas, load_bound)
+    position_of = {p: i for i, p in enumerate(ring)}
+    # Most constrained owners first: those in big subtrees (widest level first)
+    # have few candidates outside them.
+    sizes = collections.Counter(path[:i] for path in paths for i in range(1, len(path) + 1))
+    constrained = {path: tuple(-sizes[path[:i]] for i in range(1, len(path) + 1)) for path in paths}
+    passes = [(s, load_bound) for s in range(depth + 1)] + [(depth, n)]
+    owners = sorted(ring, key=lambda p: constrained[paths[p]])
+    # With levels, every owner places its first copy before any its second, so
+    # that the first owners do not spend the far subtrees' room on their second.
+    for count in range(1, replicas + 1) if depth > 1 else (replicas,):
+        for owner in owners:
+            chosen = holders[owner]
+            _take(owner, ring, position_of[owner], paths, domains, chosen, load, passes, count)
+    if depth > 1:  # first without moving any copy nearer its owner
+        _balance(domains, ring, holders, load, fixed, paths)
+    _balance(domains, ring, holders, load, fixed)
+    return tuple(tuple(h) for h in holders)
+
+
+def _take_preferred(
+    preferred: Sequence[Sequence[int]],
+    domains: Sequence[str],
+    holders: list[list[int]],
+    load: list[int],
+    replicas: int,
+    load_bound: int,
+) -> set[tuple[int, int]]:
+    """Gives each owner its `preferred` holders outside its domain, in order, one per
+    domain and none above `load_bound` (whole domains compared, levels or not);
+    the (owner, holder) pairs taken."""
+    n = len(domains)
+    fixed: set[tuple[int, int]] = set()
+    for owner, candidates in enumerate(preferred):
         taken: set[str] = set()
         for c in candidates:
             if len(holders[owner]) == replicas:
@@ -108,27 +203,40 @@ def place_replicas(
             taken.add(domains[c])
             load[c] += 1
             fixed.add((owner, c))
-    position_of = {p: i for i, p in enumerate(ring)}
-    # Most constrained owners first: those in big domains have few candidates.
-    for owner in sorted(ring, key=lambda p: -len(members[domains[p]])):
-        position = position_of[owner]
-        chosen = holders[owner]
-        per_domain: collections.Counter[str] = collections.Counter(domains[c] for c in chosen)
-        # (one replica per domain?, load limit), from strictest to none.
-        for one_per_domain, limit in ((True, load_bound), (False, load_bound), (False, n)):
-            for step in range(1, n):
-                if len(chosen) == replicas:
-                    break
-                c = ring[(position + step) % n]
-                if domains[c] == domains[owner] or c in chosen or load[c] >= limit:
-                    continue
-                if one_per_domain and per_domain[domains[c]]:
-                    continue
-                chosen.append(c)
-                per_domain[domains[c]] += 1
-                load[c] += 1
-    _balance(domains, ring, holders, load, fixed)
-    return tuple(tuple(h) for h in holders)
+    return fixed
+
+
+def _take(
+    owner: int,
+    ring: Sequence[int],
+    position: int,
+    paths: Sequence[Path],
+    domains: Sequence[str],
+    chosen: list[int],
+    load: list[int],
+    passes: Sequence[tuple[int, int]],
+    replicas: int,
+) -> None:
+    """Fills `owner`'s `chosen` up to `replicas` holders, walking the ring from the
+    owner's `position` once a pass: a pass (levels, limit) takes the candidates
+    outside the owner's domain that share at most `levels` levels with the owner
+    and with every copy so far, and hold fewer than `limit` copies."""
+    n = len(ring)
+    for levels, limit in passes:
+        # The subtrees at `levels` (path prefixes) that the owner or a copy is in.
+        taken = {paths[p][: levels + 1] for p in (owner, *chosen) if len(paths[p]) > levels}
+        for step in range(1, n):
+            if len(chosen) == replicas:
+                return
+            c = ring[(position + step) % n]
+            if domains[c] == domains[owner] or c in chosen or load[c] >= limit:
+                continue
+            if len(paths[c]) > levels and paths[c][: levels + 1] in taken:
+                continue
+            chosen.append(c)
+            if len(paths[c]) > levels:
+                taken.add(paths[c][: levels + 1])
+            load[c] += 1
 
 
 def _balance(
@@ -137,6 +245,7 @@ def _balance(
     holders: list[list[int]],
     load: list[int],
     fixed: AbstractSet[tuple[int, int]] = frozenset(),
+    paths: Sequence[Path] | None = None,
 ) -> None:
     """Evens out holder loads in place by moving replicas along augmenting paths.
 
@@ -147,6 +256,9 @@ def _balance(
     of squared loads drops. When no path exists at any level, the loads are as
     even as the domain constraints allow (in particular the busiest holder
     holds as few replicas as possible).
+
+    With `paths`, a hop never moves a copy nearer its owner (to a holder that
+    shares more levels of the owner's failure-domain path).
     """
     held: list[list[int]] = [[] for _ in load]
     for owner, hs in enumerate(holders):
@@ -157,7 +269,7 @@ def _balance(
     while improved:
         improved = False
         for level in range(max(load), min(load) + 1, -1):
-            while _augment(level, domains, ring, holders, held, load):
+            while _augment(level, domains, ring, holders, held, load, paths):
                 improved = True
 
 
@@ -168,6 +280,7 @@ def _augment(
     holders: list[list[int]],
     held: list[list[int]],
     load: list[int],
+    paths: Sequence[Path] | None,
 ) -> bool:
     """Finds and applies one augmenting path from a holder at ``level``; False if none."""
     starts = [h for h in ring if load[h] == level]
@@ -184,6 +297,8 @@ def _augment(
         for owner in held[h]:
             for domain in list(free):
                 if domain == domains[owner]:
+                    continue
+                if paths and _nearer(paths[free[domain][0]], paths[h], paths[owner]):
                     continue
                 kept = []
                 for h2 in free.pop(domain):
@@ -237,6 +352,14 @@ def partner_holders(
     first. Every process computes its own holders alike from the same inputs;
     no process needs every domain.
 
+    With failure-domain paths the ring is the one `place_replicas` lays out
+    (over the owner and its partners: alike on each of them), and copies go to
+    the widest level first: level by level, a partner is taken where it shares
+    no more than that many levels with the owner and every copy so far, then a
+    set-up holder where it shares no more with the owner and the partners
+    taken; the set-up's holders fill the rest. A partner in the owner's rack
+    thus never displaces a set-up holder in another zone.
+
     Args:
       owner: the process whose copies are placed.
       partners: its partners.
@@ -248,15 +371,30 @@ def partner_holders(
     Returns:
       At most `replicas` distinct holders, none of them the owner.
     """
-    count = max(process_count, owner + 1, *(q + 1 for q in partners))
+    paths: dict[int, Path] = {q: domain_path(domain_of(q)) for q in (owner, *partners)}
+    depth = max(len(path) for path in paths.values())
+    if depth == 1:  # the ring in process order
+        count = max(process_count, owner + 1, *(q + 1 for q in partners))
+        ring = sorted({owner, *partners}, key=lambda q: (q - owner) % count)
+    else:
+        ring = _interleave(sorted({owner, *partners}), paths)
+        ring = ring[ring.index(owner) :] + ring[: ring.index(owner)]
+
+    def shares(p: int, others: Sequence[int], levels: int) -> bool:
+        if p not in paths:
+            paths[p] = domain_path(domain_of(p))
+        return any(shared_levels(paths[p], paths[o]) > levels for o in others)
+
     chosen: list[int] = []
-    used = {domain_of(owner)}
-    for q in sorted(partners, key=lambda q: (q - owner) % count):
-        domain = domain_of(q)
-        if len(chosen) < replicas and q != owner and domain not in used:
-            chosen.append(q)
-            used.add(domain)
-    rest = [h for h in placed if h not in chosen and h != owner]
-    spread = [h for h in rest if domain_of(h) not in used]
-    chosen += [*spread, *(h for h in rest if h not in spread)][: max(0, replicas - len(chosen))]
+    taken = [owner]  # the owner and the partners taken
+    for levels in range(depth):
+        for q in ring[1:]:
+            if len(chosen) == replicas or q in chosen or paths[q] == paths[owner]:
+                continue
+            if not shares(q, [owner, *chosen], levels):
+                chosen.append(q)
+                taken.append(q)
+        spread = [h for h in placed if h not in chosen and h != owner]
+        chosen += [h for h in spread if not shares(h, taken, levels)][: replicas - len(chosen)]
+    chosen += [h for h in placed if h not in chosen and h != owner][: replicas - len(chosen)]
     return tuple(chosen)
