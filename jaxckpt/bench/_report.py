@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import os
 import platform
@@ -239,34 +240,68 @@ def _many_leaf_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
 
 
 def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list[Figure]:
-    """The figures of phases 1-4 (every run but `--store-only`)."""
+    """The figures of phases 1-4 (every run but `--store-only`), a group per phase."""
+    runs = _Runs(procs, warmup, replicas)
+    return [
+        *_step_time_figures(runs),
+        *_stall_figures(runs),
+        *_time_to_safe_figures(runs),
+        *_bandwidth_figures(runs),
+        *_restore_figures(runs),
+        *_memory_figures(runs),
+    ]
 
-    mb = _MB
 
-    def t(get: Callable[[dict[str, Any]], float | None]) -> float | None:
-        return _worst(procs, get, low=False)
+@dataclasses.dataclass(frozen=True)
+class _Runs:
+    """The processes' raw results of phases 1-4, read as every figure reads them: in a
+    process, the median over its measured repeats (warm-up left out); across processes,
+    the slowest one's."""
 
-    def bw(get: Callable[[dict[str, Any]], float | None]) -> float | None:
-        return _worst(procs, get, low=True)
+    procs: Sequence[dict[str, Any]]
+    warmup: int
+    replicas: int
 
-    def loop(p: dict[str, Any], name: str, key: str = "step_s") -> float | None:
-        return _median(p["loops"].get(name, {}).get(key, [])[warmup:])
+    def slowest(self, get: Callable[[dict[str, Any]], float | None]) -> float | None:
+        """The longest time `get` reads from a process."""
+        return _worst(self.procs, get, low=False)
 
-    def saves(p: dict[str, Any], key: str, kind: str = "saves") -> float | None:
-        return _median([s.get(key) for s in p[kind] if not s["warmup"]])
+    def loop(self, name: str, key: str = "step_s") -> float | None:
+        """The training loop `name`'s time per step (or its `key`)."""
+        return self.slowest(lambda p: _median(p["loops"].get(name, {}).get(key, [])[self.warmup :]))
 
-    def raw(p: dict[str, Any], key: str) -> float | None:
-        return _median(p["raw"][key])
+    def saves(self, key: str, kind: str = "saves") -> float | None:
+        """The isolated saves' `key` (jaxckpt's, or `kind` "orbax_saves")."""
+        return self.slowest(lambda p: _saves_median(p, key, kind))
 
-    def per_s(p: dict[str, Any], key: str) -> float | None:
-        seconds = raw(p, key)
-        return p["own_bytes"] / seconds if seconds else None
+    def raw(self, key: str) -> float | None:
+        """The raw operation `key`'s time."""
+        return self.slowest(lambda p: _median(p["raw"][key]))
 
-    def persist_bw(p: dict[str, Any]) -> float | None:
-        done = p.get("persist") or []
-        return _median([d.get("persist_bytes_per_s") for d in done])
+    def restore(self, source: str) -> float | None:
+        """The restore from `source`'s time."""
+        return self.slowest(lambda p: p["restores"].get(source, {}).get("seconds"))
+
+    def train_step(self, p: dict[str, Any]) -> float | None:
+        """A process's step time without saving: the no-save loop ran first and last, and
+        its steps from both runs make the baseline."""
+        loops = p["loops"]
+        return _median(
+            loops["train"]["step_s"][self.warmup :] + loops["train_again"]["step_s"][self.warmup :]
+        )
+
+    def save_work(self, p: dict[str, Any]) -> float | None:
+        """The raw work of a save every step here, done alone: copy the own bytes into
+        pre-faulted tmpfs and checksum them; with replicas, also send and receive
+        them over loopback and checksum what was received (old runs: no checksum)."""
+        crc = _median(p["raw"].get("checksum", [])) or 0.0
+        work = _sum(_median(p["raw"]["prefaulted_copy"]), crc)
+        if self.replicas:
+            work = _sum(work, _median(p["raw"]["socket"]), crc * self.replicas)
+        return work
 
     def bandwidth(
+        self,
         id_: str,
         name: str,
         get: Callable[[dict[str, Any]], float | None],
@@ -275,137 +310,108 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         target: str | None = None,
     ) -> Figure:
         """Bytes/s from `get` against the raw operation `raw_key` on the own bytes, in MB/s."""
-        baseline = bw(lambda p: per_s(p, raw_key))
+        value = _worst(self.procs, get, low=True)
+        baseline = _worst(self.procs, lambda p: _own_bytes_per_s(p, raw_key), low=True)
         return Figure(
-            id_, name, _scale(bw(get), mb), "MB/s", _scale(baseline, mb), baseline_name, target
+            id_, name, _scale(value, _MB), "MB/s", _scale(baseline, _MB), baseline_name, target
         )
 
-    def restore(name: str) -> float | None:
-        return t(lambda p: p["restores"].get(name, {}).get("seconds"))
 
-    def train_of(p: dict[str, Any]) -> float | None:
-        return _median(
-            p["loops"]["train"]["step_s"][warmup:] + p["loops"]["train_again"]["step_s"][warmup:]
-        )
+def _saves_median(p: dict[str, Any], key: str, kind: str = "saves") -> float | None:
+    return _median([s.get(key) for s in p[kind] if not s["warmup"]])
 
-    def save_work(p: dict[str, Any]) -> float | None:
-        """The raw work of a save every step here, done alone: copy the own bytes into
-        pre-faulted tmpfs and checksum them; with replicas, also send and receive
-        them over loopback and checksum what was received (old runs: no checksum)."""
-        crc = _median(p["raw"].get("checksum", [])) or 0.0
-        work = _sum(raw(p, "prefaulted_copy"), crc)
-        if replicas:
-            work = _sum(work, raw(p, "socket"), crc * replicas)
-        return work
 
-    d2h = t(lambda p: raw(p, "d2h"))
-    tmpfs = t(lambda p: raw(p, "tmpfs_write"))
-    sock = t(lambda p: raw(p, "socket"))
-    # The no-save loop ran first and last; its steps from both runs make the baseline.
-    train = t(train_of)
-    orbax_restore = restore("orbax")
-    state = procs[0]["state_bytes"]
-    rss_delta = sum(
-        max(0, p["memory"]["jaxckpt_rss_peak"] - p["memory"]["train_rss_peak"]) for p in procs
+def _own_bytes_per_s(p: dict[str, Any], raw_key: str) -> float | None:
+    seconds = _median(p["raw"][raw_key])
+    return p["own_bytes"] / seconds if seconds else None
+
+
+def _persisted(key: str) -> Callable[[dict[str, Any]], float | None]:
+    """A process's median of `key` over the parts it persisted."""
+    return lambda p: _median([d.get(key) for d in p.get("persist") or []])
+
+
+def _reused_slab_write(p: dict[str, Any]) -> float | None:
+    """The memory tier's write bandwidth in the measured saves that reused a slab."""
+    return _median(
+        [
+            s.get("memory_write_bytes_per_s")
+            for s in p["saves"]
+            if not s["warmup"] and s.get("slab_reused")
+        ]
     )
-    tmpfs_steady = sum(p["memory"]["tmpfs_steady"] for p in procs)
-    tmpfs_spare = sum(p["memory"].get("tmpfs_spare", 0) for p in procs)
-    combined = sum(p["memory"]["jaxckpt_combined_peak"] for p in procs)
-    held = [p["memory"].get("hold_jaxckpt_combined_peak") for p in procs]  # older runs: none
-    combined_holding = sum(held) if all(h is not None for h in held) else None
-    # The save loop's memory_keep: at a save's peak the tier holds one step more.
-    keep = procs[0]["memory"].get("memory_keep", 1)
-    floor = Figure(
-        "1d",
-        "step time, a save's raw work overlapped (the floor)",
-        t(lambda p: loop(p, "floor")),
-        "s",
-        train,
-        "step time without saving",
+
+
+def _push_alone(p: dict[str, Any]) -> float | None:
+    return _median([d["bytes"] / d["seconds"] for d in p.get("push_alone") or []])
+
+
+def _step_time_figures(runs: _Runs) -> list[Figure]:
+    """1a-1f: the step time with a save every step, against the step without saving."""
+    vs_train = functools.partial(
+        Figure,
+        unit="s",
+        baseline=runs.slowest(runs.train_step),
+        baseline_name="step time without saving",
+    )
+    floor = vs_train(
+        "1d", "step time, a save's raw work overlapped (the floor)", runs.loop("floor")
     )
     # 1a's target: within 0.05 of the floor measured in the same run (old runs: 1.15).
     bound = f"<= {floor.ratio + 0.05:.3f}" if floor.ratio is not None else "<= 1.15"
+    not_overlapped = runs.slowest(lambda p: _sum(runs.train_step(p), runs.save_work(p)))
     return [
-        Figure(
-            "1a",
-            "step time, jaxckpt save every step",
-            t(lambda p: loop(p, "jaxckpt")),
-            "s",
-            train,
-            "step time without saving",
-            bound,
-        ),
-        Figure(
-            "1b",
-            "step time, Orbax async save every step",
-            t(lambda p: loop(p, "orbax")),
-            "s",
-            train,
-            "step time without saving",
-        ),
-        Figure(
-            "1c",
-            "no-save step + a save's raw work, not overlapped",
-            t(lambda p: _sum(train_of(p), save_work(p))),
-            "s",
-            train,
-            "step time without saving",
-        ),
+        vs_train("1a", "step time, jaxckpt save every step", runs.loop("jaxckpt"), target=bound),
+        vs_train("1b", "step time, Orbax async save every step", runs.loop("orbax")),
+        vs_train("1c", "no-save step + a save's raw work, not overlapped", not_overlapped),
         floor,
-        Figure(
+        vs_train(
             "1e",
             "step time, jaxckpt save every step, holding the arrays",
-            t(lambda p: loop(p, "jaxckpt_hold")),
-            "s",
-            train,
-            "step time without saving",
-            bound,
+            runs.loop("jaxckpt_hold"),
+            target=bound,
         ),
         Figure(
             "1f",
             "step time, jaxckpt save every step, NaN/Inf counted (the default)",
-            t(lambda p: loop(p, "jaxckpt")),
+            runs.loop("jaxckpt"),
             "s",
-            t(lambda p: loop(p, "jaxckpt_uncounted")),
+            runs.loop("jaxckpt_uncounted"),
             "the same, count_nonfinite=False",
             "<= 1.03",
         ),
-        Figure(
-            "2a",
-            "stall: jaxckpt mngr.save() blocks (isolated)",
-            t(lambda p: saves(p, "save_wall_s")),
-            "s",
-            d2h,
-            "raw device->host copy of own shards",
-        ),
-        Figure(
-            "2b",
-            "stall: jaxckpt snapshot (handler stall_s)",
-            t(lambda p: saves(p, "stall_s")),
-            "s",
-            d2h,
-            "raw device->host copy of own shards",
-        ),
-        Figure(
-            "2c",
-            "stall: jaxckpt mngr.save() in the loop",
-            t(lambda p: loop(p, "jaxckpt", "save_s")),
-            "s",
-            d2h,
-            "raw device->host copy of own shards",
-        ),
-        Figure(
+    ]
+
+
+def _stall_figures(runs: _Runs) -> list[Figure]:
+    """2a-2d: how long a save blocks the training, against the raw device->host copy."""
+    vs_copy = functools.partial(
+        Figure,
+        unit="s",
+        baseline=runs.raw("d2h"),
+        baseline_name="raw device->host copy of own shards",
+    )
+    return [
+        vs_copy("2a", "stall: jaxckpt mngr.save() blocks (isolated)", runs.saves("save_wall_s")),
+        vs_copy("2b", "stall: jaxckpt snapshot (handler stall_s)", runs.saves("stall_s")),
+        vs_copy("2c", "stall: jaxckpt mngr.save() in the loop", runs.loop("jaxckpt", "save_s")),
+        vs_copy(
             "2d",
             "stall: Orbax mngr.save() blocks (isolated)",
-            t(lambda p: saves(p, "save_wall_s", "orbax_saves")),
-            "s",
-            d2h,
-            "raw device->host copy of own shards",
+            runs.saves("save_wall_s", "orbax_saves"),
         ),
+    ]
+
+
+def _time_to_safe_figures(runs: _Runs) -> list[Figure]:
+    """3a-3c: how long until a save is safe, against the raw operations it is made of."""
+    d2h, tmpfs = runs.raw("d2h"), runs.raw("tmpfs_write")
+    to_memory = runs.saves("to_memory_s")
+    return [
         Figure(
             "3a",
             "time to safe: committed in memory",
-            t(lambda p: saves(p, "to_memory_s")),
+            to_memory,
             "s",
             _sum(d2h, tmpfs),
             "raw device->host copy + raw tmpfs write",
@@ -413,139 +419,143 @@ def _local_figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) 
         Figure(
             "3b",
             "time to safe: replicated to a peer",
-            t(lambda p: saves(p, "to_replicated_s")),
+            runs.saves("to_replicated_s"),
             "s",
-            _sum(d2h, tmpfs, sock),
+            _sum(d2h, tmpfs, runs.raw("socket")),
             "raw copy + tmpfs write + loopback send",
         ),
         Figure(
             "3c",
             "time to safe in memory vs Orbax durable",
-            t(lambda p: saves(p, "to_memory_s")),
+            to_memory,
             "s",
-            t(lambda p: saves(p, "done_s", "orbax_saves")),
+            runs.saves("done_s", "orbax_saves"),
             "Orbax save until committed on disk",
         ),
-        bandwidth(
+    ]
+
+
+def _bandwidth_figures(runs: _Runs) -> list[Figure]:
+    """4a-4e: the bandwidths within a save, against raw operations on the same bytes."""
+    loopback = "raw loopback TCP, same pattern"
+    return [
+        runs.bandwidth(
             "4a",
             "memory-tier write bandwidth (slab reused)",
-            lambda p: _median(
-                [
-                    s.get("memory_write_bytes_per_s")
-                    for s in p["saves"]
-                    if not s["warmup"] and s.get("slab_reused")
-                ]
-            ),
+            _reused_slab_write,
             "prefaulted_copy",
             "memcpy into a pre-faulted tmpfs file",
             ">= 0.8",
         ),
-        bandwidth(
+        runs.bandwidth(
             "4b",
             "persistence bandwidth",
-            persist_bw,
+            _persisted("persist_bytes_per_s"),
             "fsync_write",
             "raw fsync'd file writes, same disk",
             ">= 0.7",
         ),
-        bandwidth(
+        runs.bandwidth(
             "4c",
             "peer (replica push) bandwidth within a save",
-            lambda p: saves(p, "replicate_bytes_per_s"),
+            lambda p: _saves_median(p, "replicate_bytes_per_s"),
             "socket",
-            "raw loopback TCP, same pattern",
+            loopback,
         ),
         Figure(
             "4d",
             "persistence: time in fsync (files, dirs)",
-            t(lambda p: _median([d.get("fsync_s") for d in p.get("persist") or []])),
+            runs.slowest(_persisted("fsync_s")),
             "s",
-            t(lambda p: _median([d.get("persist_s") for d in p.get("persist") or []])),
+            runs.slowest(_persisted("persist_s")),
             "the whole persist of the part",
         ),
-        bandwidth(
+        runs.bandwidth(
             "4e",
             "peer push alone (every process at once)",
-            lambda p: _median([d["bytes"] / d["seconds"] for d in p.get("push_alone") or []]),
+            _push_alone,
             "socket",
-            "raw loopback TCP, same pattern",
+            loopback,
             ">= 0.5",
         ),
-        Figure(
-            "5a",
-            "restore from own memory",
-            restore("memory"),
-            "s",
-            orbax_restore,
-            "Orbax restore (persistent, cold)",
-            "<= 0.33",
-        ),
-        Figure(
-            "5b",
-            "restore from peer memory",
-            restore("peer"),
-            "s",
-            orbax_restore,
-            "Orbax restore (persistent, cold)",
-            "<= 0.33",
-        ),
+    ]
+
+
+def _restore_figures(runs: _Runs) -> list[Figure]:
+    """5a-5e: a restore from each source, against Orbax's (5e: against its own floor)."""
+    vs_orbax = functools.partial(
+        Figure,
+        unit="s",
+        baseline=runs.restore("orbax"),
+        baseline_name="Orbax restore (persistent, cold)",
+    )
+    return [
+        vs_orbax("5a", "restore from own memory", runs.restore("memory"), target="<= 0.33"),
+        vs_orbax("5b", "restore from peer memory", runs.restore("peer"), target="<= 0.33"),
         Figure(
             "5e",
             "restore from peer memory vs its floor",
-            restore("peer"),
+            runs.restore("peer"),
             "s",
-            _sum(restore("memory"), sock),
+            _sum(runs.restore("memory"), runs.raw("socket")),
             "restore from own memory + raw loopback TCP of the own bytes",
         ),
-        Figure(
-            "5c",
-            "restore from persistent (cold)",
-            restore("persistent"),
-            "s",
-            orbax_restore,
-            "Orbax restore (persistent, cold)",
-        ),
+        vs_orbax("5c", "restore from persistent (cold)", runs.restore("persistent")),
         Figure(
             "5d",
             "restore from memory onto another mesh",
-            restore("memory_mesh_change"),
+            runs.restore("memory_mesh_change"),
             "s",
-            restore("orbax_mesh_change"),
+            runs.restore("orbax_mesh_change"),
             "Orbax restore onto the same mesh change",
         ),
-        Figure(
+    ]
+
+
+def _memory_figures(runs: _Runs) -> list[Figure]:
+    """6a-6d: host memory in copies of the state, against the copies r replicas need."""
+    procs, replicas = runs.procs, runs.replicas
+    memory = [p["memory"] for p in procs]
+    state = procs[0]["state_bytes"]
+    rss_delta = sum(max(0, m["jaxckpt_rss_peak"] - m["train_rss_peak"]) for m in memory)
+    tmpfs_steady = sum(m["tmpfs_steady"] for m in memory)
+    tmpfs_spare = sum(m.get("tmpfs_spare", 0) for m in memory)
+    combined = sum(m["jaxckpt_combined_peak"] for m in memory)
+    held = [m.get("hold_jaxckpt_combined_peak") for m in memory]  # older runs: none
+    combined_holding = sum(held) if all(h is not None for h in held) else None
+    # The save loop's memory_keep: at a save's peak the tier holds one step more.
+    keep = memory[0].get("memory_keep", 1)
+    steady = functools.partial(
+        Figure, unit="x state", baseline=1.0 + replicas, baseline_name="1 + r copies of the state"
+    )
+    peak = functools.partial(
+        Figure,
+        unit="x state",
+        baseline=(keep + 1.0) * (1.0 + replicas),
+        baseline_name="(memory_keep + 1)(1 + r) copies of the state",
+    )
+    return [
+        steady(
             "6a",
             f"host memory (peak RSS delta + tmpfs), r={replicas}",
             (rss_delta + tmpfs_steady) / state,
-            "x state",
-            1.0 + replicas,
-            "1 + r copies of the state",
-            "<= 1.1",
+            target="<= 1.1",
         ),
-        Figure(
+        peak(
             "6b",
             f"host memory, peak during saves (memory_keep={keep}), r={replicas}",
             combined / state,
-            "x state",
-            (keep + 1.0) * (1.0 + replicas),
-            "(memory_keep + 1)(1 + r) copies of the state",
-            "<= 1.05",
+            target="<= 1.05",
         ),
-        Figure(
+        steady(
             "6c",
             f"host memory as 6a, less the spare slabs (spare_slabs=False), r={replicas}",
             (rss_delta + tmpfs_steady - tmpfs_spare) / state,
-            "x state",
-            1.0 + replicas,
-            "1 + r copies of the state",
         ),
-        Figure(
+        peak(
             "6d",
             f"host memory as 6b, holding the arrays (1e's loop), r={replicas}",
             None if combined_holding is None else combined_holding / state,
-            "x state",
-            (keep + 1.0) * (1.0 + replicas),
-            "(memory_keep + 1)(1 + r) copies of the state",
         ),
     ]
 
