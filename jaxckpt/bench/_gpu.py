@@ -45,6 +45,52 @@ import jaxckpt
 from jaxckpt.bench import _managers, _report, _state
 
 _TARGETS: Final = {"g1": "<= 2", "g3": "<= 0.5", "g4": "<= 1.05"}
+# Each figure: id, name (`{every}`: --save-every), the raw timings' keys of its value and
+# of its baseline, and what the baseline is; in the table's order.
+_FIGURES: Final = (
+    (
+        "g1",
+        "jaxckpt mngr.save() blocks",
+        "jaxckpt_save_block_s",
+        "pinned_floor_s",
+        "device_put to pinned_host (warm)",
+    ),
+    (
+        "g2",
+        "Orbax mngr.save() blocks",
+        "orbax_save_block_s",
+        "pinned_floor_s",
+        "device_put to pinned_host (warm)",
+    ),
+    (
+        "g3",
+        "restore latest from memory",
+        "jaxckpt_restore_s",
+        "orbax_restore_s",
+        "Orbax restore from its directory",
+    ),
+    (
+        "g6",
+        "host->device through pinned_host (warm)",
+        "h2d_via_pinned_s",
+        "h2d_direct_s",
+        "host->device from pageable buffers",
+    ),
+    (
+        "g4",
+        "step time, jaxckpt save every {every}",
+        "jaxckpt_loop_step_s",
+        "no_save_step_s",
+        "step time without saves",
+    ),
+    (
+        "g5",
+        "step time, Orbax save every {every}",
+        "orbax_loop_step_s",
+        "no_save_step_s",
+        "step time without saves",
+    ),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,61 +136,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(memory_root, ignore_errors=True)
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    figs = [
-        _report.Figure(
-            "g1",
-            "jaxckpt mngr.save() blocks",
-            raw["jaxckpt_save_block_s"],
-            "s",
-            raw["pinned_floor_s"],
-            "device_put to pinned_host (warm)",
-            _TARGETS["g1"],
-        ),
-        _report.Figure(
-            "g2",
-            "Orbax mngr.save() blocks",
-            raw["orbax_save_block_s"],
-            "s",
-            raw["pinned_floor_s"],
-            "device_put to pinned_host (warm)",
-        ),
-        _report.Figure(
-            "g3",
-            "restore latest from memory",
-            raw["jaxckpt_restore_s"],
-            "s",
-            raw["orbax_restore_s"],
-            "Orbax restore from its directory",
-            _TARGETS["g3"],
-        ),
-        _report.Figure(
-            "g6",
-            "host->device through pinned_host (warm)",
-            raw["h2d_via_pinned_s"],
-            "s",
-            raw["h2d_direct_s"],
-            "host->device from pageable buffers",
-        ),
-        _report.Figure(
-            "g4",
-            f"step time, jaxckpt save every {args.save_every}",
-            raw["jaxckpt_loop_step_s"],
-            "s",
-            raw["no_save_step_s"],
-            "step time without saves",
-            _TARGETS["g4"],
-        ),
-        _report.Figure(
-            "g5",
-            f"step time, Orbax save every {args.save_every}",
-            raw["orbax_loop_step_s"],
-            "s",
-            raw["no_save_step_s"],
-            "step time without saves",
-        ),
-    ]
+    figs = _figures(raw, args.save_every)
     print(_report.table(figs))
-    report = {
+    if args.json:
+        report = _json_report(devices, state_bytes, raw, figs)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _figures(raw: dict[str, Any], save_every: int) -> list[_report.Figure]:
+    """The figures of `_FIGURES` from the raw timings."""
+    return [
+        _report.Figure(
+            id_,
+            name.format(every=save_every),
+            raw[value],
+            "s",
+            raw[baseline],
+            baseline_name,
+            _TARGETS.get(id_),
+        )
+        for id_, name, value, baseline, baseline_name in _FIGURES
+    ]
+
+
+def _json_report(
+    devices: Sequence[jax.Device],
+    state_bytes: int,
+    raw: dict[str, Any],
+    figs: Sequence[_report.Figure],
+) -> dict[str, Any]:
+    """What `--json` writes: the device, the raw timings and the figures."""
+    return {
         "device": f"{len(devices)} x {devices[0].device_kind}",
         "platform": devices[0].platform,
         "state_bytes": state_bytes,
@@ -160,9 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             for f in figs
         ],
     }
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    return 0
 
 
 def _shm() -> str | None:

@@ -71,79 +71,85 @@ def plot(report: Mapping[str, Any], path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(11, height), dpi=100)
     try:
         ys = range(len(figs))
-        colors = [_color(f) for f in figs]
-        ax.barh(ys, ratios, left=left, height=0.62, color=colors, zorder=2)
+        ax.barh(ys, ratios, left=left, height=0.62, color=[_color(f) for f in figs], zorder=2)
         ax.axvline(1.0, color="black", linewidth=1.0, zorder=3)
         for y, f, ratio, bound in zip(ys, figs, ratios, bounds, strict=True):
-            if bound is not None:
-                ax.plot(
-                    [bound, bound], [y - 0.42, y + 0.42], color="black", linewidth=2.2, zorder=4
-                )
-                ax.annotate(
-                    f["target"].replace("<=", "\u2264").replace(">=", "\u2265"),
-                    (bound, y + 0.42),
-                    xytext=(2, -1),
-                    textcoords="offset points",
-                    fontsize=7,
-                    va="bottom",
-                )
-            # Right of the target's mark when the bar ends just short of it.
-            near = bound is not None and ratio < bound < 1.8 * ratio
-            ax.annotate(
-                _fmt(ratio),
-                (bound if near else ratio, y),
-                xytext=(4, 0),
-                textcoords="offset points",
-                va="center",
-                fontsize=8,
-                fontweight="bold",
-            )
-            ax.annotate(
-                f"{_report.quantity(f['value'], f['unit'])} / "
-                f"{_report.quantity(f['baseline'], f['unit'])}",
-                (1.0, y),
-                xycoords=("axes fraction", "data"),
-                xytext=(-4, 0),
-                textcoords="offset points",
-                ha="right",
-                va="center",
-                fontsize=7,
-                color="#555555",
-            )
+            _annotate(ax, y, f, ratio, bound)
         ax.set_yticks(list(ys), [_label(f) for f in figs], fontsize=8)
         ax.set_xscale("log")
         ax.set_xlim(left, right * 8)
         ax.set_ylim(-0.7, len(figs) - 0.3)
-        ax.grid(axis="x", which="major", color="#dddddd", zorder=0)
-        ax.set_xlabel(
-            "ratio = value / baseline measured in the same run (log scale; 1 = baseline); "
-            "right: value / baseline"
-        )
-        ax.set_title(
-            "jaxckpt bench: each figure against its baseline\n" + _subtitle(report),
-            fontsize=10,
-            loc="left",
-        )
-        from matplotlib.patches import Patch
-
-        ax.legend(
-            handles=[
-                Patch(color=_MET, label="target met"),
-                Patch(color=_MISSED, label="target not met"),
-                Patch(color=_NO_TARGET, label="no target"),
-            ],
-            loc="upper right",
-            bbox_to_anchor=(1.0, -0.04 * 30 / (len(figs) + 4)),
-            ncol=3,
-            frameon=False,
-            fontsize=8,
-        )
+        _describe(ax, report, len(figs))
         fig.tight_layout()
         out = Path(path)
         fig.savefig(out, format="png", metadata=_METADATA, bbox_inches="tight")
         return out
     finally:
         plt.close(fig)
+
+
+def _annotate(ax: Any, y: int, f: Mapping[str, Any], ratio: float, bound: float | None) -> None:
+    """One figure's row: its target's mark, its ratio by the bar, value / baseline right."""
+    if bound is not None:
+        ax.plot([bound, bound], [y - 0.42, y + 0.42], color="black", linewidth=2.2, zorder=4)
+        ax.annotate(
+            f["target"].replace("<=", "\u2264").replace(">=", "\u2265"),
+            (bound, y + 0.42),
+            xytext=(2, -1),
+            textcoords="offset points",
+            fontsize=7,
+            va="bottom",
+        )
+    # Right of the target's mark when the bar ends just short of it.
+    near = bound is not None and ratio < bound < 1.8 * ratio
+    ax.annotate(
+        _fmt(ratio),
+        (bound if near else ratio, y),
+        xytext=(4, 0),
+        textcoords="offset points",
+        va="center",
+        fontsize=8,
+        fontweight="bold",
+    )
+    ax.annotate(
+        f"{_report.quantity(f['value'], f['unit'])} / {_report.quantity(f['baseline'], f['unit'])}",
+        (1.0, y),
+        xycoords=("axes fraction", "data"),
+        xytext=(-4, 0),
+        textcoords="offset points",
+        ha="right",
+        va="center",
+        fontsize=7,
+        color="#555555",
+    )
+
+
+def _describe(ax: Any, report: Mapping[str, Any], rows: int) -> None:
+    """The grid, the axis label, the title with the run's subtitle, and the colours' legend."""
+    from matplotlib.patches import Patch
+
+    ax.grid(axis="x", which="major", color="#dddddd", zorder=0)
+    ax.set_xlabel(
+        "ratio = value / baseline measured in the same run (log scale; 1 = baseline); "
+        "right: value / baseline"
+    )
+    ax.set_title(
+        "jaxckpt bench: each figure against its baseline\n" + _subtitle(report),
+        fontsize=10,
+        loc="left",
+    )
+    ax.legend(
+        handles=[
+            Patch(color=_MET, label="target met"),
+            Patch(color=_MISSED, label="target not met"),
+            Patch(color=_NO_TARGET, label="no target"),
+        ],
+        loc="upper right",
+        bbox_to_anchor=(1.0, -0.04 * 30 / (rows + 4)),
+        ncol=3,
+        frameon=False,
+        fontsize=8,
+    )
 
 
 def _finite(x: Any) -> bool:

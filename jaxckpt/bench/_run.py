@@ -38,7 +38,7 @@ from typing import Any, Final
 
 import psutil
 
-from jaxckpt.bench import _emulator, _hsdp, _plot, _report
+from jaxckpt.bench import _emulator, _flags, _hsdp, _plot, _report
 from jaxckpt.bench._worker import (
     ENV_COORDINATOR,
     ENV_MEMORY_ROOT,
@@ -46,8 +46,6 @@ from jaxckpt.bench._worker import (
     PROXY_XLA_FLAGS,
     RESULT_PREFIX,
 )
-from jaxckpt.launch import _timeline_plot
-from jaxckpt.tiers import _storage
 
 FORMAT_VERSION: Final = 1  # of the JSON report; bump on incompatible changes
 _PORT_RETRIES: Final = 2
@@ -69,105 +67,6 @@ _FULL: Final = {
     "proxy_state_gib": 0.1875,
     "proxy_batch": 768,
 }
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxckpt bench", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small state, few steps (a smoke run)")
-    p.add_argument(
-        "--gpu",
-        action="store_true",
-        help="instead: the one-process accelerator check (`jaxckpt bench --gpu --help`)",
-    )
-    p.add_argument(
-        "--scale",
-        action="store_true",
-        help="instead: coordination at thousands of processes, simulated "
-        "(`jaxckpt bench --scale --help`)",
-    )
-    p.add_argument(
-        "--layout",
-        choices=("default", "hsdp"),
-        default="default",
-        help="hsdp: instead, data-parallel replicas sharing the save (`_hsdp`: a mesh "
-        "('dp', 'fsdp') with dp across processes; 4 processes unless --processes)",
-    )
-    p.add_argument("--dp", type=int, default=2, help="with --layout hsdp: the replicas R")
-    p.add_argument("--state-mib", type=float, default=64, help="with --layout hsdp: state MiB")
-    p.add_argument("--processes", type=int, default=None, help="JAX processes on loopback")
-    p.add_argument("--state-gib", type=float, help="params + adam state, GiB (quick: 1/8, else 1)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
-    p.add_argument(
-        "--plot",
-        metavar="PNG",
-        help="also draw every figure against its baseline and target as a PNG (needs "
-        "matplotlib: the plot extra)",
-    )
-    p.add_argument(
-        "--from-json",
-        metavar="PATH",
-        help="run nothing: print (and with --plot draw) the figures of a report --json wrote",
-    )
-    p.add_argument("--devices-per-process", type=int, default=2, help="CPU devices per process")
-    p.add_argument("--replicas", type=int, help="peer copies (default 1 with >1 process, else 0)")
-    p.add_argument("--steps", type=int, help="steps per training loop (quick: 8, else 16)")
-    p.add_argument("--repeats", type=int, help="isolated saves / raw baselines (default 3)")
-    p.add_argument("--warmup", type=int, default=3, help="loop steps left out of medians")
-    p.add_argument("--batch-per-device", type=int, default=16)
-    p.add_argument(
-        "--many-leaves",
-        type=int,
-        default=4000,
-        help="leaves of the many-leaf tree saved and restored by both (0: skip that phase)",
-    )
-    p.add_argument(
-        "--many-leaf-kib", type=float, default=16.0, help="KiB per leaf of the many-leaf tree"
-    )
-    p.add_argument("--memory-root", help="parent of the memory tiers (default: a dir in /dev/shm)")
-    p.add_argument("--work-dir", help="persistent checkpoints (default: a new temp dir)")
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds any one wait may take")
-    p.add_argument("--deadline", type=float, help="seconds the whole run may take")
-    p.add_argument("--platform", choices=("cpu", "default"), default="cpu")
-    p.add_argument("--keep", action="store_true", help="keep the memory tiers and checkpoints")
-    store = p.add_mutually_exclusive_group()
-    store.add_argument(
-        "--store-url",
-        metavar="URL",
-        help="also persist to this object store (gs://bucket/prefix or s3://bucket/prefix; "
-        "endpoint and credentials from the standard environment: TENSORSTORE_GCS_HTTP_URL "
-        "and STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL and AWS_*) against tensorstore "
-        "writing the same bytes there",
-    )
-    store.add_argument(
-        "--store-emulator",
-        choices=_emulator.KINDS,
-        help="the same against a local emulator started on loopback (needs the dev extra: "
-        "gcp-storage-emulator, moto_server)",
-    )
-    p.add_argument("--store-only", action="store_true", help="run the object-store phase alone")
-    p.add_argument(
-        "--proxy",
-        choices=("auto", "only", "off"),
-        default="auto",
-        help="the accelerator-host proxy (figures 9a-e: one process, the train step confined "
-        "to one CPU, saves on the others): after the other phases where 2 CPUs are usable "
-        "(auto), alone (only), or not at all",
-    )
-    p.add_argument(
-        "--proxy-state-gib", type=float, help="the proxy's state (quick: 1/16, else 0.1875)"
-    )
-    p.add_argument(
-        "--proxy-batch", type=int, help="the proxy's rows per step (quick: 64, else 768)"
-    )
-    p.add_argument(
-        "--prefault-gib",
-        type=float,
-        help="host memory to touch once before measuring (default: 12x the state, at most "
-        "60%% of available RAM; 0 turns it off). Some VMs back guest memory lazily, which "
-        "makes the first touch of each page ~10x slower than later ones and would bill it "
-        "to whichever phase happens to run first.",
-    )
-    return p
 
 
 def _envs(
@@ -330,54 +229,6 @@ def prefault(gib: float) -> dict[str, float]:
     }
 
 
-def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.processes < 1:
-        parser.error(f"--processes must be at least 1, got {args.processes}")
-    if args.devices_per_process < 1:
-        parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
-    if args.state_gib is not None and not args.state_gib > 0:
-        parser.error(f"--state-gib must be positive, got {args.state_gib}")
-    if args.replicas is not None and not 0 <= args.replicas < args.processes:
-        parser.error(f"--replicas must be in 0..{args.processes - 1}, got {args.replicas}")
-    if args.layout == "hsdp" and (
-        args.dp < 2 or args.processes % args.dp or not args.state_mib > 0
-    ):
-        parser.error(
-            f"--layout hsdp needs --dp >= 2 dividing --processes ({args.processes}) and a "
-            f"positive --state-mib; got --dp {args.dp}, --state-mib {args.state_mib:g}"
-        )
-    if args.many_leaves < 0 or not args.many_leaf_kib > 0:
-        parser.error("--many-leaves must be at least 0 and --many-leaf-kib positive")
-    for name in ("steps", "repeats"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name} must be at least 1, got {value}")
-    if args.steps is not None and args.steps <= args.warmup:
-        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    if args.store_url is not None and _storage.scheme(args.store_url) is None:
-        parser.error(f"--store-url must be a gs:// or s3:// URL, got {args.store_url!r}")
-    if args.proxy_state_gib is not None and not args.proxy_state_gib > 0:
-        parser.error(f"--proxy-state-gib must be positive, got {args.proxy_state_gib}")
-    if args.proxy_batch is not None and args.proxy_batch < 1:
-        parser.error(f"--proxy-batch must be at least 1, got {args.proxy_batch}")
-    if args.proxy == "only" and len(os.sched_getaffinity(0)) < 2:
-        parser.error("--proxy only needs 2 usable CPUs (one trains, the others save)")
-    if args.store_only and args.proxy == "only":
-        parser.error("--store-only and --proxy only are exclusive")
-    if args.store_only and not (args.store_url or args.store_emulator):
-        parser.error("--store-only needs --store-url or --store-emulator")
-    if args.plot is not None:
-        try:
-            _timeline_plot.require_matplotlib()
-        except ImportError as e:
-            parser.error(str(e))
-    if args.store_emulator and not _emulator.available(args.store_emulator):
-        parser.error(
-            f"--store-emulator {args.store_emulator} needs the dev extra's emulators "
-            "(gcp-storage-emulator, moto_server): pip install 'jaxckpt[dev]'"
-        )
-
-
 def _store(
     args: argparse.Namespace, cfg: dict[str, Any], logs: Path, stack: contextlib.ExitStack
 ) -> dict[str, str]:
@@ -409,60 +260,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jaxckpt.bench import _scale  # no JAX devices, no processes: a simulation
 
         return _scale.main(argv)
-    parser = build_parser()
+    parser = _flags.build_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     if args.processes is None:
         args.processes = 4 if args.layout == "hsdp" else 2
-    _check(parser, args)
+    _flags.check(parser, args)
     if args.from_json:
         return _show(args.from_json, args.plot)
     if importlib.util.find_spec("optax") is None:
         parser.error("the benchmark trains with optax: pip install 'jaxckpt[bench]'")
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    memory_base = Path(args.memory_root or tempfile.mkdtemp(prefix="jaxckpt-bench-", dir=shm))
-    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="jaxckpt-bench-"))
-    cfg = _config(args, str(work_dir))
-    if args.layout == "hsdp":
-        cfg.update(layout="hsdp", dp=args.dp, state_mib=args.state_mib, replicas=1)
-        cfg["state_gib"] = args.state_mib / 1024
-    deadline_s = args.deadline or (_QUICK if args.quick else _FULL)["deadline_s"]
-    print(
-        f"[bench] {cfg['processes']} processes x {cfg['devices_per_process']} devices, "
-        f"state {cfg['state_gib']:g} GiB, replicas {cfg['replicas']}, "
-        f"memory {memory_base}, persistent {work_dir}",
-        file=sys.stderr,
-        flush=True,
-    )
+    memory_base, work_dir, cfg = _plan(args)
     start = time.monotonic()
-    machine = _report.machine(str(memory_base), str(work_dir))
-    gib = args.prefault_gib
-    if gib is None:
-        gib = min(12 * cfg["state_gib"] + 1, 0.6 * psutil.virtual_memory().available / 2**30)
-    print(f"[bench] touching {gib:.1f} GiB of host memory first", file=sys.stderr, flush=True)
-    machine["prefault"] = prefault(gib)
+    machine = _machine(args, cfg["state_gib"], memory_base, work_dir)
+    deadline = start + (args.deadline or (_QUICK if args.quick else _FULL)["deadline_s"])
     try:
-        memory_base.mkdir(parents=True, exist_ok=True)
-        work_dir.mkdir(parents=True, exist_ok=True)
-        with contextlib.ExitStack() as stack:
-            logs = Path(
-                stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxckpt-bench-logs-"))
-            )
-            store_env = _store(args, cfg, logs, stack)
-            procs: list[dict[str, Any]] = []
-            if args.layout == "hsdp":
-                procs = _run_processes(cfg, memory_base, logs, start + deadline_s)
-            elif args.proxy != "only":
-                procs = _run_processes(cfg, memory_base, logs, start + deadline_s, store_env)
-            proxy = None
-            if args.layout != "hsdp" and (
-                args.proxy == "only" or (args.proxy == "auto" and _proxy_runs(args))
-            ):
-                print("[bench] the accelerator-host proxy", file=sys.stderr, flush=True)
-                proxy_logs = logs / "proxy"
-                proxy_logs.mkdir()
-                proxy = _run_processes(
-                    _proxy_config(cfg, args), memory_base, proxy_logs, start + deadline_s
-                )[0]
+        procs, proxy = _run_phases(args, cfg, memory_base, work_dir, deadline)
     except (RuntimeError, TimeoutError) as e:
         print(f"[bench] {e}", file=sys.stderr)
         return 1
@@ -470,17 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(memory_base, ignore_errors=True)
             shutil.rmtree(work_dir, ignore_errors=True)
-    if args.layout == "hsdp":
-        figs = _hsdp.figures(procs)
-    else:
-        figs = _report.figures(procs, cfg["warmup"], cfg["replicas"]) if procs else []
-    if proxy is not None:
-        figs += _report.proxy_figures(proxy["proxy"], cfg["warmup"])
+    figs = _figures(args, cfg, procs, proxy)
     first = procs[0] if procs else proxy
     assert first is not None
     report = {
         "format_version": FORMAT_VERSION,
-        "command": ["jaxckpt", "bench", *(argv if argv is not None else sys.argv[1:])],
+        "command": ["jaxckpt", "bench", *argv],
         "machine": machine,
         "config": cfg,
         "state": {k: first[k] for k in ("shape", "state_bytes", "devices", "platform")},
@@ -489,16 +296,100 @@ def main(argv: Sequence[str] | None = None) -> int:
         "processes": procs,
         "proxy": proxy,
     }
-    print(_report.table(figs))
+    _emit(args, report, figs)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> tuple[Path, Path, dict[str, Any]]:
+    """The run's memory base, persistent directory and configuration (said on stderr)."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    memory_base = Path(args.memory_root or tempfile.mkdtemp(prefix="jaxckpt-bench-", dir=shm))
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="jaxckpt-bench-"))
+    cfg = _config(args, str(work_dir))
+    if args.layout == "hsdp":
+        cfg.update(layout="hsdp", dp=args.dp, state_mib=args.state_mib, replicas=1)
+        cfg["state_gib"] = args.state_mib / 1024
     print(
-        f"\nstate {first['state_bytes'] / 2**30:.3g} GiB ({first['shape']}), "
-        f"{cfg['processes'] if procs else 1} processes, {report['seconds']} s"
+        f"[bench] {cfg['processes']} processes x {cfg['devices_per_process']} devices, "
+        f"state {cfg['state_gib']:g} GiB, replicas {cfg['replicas']}, "
+        f"memory {memory_base}, persistent {work_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return memory_base, work_dir, cfg
+
+
+def _machine(
+    args: argparse.Namespace, state_gib: float, memory_base: Path, work_dir: Path
+) -> dict[str, Any]:
+    """What the run measures on, after touching host memory once (`--prefault-gib`)."""
+    machine = _report.machine(str(memory_base), str(work_dir))
+    gib = args.prefault_gib
+    if gib is None:
+        gib = min(12 * state_gib + 1, 0.6 * psutil.virtual_memory().available / 2**30)
+    print(f"[bench] touching {gib:.1f} GiB of host memory first", file=sys.stderr, flush=True)
+    machine["prefault"] = prefault(gib)
+    return machine
+
+
+def _run_phases(
+    args: argparse.Namespace,
+    cfg: dict[str, Any],
+    memory_base: Path,
+    work_dir: Path,
+    deadline: float,
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Runs the processes, then the proxy where it runs; returns their results (the
+    proxy's: None where it did not run)."""
+    memory_base.mkdir(parents=True, exist_ok=True)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxckpt-bench-logs-")))
+        store_env = _store(args, cfg, logs, stack)
+        procs: list[dict[str, Any]] = []
+        if args.layout == "hsdp":
+            procs = _run_processes(cfg, memory_base, logs, deadline)
+        elif args.proxy != "only":
+            procs = _run_processes(cfg, memory_base, logs, deadline, store_env)
+        proxy = None
+        if args.layout != "hsdp" and (
+            args.proxy == "only" or (args.proxy == "auto" and _proxy_runs(args))
+        ):
+            print("[bench] the accelerator-host proxy", file=sys.stderr, flush=True)
+            proxy_logs = logs / "proxy"
+            proxy_logs.mkdir()
+            proxy = _run_processes(_proxy_config(cfg, args), memory_base, proxy_logs, deadline)[0]
+    return procs, proxy
+
+
+def _figures(
+    args: argparse.Namespace,
+    cfg: dict[str, Any],
+    procs: list[dict[str, Any]],
+    proxy: dict[str, Any] | None,
+) -> list[_report.Figure]:
+    """The figures of the layout that ran, and the proxy's."""
+    if args.layout == "hsdp":
+        figs = _hsdp.figures(procs)
+    else:
+        figs = _report.figures(procs, cfg["warmup"], cfg["replicas"]) if procs else []
+    if proxy is not None:
+        figs += _report.proxy_figures(proxy["proxy"], cfg["warmup"])
+    return figs
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any], figs: list[_report.Figure]) -> None:
+    """Prints the table and a summary line; writes the JSON and the plot if asked for."""
+    print(_report.table(figs))
+    state, processes = report["state"], report["config"]["processes"]
+    print(
+        f"\nstate {state['state_bytes'] / 2**30:.3g} GiB ({state['shape']}), "
+        f"{processes if report['processes'] else 1} processes, {report['seconds']} s"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.plot:
         print(f"plot: {_plot.plot(report, args.plot)}")
-    return 0
 
 
 def _show(path: str, png: str | None) -> int:
