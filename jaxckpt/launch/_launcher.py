@@ -36,73 +36,27 @@ Two things shorten a restart:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import queue
 import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from jaxckpt.launch._attempt import Attempt, run_attempt
 from jaxckpt.launch._children import (
     ENV_CACHE_DIR,
     Job,
     compilation_cache_env,
     start_spares,
 )
-from jaxckpt.launch._events import RestoredEvent, StepEvent, TimelineEvent, parse_event
-from jaxckpt.launch._supervise import PortRetries, free_port, port_in_use
+from jaxckpt.launch._supervise import PortRetries, free_port
 from jaxckpt.launch._timeline import format_timeline, restart_timeline
 
 MAX_PORT_RETRIES: Final = 5
-POLL_S: Final = 0.05
-
-
-@dataclasses.dataclass
-class Attempt:
-    """One run of the whole process set.
-
-    Attributes:
-        index: 0 for the first run, then 1, 2, ... per restart (port retries included).
-        num_processes: Processes in this run.
-        port: Coordinator port.
-        outcome: ``ok``, ``exit`` (non-zero code), ``signal``, ``hang`` or ``port``.
-        process: The process that failed first, if any.
-        returncode: Its return code (negative: killed by that signal).
-        detected_after_s: Time from its last sign of life (an output line, or the close of
-            its output when it died) to the detection.
-        last_step: Highest ``step`` event seen in this run (0 if none).
-        restored: Process -> its ``restored`` event.
-        seconds: Duration of the run.
-        first_step_s: Time from the start of the run to its first ``step`` event.
-        nodes: The simulated node (memory root ``node<k>``, failure domain ``node<k>``)
-            each process runs on.
-        started_at: Wall-clock start of the run (processes started, or spares woken).
-        detected_at: Wall-clock time of the failure's detection.
-        standby: Whether the run woke hot spares.
-        timelines: Process -> its ``timeline`` event.
-    """
-
-    index: int
-    num_processes: int
-    port: int
-    nodes: list[int] = dataclasses.field(default_factory=list)
-    outcome: str = "ok"
-    process: int | None = None
-    returncode: int | None = None
-    detected_after_s: float | None = None
-    last_step: int = 0
-    restored: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    seconds: float = 0.0
-    first_step_s: float | None = None
-    started_at: float = 0.0
-    detected_at: float | None = None
-    standby: bool = False
-    timelines: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 def next_nodes(nodes: list[int], lost: int | None, count: int | None) -> list[int]:
@@ -136,132 +90,6 @@ def describe_returncode(code: int | None) -> str:
         return f"exit {code}"
     name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
     return f"killed by {name}"
-
-
-def run_attempt(
-    attempt: Attempt,
-    command: Sequence[str],
-    memory_base: str,
-    cpu_devices: int,
-    hang_timeout: float,
-    injection: tuple[int, int] | None,
-    env: Mapping[str, str] | None = None,
-    spares: Job | None = None,
-    on_training: Callable[[], None] | None = None,
-) -> Attempt:
-    """Runs the process set once, until all exit 0 or one fails or hangs.
-
-    Args:
-        attempt: The run to perform; its result fields are filled in and it is returned.
-        command: The command every process runs.
-        memory_base: Parent of the per-process ``node<i>`` memory roots.
-        cpu_devices: ``JAXCKPT_CPU_DEVICES`` for every process.
-        hang_timeout: Seconds without output after which a running process counts as hung.
-        injection: ``(process, step)`` to SIGKILL, or None.
-        env: More variables for every process (the compilation cache's).
-        spares: Hot spares to wake (`start_spares`, as many as processes) instead of
-            starting processes; they get their variables on stdin. Killed at the end.
-        on_training: Called once, at the run's first ``step`` event.
-
-    Returns:
-        ``attempt``, filled in.
-    """
-    n = attempt.num_processes
-    kill = (
-        {"JAXCKPT_KILL_PROCESS": str(injection[0]), "JAXCKPT_KILL_AT_STEP": str(injection[1])}
-        if injection is not None
-        else {}
-    )
-    envs = [
-        {
-            "JAXCKPT_COORDINATOR": f"127.0.0.1:{attempt.port}",
-            "JAXCKPT_NUM_PROCESSES": str(n),
-            "JAXCKPT_PROCESS_ID": str(i),
-            "JAXCKPT_CPU_DEVICES": str(cpu_devices),
-            "JAXCKPT_FAILURE_DOMAIN": f"node{attempt.nodes[i]}",
-            "JAXCKPT_MEMORY_ROOT": os.path.join(memory_base, f"node{attempt.nodes[i]}"),
-            **(env or {}),
-            **kill,
-        }
-        for i in range(n)
-    ]
-    start = time.monotonic()
-    attempt.started_at = time.time()
-    if spares is not None:
-        job, attempt.standby = spares, True
-        for i, child_env in enumerate(envs):
-            # A spare that died meanwhile shows up below, as a failed process.
-            with contextlib.suppress(OSError):
-                job.processes.send(i, json.dumps({"env": child_env}))
-    else:
-        job = Job(command, envs)
-    lines = job.lines
-    last_output = [start] * n
-    open_streams = n
-    port_taken = False
-
-    def read(timeout: float) -> bool:
-        """Handles one queued line (or end of stream); False if none came in time."""
-        nonlocal open_streams, port_taken
-        try:
-            i, line = lines.get(timeout=timeout) if timeout else lines.get_nowait()
-        except queue.Empty:
-            return False
-        # A closed stream (the process died) counts as its last sign of life.
-        last_output[i] = time.monotonic()
-        if line is None:
-            open_streams -= 1
-            return True
-        print(f"[p{i}] {line}", flush=True)
-        port_taken = port_taken or port_in_use(line)
-        event = parse_event(line) or {"event": None}
-        if event["event"] == StepEvent.kind and isinstance(event.get("step"), int):
-            attempt.last_step = max(attempt.last_step, event["step"])
-            if attempt.first_step_s is None:
-                attempt.first_step_s = round(time.monotonic() - start, 3)
-                if on_training is not None:
-                    on_training()
-        elif event["event"] == RestoredEvent.kind:
-            attempt.restored[i] = event
-        elif event["event"] == TimelineEvent.kind:
-            attempt.timelines[i] = event
-        return True
-
-    with job:
-        processes = job.processes
-        while True:
-            # Bounded, so that a chatty child cannot starve the checks below.
-            if read(POLL_S):
-                for _ in range(10_000):
-                    if not read(0):
-                        break
-            now = time.monotonic()
-            codes = processes.codes()
-            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-            hung = [
-                i
-                for i, code in enumerate(codes)
-                if code is None and now - last_output[i] > hang_timeout
-            ]
-            if failed or hung:
-                # Prefer the injected victim when several died in the same poll.
-                victim = injection[0] if injection and injection[0] in failed else None
-                attempt.process = victim if victim is not None else (failed or hung)[0]
-                attempt.returncode = code = codes[attempt.process]
-                attempt.outcome = "hang" if code is None else "signal" if code < 0 else "exit"
-                attempt.detected_after_s = round(now - last_output[attempt.process], 3)
-                attempt.detected_at = time.time()
-                break
-            if all(code == 0 for code in codes) and open_streams == 0:
-                break
-    # Collect what the dead processes wrote before they died.
-    deadline = time.monotonic() + 2.0
-    while open_streams and time.monotonic() < deadline:
-        read(POLL_S)
-    if attempt.outcome != "ok" and port_taken:
-        attempt.outcome = "port"
-    attempt.seconds = round(time.monotonic() - start, 3)
-    return attempt
 
 
 def failure_report(failed: Attempt, after: Attempt | None, node_lost: bool) -> dict[str, Any]:
@@ -369,6 +197,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the launcher; returns 0 iff the last attempt ended with every process exiting 0."""
+    args, command, injection = _parse(argv)
+    own_base = args.memory_base is None
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    base = args.memory_base or tempfile.mkdtemp(prefix="jaxckpt-launch-", dir=shm)
+    os.makedirs(base, exist_ok=True)
+    cache_env = compilation_cache_env(args.compilation_cache, base)
+    if ENV_CACHE_DIR in cache_env:
+        print(f"[launch] compilation cache: {cache_env[ENV_CACHE_DIR]}", flush=True)
+
+    start = time.monotonic()
+    launch = _Restarts(args, command, injection, base, cache_env)
+    try:
+        launch.run()
+    finally:
+        launch.close()
+        if own_base and not args.keep_memory:
+            shutil.rmtree(base, ignore_errors=True)
+
+    ok = launch.attempts[-1].outcome == "ok"
+    report = {
+        "command": list(command),
+        "num_processes": args.num_processes,
+        "success": ok,
+        "seconds": round(time.monotonic() - start, 3),
+        "restarts": launch.restarts,
+        "attempts": [dataclasses.asdict(a) for a in launch.attempts],
+        "failures": launch.failures,
+    }
+    _write(args, report)
+    print(
+        f"[launch] {'success' if ok else 'FAILED'} after {launch.restarts} restarts,"
+        f" {report['seconds']} s",
+        flush=True,
+    )
+    return 0 if ok else 1
+
+
+def _parse(
+    argv: Sequence[str] | None,
+) -> tuple[argparse.Namespace, list[str], tuple[int, int] | None]:
+    """The arguments, the command after ``--`` and the failure to inject; refuses bad ones
+    (`parser.error`: exit status 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -388,114 +258,138 @@ def main(argv: Sequence[str] | None = None) -> int:
     injection = args.lose_node or args.kill
     if injection and not 0 <= injection[0] < args.num_processes:
         parser.error(f"process {injection[0]} is not in 0..{args.num_processes - 1}")
-    own_base = args.memory_base is None
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    base = args.memory_base or tempfile.mkdtemp(prefix="jaxckpt-launch-", dir=shm)
-    os.makedirs(base, exist_ok=True)
-    cache_env = compilation_cache_env(args.compilation_cache, base)
-    if ENV_CACHE_DIR in cache_env:
-        print(f"[launch] compilation cache: {cache_env[ENV_CACHE_DIR]}", flush=True)
+    return args, command, injection
 
-    start = time.monotonic()
-    attempts: list[Attempt] = []
-    failures: list[dict[str, Any]] = []
-    pending: tuple[Attempt, bool] | None = None  # failed attempt awaiting its restart
-    restarts = 0
-    ports = PortRetries(MAX_PORT_RETRIES)
-    nodes = list(range(args.num_processes))
-    spares: Job | None = None  # hot spares for the next attempt (--standby)
 
-    def prepare_spares() -> None:
-        """Starts the next attempt's spares, once this one trains (it has the CPUs now)."""
-        nonlocal spares
-        if args.standby and spares is None and restarts < args.max_restarts:
-            count = args.processes_after_failure or len(nodes)
-            spares = start_spares(command, count, args.cpu_devices, cache_env)
+class _Restarts:
+    """The attempts of one launch: the first, then a restart after each failure (a port
+    retry is no restart) until one attempt succeeds or ``--max-restarts`` are spent.
 
-    try:
+    Attributes:
+        attempts: Every attempt, in order.
+        failures: A `failure_report` per failure, with the restart that followed it.
+        restarts: Restarts so far.
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        command: Sequence[str],
+        injection: tuple[int, int] | None,
+        base: str,
+        cache_env: Mapping[str, str],
+    ):
+        self.attempts: list[Attempt] = []
+        self.failures: list[dict[str, Any]] = []
+        self.restarts = 0
+        self._args = args
+        self._command = command
+        self._injection = injection
+        self._base = base
+        self._cache_env = cache_env
+        self._nodes = list(range(args.num_processes))
+        self._ports = PortRetries(MAX_PORT_RETRIES)
+        self._pending: tuple[Attempt, bool] | None = None  # failed attempt awaiting its restart
+        self._spares: Job | None = None  # hot spares for the next attempt (--standby)
+
+    def run(self) -> None:
+        """Runs attempts until one succeeds or no restart is left."""
         while True:
-            woken = None
-            if spares is not None:
-                woken = spares if spares.usable_for(len(nodes)) else None
-                if woken is None:
-                    spares.processes.kill()
-                spares = None
-            port = woken.port if woken is not None and woken.port else free_port()
-            attempt = Attempt(index=len(attempts), num_processes=len(nodes), port=port, nodes=nodes)
-            first = all(a.outcome == "port" for a in attempts)
-            inject = injection if first else None
-            print(
-                f"[launch] attempt {attempt.index}: {len(nodes)} processes on nodes {nodes},"
-                f" port {attempt.port}" + (" (hot spares)" if woken else ""),
-                flush=True,
-            )
-            run_attempt(
-                attempt,
-                command,
-                base,
-                args.cpu_devices,
-                args.hang_timeout,
-                inject,
-                env=cache_env,
-                spares=woken,
-                on_training=prepare_spares,
-            )
-            attempts.append(attempt)
-            if ports.retry(attempt.outcome == "port"):
+            attempt, injected = self._run_next()
+            if self._ports.retry(attempt.outcome == "port"):
                 print(f"[launch] port {attempt.port} in use, retrying", flush=True)
                 continue
-            if pending is not None:
-                failures.append(failure_report(pending[0], attempt, pending[1]))
-                print("[launch] " + format_failure(failures[-1]), flush=True)
-                pending = None
-            if attempt.outcome == "ok":
-                break
-            lose = bool(args.lose_node) and inject is not None
-            lost_node = None
-            if lose and attempt.process is not None:
-                lost_node = nodes[args.lose_node[0]]
-                shutil.rmtree(os.path.join(base, f"node{lost_node}"), ignore_errors=True)
-            print(
-                f"[launch] process {attempt.process} failed: {attempt.outcome}"
-                f" ({describe_returncode(attempt.returncode)}) at step {attempt.last_step},"
-                f" detected after {attempt.detected_after_s} s; killed the others",
-                flush=True,
-            )
-            if restarts >= args.max_restarts:
-                failures.append(failure_report(attempt, None, lose))
-                print(f"[launch] giving up after {restarts} restarts", flush=True)
-                break
-            restarts += 1
-            pending = (attempt, lose)
-            nodes = next_nodes(nodes, lost_node, args.processes_after_failure)
-    finally:
-        if spares is not None:
-            spares.processes.kill()
-        if own_base and not args.keep_memory:
-            shutil.rmtree(base, ignore_errors=True)
+            if self._pending is not None:
+                self.failures.append(failure_report(self._pending[0], attempt, self._pending[1]))
+                print("[launch] " + format_failure(self.failures[-1]), flush=True)
+                self._pending = None
+            if attempt.outcome == "ok" or not self._restart_after(attempt, injected):
+                return
 
-    ok = attempts[-1].outcome == "ok"
-    report = {
-        "command": list(command),
-        "num_processes": args.num_processes,
-        "success": ok,
-        "seconds": round(time.monotonic() - start, 3),
-        "restarts": restarts,
-        "attempts": [dataclasses.asdict(a) for a in attempts],
-        "failures": failures,
-    }
+    def close(self) -> None:
+        """Kills the spares no attempt woke."""
+        if self._spares is not None:
+            self._spares.processes.kill()
+
+    def _run_next(self) -> tuple[Attempt, bool]:
+        """Runs the next attempt (on the spares, if they still wait); returns it and
+        whether it carried the injected failure (only attempts before any ran do)."""
+        woken = self._take_spares()
+        port = woken.port if woken is not None and woken.port else free_port()
+        nodes = self._nodes
+        attempt = Attempt(
+            index=len(self.attempts), num_processes=len(nodes), port=port, nodes=nodes
+        )
+        first = all(a.outcome == "port" for a in self.attempts)
+        inject = self._injection if first else None
+        print(
+            f"[launch] attempt {attempt.index}: {len(nodes)} processes on nodes {nodes},"
+            f" port {attempt.port}" + (" (hot spares)" if woken else ""),
+            flush=True,
+        )
+        run_attempt(
+            attempt,
+            self._command,
+            self._base,
+            self._args.cpu_devices,
+            self._args.hang_timeout,
+            inject,
+            env=self._cache_env,
+            spares=woken,
+            on_training=self._prepare_spares,
+        )
+        self.attempts.append(attempt)
+        return attempt, inject is not None
+
+    def _take_spares(self) -> Job | None:
+        """The spares for the next attempt, if they can be its processes (else killed)."""
+        spares, self._spares = self._spares, None
+        if spares is None or spares.usable_for(len(self._nodes)):
+            return spares
+        spares.processes.kill()
+        return None
+
+    def _prepare_spares(self) -> None:
+        """Starts the next attempt's spares, once this one trains (it has the CPUs now)."""
+        args = self._args
+        if args.standby and self._spares is None and self.restarts < args.max_restarts:
+            count = args.processes_after_failure or len(self._nodes)
+            self._spares = start_spares(self._command, count, args.cpu_devices, self._cache_env)
+
+    def _restart_after(self, attempt: Attempt, injected: bool) -> bool:
+        """Handles a failed attempt: loses its node's memory for ``--lose-node``, then
+        plans the restart; False when no restart is left."""
+        args = self._args
+        lose = bool(args.lose_node) and injected
+        lost_node = None
+        if lose and attempt.process is not None:
+            lost_node = self._nodes[args.lose_node[0]]
+            shutil.rmtree(os.path.join(self._base, f"node{lost_node}"), ignore_errors=True)
+        print(
+            f"[launch] process {attempt.process} failed: {attempt.outcome}"
+            f" ({describe_returncode(attempt.returncode)}) at step {attempt.last_step},"
+            f" detected after {attempt.detected_after_s} s; killed the others",
+            flush=True,
+        )
+        if self.restarts >= args.max_restarts:
+            self.failures.append(failure_report(attempt, None, lose))
+            print(f"[launch] giving up after {self.restarts} restarts", flush=True)
+            return False
+        self.restarts += 1
+        self._pending = (attempt, lose)
+        self._nodes = next_nodes(self._nodes, lost_node, args.processes_after_failure)
+        return True
+
+
+def _write(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Writes the report as JSON (``--json``) and the recovery timelines (``--timeline-png``)."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.timeline_png:
-        if any(f.get("restart") for f in failures):
+        if any(f.get("restart") for f in report["failures"]):
             from jaxckpt.launch import _timeline_plot
 
             print(f"[launch] timeline: {_timeline_plot.plot(report, args.timeline_png)}")
         else:
             print("[launch] no restart: no recovery timeline to draw", flush=True)
-    print(
-        f"[launch] {'success' if ok else 'FAILED'} after {restarts} restarts, {report['seconds']} s",
-        flush=True,
-    )
-    return 0 if ok else 1
