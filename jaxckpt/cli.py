@@ -60,44 +60,74 @@ def _parser() -> argparse.ArgumentParser:
         prog="jaxckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(name: str, run: Any, help: str, step: bool = False) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
-        p.set_defaults(run=run)
-        p.add_argument(
-            "directory",
-            metavar="DIR",
-            help="the CheckpointManager's directory: a path, gs://bucket/path or s3://bucket/path",
-        )
-        if step:
-            p.add_argument("step", metavar="STEP", type=int)
-        p.add_argument("--item", help="the jaxckpt item (default: the only one in DIR)")
-        p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-        return p
-
-    def roots(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--memory-root",
-            action="append",
-            default=[],
-            metavar="PATH",
-            help="a TierOptions.memory_root to look in; repeat for every host (or process)",
-        )
-        p.add_argument("--run-id", help="TierOptions.run_id, if the job set one")
-
-    roots(command("ls", _ls, "every step in DIR, where it lives, and whether it can be restored"))
-    roots(
-        command(
-            "inspect", _inspect_cmd, "the saved tree, versions and save metrics of a step", True
+    _roots(
+        _command(
+            sub, "ls", _ls, "every step in DIR, where it lives, and whether it can be restored"
         )
     )
-    p = command(
-        "verify", _verify_cmd, "read every chunk of every copy in reach, check CRC-32s", True
+    _roots(
+        _command(
+            sub,
+            "inspect",
+            _inspect_cmd,
+            "the saved tree, versions and save metrics of a step",
+            True,
+        )
     )
-    roots(p)
+    _add_verify(sub)
+    _add_export(sub)
+    _add_advise(sub)
+    bench = sub.add_parser(
+        "bench", help="the benchmark suite (jaxckpt bench --help)", add_help=False
+    )
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+_Commands = argparse._SubParsersAction  # the `add_subparsers` object
+
+
+def _command(
+    sub: _Commands, name: str, run: Any, help: str, step: bool = False
+) -> argparse.ArgumentParser:
+    """A command's parser with what every command takes: DIR (and STEP), --item, --json."""
+    p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
+    p.set_defaults(run=run)
+    p.add_argument(
+        "directory",
+        metavar="DIR",
+        help="the CheckpointManager's directory: a path, gs://bucket/path or s3://bucket/path",
+    )
+    if step:
+        p.add_argument("step", metavar="STEP", type=int)
+    p.add_argument("--item", help="the jaxckpt item (default: the only one in DIR)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return p
+
+
+def _roots(p: argparse.ArgumentParser) -> None:
+    """The memory roots (and run id) a command looks in besides DIR."""
+    p.add_argument(
+        "--memory-root",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a TierOptions.memory_root to look in; repeat for every host (or process)",
+    )
+    p.add_argument("--run-id", help="TierOptions.run_id, if the job set one")
+
+
+def _add_verify(sub: _Commands) -> None:
+    p = _command(
+        sub, "verify", _verify_cmd, "read every chunk of every copy in reach, check CRC-32s", True
+    )
+    _roots(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
-    p = command(
+
+def _add_export(sub: _Commands) -> None:
+    p = _command(
+        sub,
         "export",
         _export_cmd,
         "write a durable step as a plain Orbax checkpoint or safetensors files",
@@ -113,7 +143,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
-    p = command("advise", _advise_cmd, "checkpoint intervals from measured costs (Young/Daly)")
+
+def _add_advise(sub: _Commands) -> None:
+    p = _command(
+        sub, "advise", _advise_cmd, "checkpoint intervals from measured costs (Young/Daly)"
+    )
     mtbf = p.add_mutually_exclusive_group(required=True)
     mtbf.add_argument("--mtbf-hours", type=float, help="mean time between failures")
     mtbf.add_argument(
@@ -149,12 +183,6 @@ def _parser() -> argparse.ArgumentParser:
         help="a measured restore time, e.g. persistent=95 (repeatable)",
     )
     p.add_argument("--last", type=int, default=50, help="use the newest N steps (default 50)")
-
-    bench = sub.add_parser(
-        "bench", help="the benchmark suite (jaxckpt bench --help)", add_help=False
-    )
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    return parser
 
 
 def _catalog_of(args: argparse.Namespace) -> _catalog.Catalog:

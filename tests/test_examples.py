@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt.launch import _launcher as launch
+from jaxckpt import launch
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `examples` is a directory of scripts, not an installed package

@@ -190,7 +190,7 @@ def test_port_in_use_is_retried_without_a_restart(run) -> None:
 
 def events_of(out: str, kind: str) -> list[dict]:
     """The ``kind`` events in the launcher's output, in order."""
-    found = [launch.parse_event(line.split("] ", 1)[1]) for line in out.splitlines()
+    found = [_events.parse_event(line.split("] ", 1)[1]) for line in out.splitlines()
              if line.startswith("[p")]  # fmt: skip
     return [e for e in found if e and e["event"] == kind]
 
@@ -264,9 +264,9 @@ def test_standby_spares_take_over_and_are_reaped(run, capsys, tmp_path) -> None:
 
 
 def test_parsing_helpers() -> None:
-    assert launch.parse_event('{"event": "step", "step": 3}') == {"event": "step", "step": 3}
-    assert launch.parse_event("{not json") is None
-    assert launch.parse_event('{"no": "event"}') is None
+    assert _events.parse_event('{"event": "step", "step": 3}') == {"event": "step", "step": 3}
+    assert _events.parse_event("{not json") is None
+    assert _events.parse_event('{"no": "event"}') is None
     assert launch.parse_injection("2@7") == (2, 7)
     with pytest.raises(Exception, match="PROCESS@STEP"):
         launch.parse_injection("2")
@@ -288,9 +288,9 @@ def test_event_lines_round_trip_and_leave_out_unset_optional_fields() -> None:
         "process": 1,
         "tier": "memory",
     }
-    assert launch.parse_event(line) == restored.to_dict()
+    assert _events.parse_event(line) == restored.to_dict()
     counted = dataclasses.replace(restored, bytes_by_tier={"peer": 8})
-    assert launch.parse_event(_events.format_event(counted))["bytes_by_tier"] == {"peer": 8}
+    assert _events.parse_event(_events.format_event(counted))["bytes_by_tier"] == {"peer": 8}
     # A field without a default is always written, None included.
     start = _events.StartEvent(0, 1, 2, {"data": 1, "fsdp": 2}, None)
     assert json.loads(_events.format_event(start))["compilation_cache"] is None

@@ -304,61 +304,32 @@ def measure(
     """
     infos = [catalog.step(s) for s in sorted(catalog.step_dirs)[-last:]]
     infos = [i for i in infos if i.index]
+    saves = _SaveMetrics.of(infos)
+    per_process = saves.per_process
+    restore = _RestoreEstimate.of(per_process, restart_s, restore_s, restarts)
     notes: list[str] = []
-    stall, peer, sizes = [], [], []
-    bandwidth: dict[str, list[float]] = {"memory": [], "peer": []}
-    for info in infos:
-        ms = [m.metrics for m in info.index.values()]
-        stall.append([v for m in ms if (v := _num(m, "stall_s")) is not None])
-        peer.append(
-            [
-                (_num(m, "stall_s") or 0.0) + r
-                for m in ms
-                if (r := _num(m, "replicate_s")) is not None
-            ]
-        )
-        sizes.append([float(m.nbytes) for m in info.index.values()])
-        bandwidth["memory"] += [v for m in ms if (v := _num(m, "memory_write_bytes_per_s"))]
-        bandwidth["peer"] += [v for m in ms if (v := _num(m, "replicate_bytes_per_s"))]
-    per_process = _median_of_max(sizes) or 0.0
-    given = dict(restore_s or {})
-    if restarts is not None:
-        restart_s = restarts.overhead_s
-        extra = (
-            f" + {_table.duration(restart_s)} measured restart outside the read"
-            f" (median, {restarts.source})"
-        )
-    else:
-        extra = f" + {_table.duration(restart_s)} restart" if restart_s else ""
-    costs = []
+    costs: list[TierCost] = []
 
     def add(tier: str, cost: float, cost_from: str, bw: float | None, bw_name: str) -> None:
-        if tier in given:
-            r, r_from = given[tier], "given (--restore-seconds)"
-        elif restarts is not None and tier in restarts.total_s:
-            r = restarts.total_s[tier]
-            r_from = (
-                f"measured: median of {restarts.counts[tier]} restart(s) from {tier} in"
-                f" {restarts.source}, failure to first trained step"
-            )
-        elif bw:
-            r = per_process / bw + restart_s
-            r_from = f"estimate: {_table.size(per_process)} per process / {_size_rate(bw)} {bw_name}{extra}"
-        else:
-            r, r_from = restart_s, "unknown (no bandwidth measured); pass --restore-seconds"
-        costs.append(TierCost(tier, cost, cost_from, r, r_from))
+        costs.append(TierCost(tier, cost, cost_from, *restore.seconds(tier, bw, bw_name)))
 
     def median(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
 
     n = f"median over {len(infos)} step(s) of the slowest process's"
-    mem = _median_of_max(stall)
+    mem = _median_of_max(saves.stall)
     if mem is None:
         notes.append("No stall_s in the manifests: the memory and peer tiers cannot be costed.")
     else:
-        add("memory", mem, f"{n} stall_s", median(bandwidth["memory"]), "memory write bandwidth")
-    if (cost := _median_of_max(peer)) is not None:
-        bw = median(bandwidth["peer"])
+        add(
+            "memory",
+            mem,
+            f"{n} stall_s",
+            median(saves.bandwidth["memory"]),
+            "memory write bandwidth",
+        )
+    if (cost := _median_of_max(saves.peer)) is not None:
+        bw = median(saves.bandwidth["peer"])
         add("peer", cost, f"{n} stall_s + replicate_s", bw, "replication bandwidth")
     elif mem is not None:
         notes.append("No replicate_s in the manifests (replicas=0?): no peer tier row.")
@@ -370,6 +341,85 @@ def measure(
         add("persistent", persist, persist_from, bw, "persist bandwidth (reads assumed as fast)")
     step_s, step_from = _step_seconds(infos)
     return costs, step_s, step_from, notes
+
+
+@dataclasses.dataclass(frozen=True)
+class _SaveMetrics:
+    """What the steps' manifests say of their saves: per step, each process's stall and
+    stall + replication seconds; the largest process's bytes (median over the steps); the
+    bandwidths the saves measured."""
+
+    stall: list[list[float]]
+    peer: list[list[float]]
+    per_process: float
+    bandwidth: dict[str, list[float]]
+
+    @classmethod
+    def of(cls, infos: list[_catalog.StepInfo]) -> _SaveMetrics:
+        stall, peer, sizes = [], [], []
+        bandwidth: dict[str, list[float]] = {"memory": [], "peer": []}
+        for info in infos:
+            ms = [m.metrics for m in info.index.values()]
+            stall.append([v for m in ms if (v := _num(m, "stall_s")) is not None])
+            peer.append(
+                [
+                    (_num(m, "stall_s") or 0.0) + r
+                    for m in ms
+                    if (r := _num(m, "replicate_s")) is not None
+                ]
+            )
+            sizes.append([float(m.nbytes) for m in info.index.values()])
+            bandwidth["memory"] += [v for m in ms if (v := _num(m, "memory_write_bytes_per_s"))]
+            bandwidth["peer"] += [v for m in ms if (v := _num(m, "replicate_bytes_per_s"))]
+        return cls(stall, peer, _median_of_max(sizes) or 0.0, bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RestoreEstimate:
+    """Where a tier's restore time R comes from, in `measure`'s order: given, measured
+    restarts, or the bytes over a bandwidth plus the restart overhead."""
+
+    per_process: float
+    restart_s: float
+    given: dict[str, float]
+    restarts: MeasuredRestarts | None
+    extra: str  # what the estimate adds to the read, said after it
+
+    @classmethod
+    def of(
+        cls,
+        per_process: float,
+        restart_s: float,
+        restore_s: Mapping[str, float] | None,
+        restarts: MeasuredRestarts | None,
+    ) -> _RestoreEstimate:
+        if restarts is not None:
+            restart_s = restarts.overhead_s
+            extra = (
+                f" + {_table.duration(restart_s)} measured restart outside the read"
+                f" (median, {restarts.source})"
+            )
+        else:
+            extra = f" + {_table.duration(restart_s)} restart" if restart_s else ""
+        return cls(per_process, restart_s, dict(restore_s or {}), restarts, extra)
+
+    def seconds(self, tier: str, bw: float | None, bw_name: str) -> tuple[float, str]:
+        """R of `tier` (`bw`: its read bandwidth, if measured) and where it came from."""
+        restarts = self.restarts
+        if tier in self.given:
+            return self.given[tier], "given (--restore-seconds)"
+        if restarts is not None and tier in restarts.total_s:
+            return restarts.total_s[tier], (
+                f"measured: median of {restarts.counts[tier]} restart(s) from {tier} in"
+                f" {restarts.source}, failure to first trained step"
+            )
+        if bw:
+            per_process = self.per_process
+            return per_process / bw + self.restart_s, (
+                f"estimate: {_table.size(per_process)} per process / {_size_rate(bw)}"
+                f" {bw_name}{self.extra}"
+            )
+        return self.restart_s, "unknown (no bandwidth measured); pass --restore-seconds"
 
 
 def _size_rate(bytes_per_s: float | None) -> str:

@@ -292,71 +292,12 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
         )
     owners = sorted(info.index)
     first = info.index[owners[0]]
-    raw: dict[str, Any] = {}
-    if info.item_dir is not None:
-        try:
-            raw = json.loads(_index.index_path(info.item_dir, owners[0]).read_text())
-            if raw.get("format") == _index.STEP_INDEX_FORMAT:  # the step index: its parts'
-                raw = {**raw, "format": _format.FORMAT_NAME, "version": raw["manifest_version"]}
-        except (OSError, ValueError):
-            raw = {}
-    leaves = []
-    nonfinite = info.nonfinite
-    for i, rec in enumerate(first.leaves):
-        chunks = [c for m in info.index.values() for c in m.chunks.get(i, ())]
-        leaves.append(
-            {
-                "path": rec.path,
-                "keys": [list(k) for k in rec.keys],
-                "kind": rec.kind,
-                "shape": list(rec.shape) if rec.shape is not None else None,
-                "dtype": rec.dtype,
-                "chunk_shape": list(rec.chunk_shape) if rec.chunk_shape is not None else None,
-                "sharding": rec.sharding,
-                "bytes": sum(c.nbytes for c in chunks),
-                "chunks": len(chunks),
-                "key_impl": rec.key_impl,
-                # A per-process scalar's value is in each part: the first process's here.
-                "value": first.scalars.get(i) if rec.per_process else rec.value,
-                "scalar_type": rec.scalar_type,
-                "per_process": rec.per_process,
-                "nonfinite": None if nonfinite is None else nonfinite.get(i, 0),
-                # Shared by data-parallel replicas: who holds which slice (chunk indices).
-                "replicas": rec.replicas,
-                "slices_per_shard": rec.slices,
-                "cut": rec.cut,
-                "slices": (
-                    {
-                        str(o): [list(c.index) for c in info.index[o].chunks.get(i, ())]
-                        for o in owners
-                        if info.index[o].chunks.get(i)
-                    }
-                    if rec.replicas
-                    else None
-                ),
-            }
-        )
+    raw = _raw_index(info, owners[0])
     iterators = {
         rec.path: {str(o): info.index[o].iterator_states.get(i) for o in owners}
         for i, rec in enumerate(first.leaves)
         if rec.kind == _format.ITERATOR
     }
-    processes = []
-    for o in owners:
-        m = info.index[o]
-        metrics = dict(m.metrics)
-        if o in info.persisted and info.item_dir is not None:
-            metrics.update(_persisted_metrics(info.item_dir / _format.part_dir_name(o)))
-        processes.append(
-            {
-                "process": o,
-                "failure_domain": m.failure_domain,
-                "bytes": m.nbytes,
-                "chunks": sum(len(cs) for cs in m.chunks.values()),
-                "slices": m.slices,
-                "metrics": metrics,
-            }
-        )
     return {
         "directory": str(catalog.directory),
         "item": catalog.item,
@@ -368,9 +309,79 @@ def describe_step(catalog: _catalog.Catalog, step: int) -> dict[str, Any]:
         "process_count": info.process_count,
         "memory_roots": [str(r.path) for r in catalog.roots],
         "location": step_summary(info, time.time()),
-        "leaves": leaves,
+        "leaves": [_leaf(info, owners, i, rec) for i, rec in enumerate(first.leaves)],
         "iterator_states": iterators,
-        "processes": processes,
+        "processes": [_process(info, o) for o in owners],
+    }
+
+
+def _raw_index(info: _catalog.StepInfo, owner: int) -> dict[str, Any]:
+    """`owner`'s index manifest as JSON, its format and version as a part manifest's
+    (the step index names its parts'); empty where it cannot be read."""
+    if info.item_dir is None:
+        return {}
+    try:
+        raw = json.loads(_index.index_path(info.item_dir, owner).read_text())
+        if raw.get("format") == _index.STEP_INDEX_FORMAT:  # the step index: its parts'
+            raw = {**raw, "format": _format.FORMAT_NAME, "version": raw["manifest_version"]}
+    except (OSError, ValueError):
+        return {}
+    return raw
+
+
+def _leaf(
+    info: _catalog.StepInfo, owners: list[int], i: int, rec: _format.LeafRecord
+) -> dict[str, Any]:
+    """Leaf `i` (`rec`, its record in the first process's manifest) across the processes."""
+    first = info.index[owners[0]]
+    nonfinite = info.nonfinite
+    chunks = [c for m in info.index.values() for c in m.chunks.get(i, ())]
+    return {
+        "path": rec.path,
+        "keys": [list(k) for k in rec.keys],
+        "kind": rec.kind,
+        "shape": list(rec.shape) if rec.shape is not None else None,
+        "dtype": rec.dtype,
+        "chunk_shape": list(rec.chunk_shape) if rec.chunk_shape is not None else None,
+        "sharding": rec.sharding,
+        "bytes": sum(c.nbytes for c in chunks),
+        "chunks": len(chunks),
+        "key_impl": rec.key_impl,
+        # A per-process scalar's value is in each part: the first process's here.
+        "value": first.scalars.get(i) if rec.per_process else rec.value,
+        "scalar_type": rec.scalar_type,
+        "per_process": rec.per_process,
+        "nonfinite": None if nonfinite is None else nonfinite.get(i, 0),
+        # Shared by data-parallel replicas: who holds which slice (chunk indices).
+        "replicas": rec.replicas,
+        "slices_per_shard": rec.slices,
+        "cut": rec.cut,
+        "slices": (
+            {
+                str(o): [list(c.index) for c in info.index[o].chunks.get(i, ())]
+                for o in owners
+                if info.index[o].chunks.get(i)
+            }
+            if rec.replicas
+            else None
+        ),
+    }
+
+
+def _process(info: _catalog.StepInfo, owner: int) -> dict[str, Any]:
+    """One process's part: its domain, bytes, chunks, slices and save metrics (with the
+    persistence time where its part was persisted)."""
+    m = info.index[owner]
+    metrics = dict(m.metrics)
+    if owner in info.persisted and info.item_dir is not None:
+        metrics.update(_persisted_metrics(info.item_dir / _format.part_dir_name(owner)))
+    return {
+        "process": owner,
+        "failure_domain": m.failure_domain,
+        "bytes": m.nbytes,
+        "chunks": sum(len(cs) for cs in m.chunks.values()),
+        "slices": m.slices,
+        "metrics": metrics,
     }
 
 
@@ -384,6 +395,31 @@ def _persisted_metrics(part_dir: Path) -> dict[str, Any]:
 
 
 def render_step(report: dict[str, Any]) -> str:
+    out = _step_header(report)
+    out.append(
+        _table.table(
+            ["TREE", "KIND", "SHAPE", "DTYPE", "SAVED SHARDING", "BYTES", ""],
+            _tree_rows(report["leaves"]),
+            right=(5,),
+        )
+    )
+    if report["iterator_states"]:
+        out += ["", "ITERATOR STATES", *_iterator_lines(report["iterator_states"])]
+    out += ["", "SAVE METRICS", _metrics_table(report["processes"])]
+    shared = [leaf for leaf in report["leaves"] if leaf.get("slices")]
+    if shared:
+        out += ["", "SLICES (shards held by R processes, each saving a share)"]
+        for leaf in shared:
+            held = ", ".join(
+                f"process {o}: {len(idx)}"
+                for o, idx in sorted(leaf["slices"].items(), key=lambda x: int(x[0]))
+            )
+            out.append(f"  {leaf['path']}  R={leaf['replicas']}{_cut_text(leaf)}; {held}")
+    return "\n".join(out)
+
+
+def _step_header(report: dict[str, Any]) -> list[str]:
+    """The lines above the tree: the step, its format, where its copies are, finiteness."""
     loc = report["location"]
     version = f"jaxckpt format v{report['format_version']}"
     if report["jaxckpt_version"]:
@@ -402,72 +438,67 @@ def render_step(report: dict[str, Any]) -> str:
         remote = _storage.is_remote(report["directory"])
         out.append(_incomplete_note({"remote": remote}, loc["incomplete"]))
     out.append("")
+    return out
+
+
+def _tree_rows(leaves: list[dict[str, Any]]) -> list[list[Any]]:
+    """The tree's table: a row per inner node (indented, first time it appears) and per leaf."""
     rows: list[list[Any]] = []
     previous: list[str] = []
-    paths = [
-        [_label((k[0], k[1])) for k in leaf["keys"]] or ["<root>"] for leaf in report["leaves"]
-    ]
-    for leaf, labels in zip(report["leaves"], _collapse(paths), strict=True):
+    paths = [[_label((k[0], k[1])) for k in leaf["keys"]] or ["<root>"] for leaf in leaves]
+    for leaf, labels in zip(leaves, _collapse(paths), strict=True):
         common = 0
         while common < min(len(previous), len(labels) - 1) and previous[common] == labels[common]:
             common += 1
         for depth in range(common, len(labels) - 1):
             rows.append(["  " * depth + labels[depth]] + [""] * 6)
         previous = labels
-        name = "  " * (len(labels) - 1) + labels[-1]
-        if leaf["kind"] == _format.SCALAR:
-            rows.append([name, "scalar", "", leaf["scalar_type"], "", "", repr(leaf["value"])])
-            continue
-        if leaf["kind"] == _format.ITERATOR:
-            rows.append([name, "iterator", "", "", "", "", "state per process, below"])
-            continue
-        rows.append(
-            [
-                name,
-                leaf["kind"],
-                str(tuple(leaf["shape"] or ())),
-                leaf["dtype"],
-                sharding_text(leaf["sharding"]),
-                _table.size(leaf["bytes"]),
-                f"{leaf['chunks']} chunk(s)"
-                + (f", {leaf['nonfinite']} NaN/Inf" if leaf.get("nonfinite") else "")
-                + _shared_text(leaf),
-            ]
-        )
-    out.append(
-        _table.table(
-            ["TREE", "KIND", "SHAPE", "DTYPE", "SAVED SHARDING", "BYTES", ""], rows, right=(5,)
-        )
-    )
-    if report["iterator_states"]:
-        out += ["", "ITERATOR STATES"]
-        for path, states in report["iterator_states"].items():
-            texts = {p: json.dumps(s, sort_keys=True) for p, s in states.items()}
-            if len(set(texts.values())) == 1:
-                out.append(
-                    f"  {path}  all {len(texts)} process(es): {_clip(next(iter(texts.values())))}"
-                )
-            else:
-                out += [f"  {path}  process {p}: {_clip(t)}" for p, t in texts.items()]
+        rows.append(_leaf_row("  " * (len(labels) - 1) + labels[-1], leaf))
+    return rows
+
+
+def _leaf_row(name: str, leaf: dict[str, Any]) -> list[Any]:
+    if leaf["kind"] == _format.SCALAR:
+        return [name, "scalar", "", leaf["scalar_type"], "", "", repr(leaf["value"])]
+    if leaf["kind"] == _format.ITERATOR:
+        return [name, "iterator", "", "", "", "", "state per process, below"]
+    return [
+        name,
+        leaf["kind"],
+        str(tuple(leaf["shape"] or ())),
+        leaf["dtype"],
+        sharding_text(leaf["sharding"]),
+        _table.size(leaf["bytes"]),
+        f"{leaf['chunks']} chunk(s)"
+        + (f", {leaf['nonfinite']} NaN/Inf" if leaf.get("nonfinite") else "")
+        + _shared_text(leaf),
+    ]
+
+
+def _iterator_lines(iterator_states: dict[str, dict[str, Any]]) -> list[str]:
+    """Each iterator's state: once where every process saved the same, else per process."""
+    out = []
+    for path, states in iterator_states.items():
+        texts = {p: json.dumps(s, sort_keys=True) for p, s in states.items()}
+        if len(set(texts.values())) == 1:
+            out.append(
+                f"  {path}  all {len(texts)} process(es): {_clip(next(iter(texts.values())))}"
+            )
+        else:
+            out += [f"  {path}  process {p}: {_clip(t)}" for p, t in texts.items()]
+    return out
+
+
+def _metrics_table(processes: list[dict[str, Any]]) -> str:
     rows = []
-    for p in report["processes"]:
+    for p in processes:
         m = p["metrics"]
         rows.append(
             [p["process"], p["failure_domain"], _table.size(p["bytes"]), p["chunks"]]
             + [_table.duration(_number(m.get(key))) for key, _ in METRIC_COLUMNS]
         )
     headers = ["PROCESS", "DOMAIN", "BYTES", "CHUNKS"] + [h for _, h in METRIC_COLUMNS]
-    out += ["", "SAVE METRICS", _table.table(headers, rows, right=tuple(range(2, len(headers))))]
-    shared = [leaf for leaf in report["leaves"] if leaf.get("slices")]
-    if shared:
-        out += ["", "SLICES (shards held by R processes, each saving a share)"]
-        for leaf in shared:
-            held = ", ".join(
-                f"process {o}: {len(idx)}"
-                for o, idx in sorted(leaf["slices"].items(), key=lambda x: int(x[0]))
-            )
-            out.append(f"  {leaf['path']}  R={leaf['replicas']}{_cut_text(leaf)}; {held}")
-    return "\n".join(out)
+    return _table.table(headers, rows, right=tuple(range(2, len(headers))))
 
 
 def _shared_text(leaf: dict[str, Any]) -> str:
