@@ -75,6 +75,25 @@ def latest_restorable_step(
       ValueError: if `mngr` has no item handled by a `TieredCheckpointHandler`.
       TimeoutError: if another process does not take part in time.
     """
+    handlers = _tiered_handlers_or_raise(mngr)
+    root = _storage.as_path(mngr.directory)
+    steps = _candidate_steps(mngr, root, handlers)
+    restorable = set(steps)
+    for item, handler in sorted(handlers.items()):
+        # Any item directory will do: the handler looks at the step directories next to it.
+        restorable &= set(handler.restorable_steps(root / "0" / item, verify=verify))
+    poisoned = _skipped_nonfinite(mngr, root, handlers, restorable) if finite else {}
+    newest = max(restorable - set(poisoned), default=None)
+    if newest is None and steps:
+        _leave_the_unrestorable_steps(mngr, steps, bool(poisoned))
+        return None
+    if delete_newer and newest is not None:
+        _delete_newer_steps(mngr, steps, newest, poisoned)
+    return newest
+
+
+def _tiered_handlers_or_raise(mngr: Any) -> dict[str, TieredCheckpointHandler]:
+    """`tiered_handlers(mngr)`; a manager without any is refused."""
     handlers = tiered_handlers(mngr)
     if not handlers:
         raise ValueError(
@@ -83,7 +102,14 @@ def latest_restorable_step(
             "(handler_registry.add(item, jaxckpt.TieredSave, handler), and the same for "
             "TieredRestore) or use mngr.latest_step()."
         )
-    root = _storage.as_path(mngr.directory)
+    return handlers
+
+
+def _candidate_steps(
+    mngr: Any, root: Any, handlers: dict[str, TieredCheckpointHandler]
+) -> list[int]:
+    """The manager's finalized steps that hold a jaxckpt item, oldest first, after the
+    newest durable step is put back if the manager deleted it."""
     # The newest durable step, if the manager's garbage collection deleted it, is put
     # back from the handler's kept copy (`_kept`): it is a candidate like any step.
     _kept.reinstate(root, sorted(handlers))
@@ -91,12 +117,61 @@ def latest_restorable_step(
     # Steps holding no jaxckpt item (an old loop's Orbax steps in the same directory,
     # which jaxckpt.restore_existing reads) are neither candidates nor deleted.
     ours = set().union(*(_paths.finalized_steps(root, item) for item in handlers))
-    steps = sorted(s for s in mngr.all_steps() if s in ours)
-    restorable = set(steps)
-    for item, handler in sorted(handlers.items()):
-        # Any item directory will do: the handler looks at the step directories next to it.
-        restorable &= set(handler.restorable_steps(root / "0" / item, verify=verify))
-    poisoned = _nonfinite_steps(root, handlers, restorable) if finite else {}
+    return sorted(s for s in mngr.all_steps() if s in ours)
+
+
+def _leave_the_unrestorable_steps(mngr: Any, steps: list[int], poisoned: bool) -> None:
+    """Says that none of `steps` is restorable, and leaves them."""
+    # IMPORTANT: never delete the last steps there are. Nothing restorable now may
+    # be a tier that comes back (a host rebooting, a peer partitioned away), and a
+    # deleted step is gone for good; the job decides, told what is left.
+    log.warning(
+        "jaxckpt: [process %d] no step of %s is restorable%s: no tier holds a complete "
+        "verified copy of steps %s (own memory, peers' memory, persistent storage). "
+        "They are left in place; the manager saves no step number up to %d while they "
+        "exist. To start over, delete them (mngr.delete(step)) or use a new checkpoint "
+        "directory; to resume from the checkpoints an older loop wrote, see "
+        "jaxckpt.restore_existing.",
+        _multihost.process_index(),
+        mngr.directory,
+        " without NaN/Inf values" if poisoned else "",
+        steps,
+        steps[-1],
+    )
+
+
+def _delete_newer_steps(mngr: Any, steps: list[int], newest: int, poisoned: dict[int, int]) -> None:
+    """Deletes the `steps` newer than `newest` (unrestorable, or holding NaN/Inf values),
+    so that the resumed job's saves can write those step numbers again."""
+    for step in steps:
+        if step in poisoned and step > newest:
+            log.warning(
+                "jaxckpt: [process %d] deleting step %d of %s: it holds NaN/Inf values, "
+                "and the next saves must be able to write that step number again",
+                _multihost.process_index(),
+                step,
+                mngr.directory,
+            )
+            mngr.delete(step)
+        elif step > newest:
+            log.warning(
+                "jaxckpt: [process %d] deleting step %d of %s: no tier holds a complete "
+                "verified copy of it (own memory, peers' memory, persistent storage), and "
+                "the next saves must be able to write that step number again; the newest "
+                "restorable step is %d",
+                _multihost.process_index(),
+                step,
+                mngr.directory,
+                newest,
+            )
+            mngr.delete(step)
+
+
+def _skipped_nonfinite(
+    mngr: Any, root: Any, handlers: dict[str, TieredCheckpointHandler], restorable: set[int]
+) -> dict[int, int]:
+    """`_nonfinite_steps` of the restorable steps, each said to be skipped (finite=True)."""
+    poisoned = _nonfinite_steps(root, handlers, restorable)
     for step, count in sorted(poisoned.items()):
         log.warning(
             "jaxckpt: [process %d] step %d of %s is restorable but holds %d NaN/Inf values: "
@@ -106,49 +181,7 @@ def latest_restorable_step(
             mngr.directory,
             count,
         )
-    newest = max(restorable - set(poisoned), default=None)
-    if newest is None and steps:
-        # IMPORTANT: never delete the last steps there are. Nothing restorable now may
-        # be a tier that comes back (a host rebooting, a peer partitioned away), and a
-        # deleted step is gone for good; the job decides, told what is left.
-        log.warning(
-            "jaxckpt: [process %d] no step of %s is restorable%s: no tier holds a complete "
-            "verified copy of steps %s (own memory, peers' memory, persistent storage). "
-            "They are left in place; the manager saves no step number up to %d while they "
-            "exist. To start over, delete them (mngr.delete(step)) or use a new checkpoint "
-            "directory; to resume from the checkpoints an older loop wrote, see "
-            "jaxckpt.restore_existing.",
-            _multihost.process_index(),
-            mngr.directory,
-            " without NaN/Inf values" if poisoned else "",
-            steps,
-            steps[-1],
-        )
-        return None
-    if delete_newer and newest is not None:
-        for step in steps:
-            if step in poisoned and step > newest:
-                log.warning(
-                    "jaxckpt: [process %d] deleting step %d of %s: it holds NaN/Inf values, "
-                    "and the next saves must be able to write that step number again",
-                    _multihost.process_index(),
-                    step,
-                    mngr.directory,
-                )
-                mngr.delete(step)
-            elif step > newest:
-                log.warning(
-                    "jaxckpt: [process %d] deleting step %d of %s: no tier holds a complete "
-                    "verified copy of it (own memory, peers' memory, persistent storage), and "
-                    "the next saves must be able to write that step number again; the newest "
-                    "restorable step is %d",
-                    _multihost.process_index(),
-                    step,
-                    mngr.directory,
-                    newest,
-                )
-                mngr.delete(step)
-    return newest
+    return poisoned
 
 
 def _nonfinite_steps(

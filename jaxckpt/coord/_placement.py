@@ -119,31 +119,11 @@ def place_replicas(
         string, or some process has fewer than ``replicas`` processes outside
         its failure domain.
     """
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-        raise ValueError(f"replicas must be a non-negative int, got {replicas!r}.")
     domains = list(domains)
-    for p, domain in enumerate(domains):
-        if not isinstance(domain, str) or not domain:
-            raise ValueError(
-                f"The failure domain of process {p} must be a non-empty str, got {domain!r}."
-            )
     n = len(domains)
+    members = _members_checked(domains, replicas)
     if replicas == 0 or n == 0:
         return tuple(() for _ in range(n))
-
-    # IMPORTANT: dicts and lists only. Iterating a set of str depends on
-    # PYTHONHASHSEED, which would give each process a different placement.
-    members: dict[str, list[int]] = {}
-    for p, domain in enumerate(domains):
-        members.setdefault(domain, []).append(p)
-    for domain, procs in members.items():
-        outside = n - len(procs)
-        if outside < replicas:
-            raise ValueError(
-                f"replicas={replicas} needs at least {replicas} processes outside failure "
-                f"domain {domain!r} for process {procs[0]}, but only {outside} exist; "
-                "lower TierOptions.replicas or spread processes over more failure domains."
-            )
 
     # Every holder carries `replicas` on average, and the owners of a domain
     # of size s can only use the n - s processes outside it.
@@ -158,6 +138,50 @@ def place_replicas(
     holders: list[list[int]] = [[] for _ in range(n)]
     # (owner, holder) pairs kept out of the balancing
     fixed = _take_preferred(preferred or (), domains, holders, load, replicas, load_bound)
+    _take_in_order(ring, paths, domains, holders, load, replicas, load_bound)
+    if depth > 1:  # first without moving any copy nearer its owner
+        _balance(domains, ring, holders, load, fixed, paths)
+    _balance(domains, ring, holders, load, fixed)
+    return tuple(tuple(h) for h in holders)
+
+
+def _members_checked(domains: list[str], replicas: int) -> dict[str, list[int]]:
+    """The processes of each failure domain, in order, once the arguments are checked
+    (see `place_replicas`'s Raises)."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ValueError(f"replicas must be a non-negative int, got {replicas!r}.")
+    for p, domain in enumerate(domains):
+        if not isinstance(domain, str) or not domain:
+            raise ValueError(
+                f"The failure domain of process {p} must be a non-empty str, got {domain!r}."
+            )
+    # IMPORTANT: dicts and lists only. Iterating a set of str depends on
+    # PYTHONHASHSEED, which would give each process a different placement.
+    members: dict[str, list[int]] = {}
+    for p, domain in enumerate(domains):
+        members.setdefault(domain, []).append(p)
+    for domain, procs in members.items():
+        outside = len(domains) - len(procs)
+        if replicas and outside < replicas:
+            raise ValueError(
+                f"replicas={replicas} needs at least {replicas} processes outside failure "
+                f"domain {domain!r} for process {procs[0]}, but only {outside} exist; "
+                "lower TierOptions.replicas or spread processes over more failure domains."
+            )
+    return members
+
+
+def _take_in_order(
+    ring: list[int],
+    paths: list[tuple[str, ...]],
+    domains: list[str],
+    holders: list[list[int]],
+    load: list[int],
+    replicas: int,
+    load_bound: int,
+) -> None:
+    """Each owner's copies taken walking the ring, the most constrained owners first."""
+    n, depth = len(ring), max(len(path) for path in paths)
     position_of = {p: i for i, p in enumerate(ring)}
     # Most constrained owners first: those in big subtrees (widest level first)
     # have few candidates outside them.
@@ -171,10 +195,6 @@ def place_replicas(
         for owner in owners:
             chosen = holders[owner]
             _take(owner, ring, position_of[owner], paths, domains, chosen, load, passes, count)
-    if depth > 1:  # first without moving any copy nearer its owner
-        _balance(domains, ring, holders, load, fixed, paths)
-    _balance(domains, ring, holders, load, fixed)
-    return tuple(tuple(h) for h in holders)
 
 
 def _take_preferred(

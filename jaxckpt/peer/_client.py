@@ -347,20 +347,35 @@ def push_part(
             "Expect: 100-continue\r\nConnection: close\r\n\r\n"
         ).encode()
         with _transport_errors(address, action, timeout):
-            sock = _connect(address, timeout)
-            with sock, sock.makefile("rb") as reader:
-                sock.sendall(request)
-                status, body = _read_response(reader)
-                if status == 100:
-                    try:
-                        sock.sendall(_wire.pack_u32(len(header)) + header)
-                        _send_file(sock, manifest, sizes.manifest_bytes)
-                        _send_file(sock, slab, sizes.slab_bytes)
-                    except (BrokenPipeError, ConnectionResetError):
-                        pass  # The peer gave up early; its answer (if any) says why.
-                    status, body = _read_response(reader)
+            status, body = _exchange_push(address, timeout, request, header, manifest, slab, sizes)
     _raise_for_status(address, action, status, body)
     return sizes.payload_bytes
+
+
+def _exchange_push(
+    address: _wire.PeerAddress,
+    timeout: float,
+    request: bytes,
+    header: bytes,
+    manifest: BinaryIO,
+    slab: BinaryIO,
+    sizes: _wire.PushHeader,
+) -> tuple[int, bytes]:
+    """The push's exchange: the request, "100 Continue" (or the refusal instead), the
+    body sent with sendfile, the answer. The final status and body."""
+    sock = _connect(address, timeout)
+    with sock, sock.makefile("rb") as reader:
+        sock.sendall(request)
+        status, body = _read_response(reader)
+        if status == 100:
+            try:
+                sock.sendall(_wire.pack_u32(len(header)) + header)
+                _send_file(sock, manifest, sizes.manifest_bytes)
+                _send_file(sock, slab, sizes.slab_bytes)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # The peer gave up early; its answer (if any) says why.
+            status, body = _read_response(reader)
+    return status, body
 
 
 def _send_file(sock: socket.socket, f: BinaryIO, size: int) -> None:

@@ -94,7 +94,6 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
     triples, treedef = _tree.flatten_with_keys(state)
     pairs = [(path, leaf) for path, _, leaf in triples]
     kinds = [_tree.kind_of(path, leaf) for path, leaf in pairs]  # validate before any copy
-
     multi_process = _multihost.process_count() > 1
     structure = (
         treedef,
@@ -102,102 +101,127 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
             _signature(k, leaf, multi_process) for (_, leaf), k in zip(pairs, kinds, strict=True)
         ),
     )
-    cached = _RECORDS.get(structure)  # the same tree as an earlier save: same records
-    known = cached[0] if cached else None
-    splits: dict[int, _replicas.Split] = dict(cached[1]) if cached else {}
-    records: list[_format.LeafRecord] = []
-    pending: list[tuple[int, jax.Array, tuple[int, ...], _chunking.Region | None]] = []
-    local: list[tuple[int, jax.Array]] = []  # process-local arrays, saved whole as one chunk
-    snap = Snapshot((), [], {}, 0.0)
+    taking = _Taking(_RECORDS.get(structure), multi_process, process_index)
     # (A typed key array has no weak type to keep.)
-    snap.weak_types = tuple(
+    taking.snap.weak_types = tuple(
         i
         for i, ((_, leaf), kind) in enumerate(zip(pairs, kinds, strict=True))
         if kind == _format.ARRAY and getattr(leaf, "weak_type", False) is True
     )
     for i, ((path, leaf), kind) in enumerate(zip(pairs, kinds, strict=True)):
+        taking.leaf(i, path, leaf, kind)
+    taking.copy_to_host(pinned_host)
+    snap = taking.finish(structure, [keys for _, keys, _ in triples])
+    snap.stall_s = time.perf_counter() - start
+    return snap
+
+
+class _Taking:
+    """One `take`: each leaf's record and shards to copy (`leaf`), the copies
+    (`copy_to_host`), the records kept for the next save of the same tree (`finish`)."""
+
+    def __init__(self, cached: Any, multi_process: bool, process_index: int):
+        self.cached = cached  # the same tree as an earlier save: same records
+        self.known = cached[0] if cached else None
+        self.splits: dict[int, _replicas.Split] = dict(cached[1]) if cached else {}
+        self.multi_process, self.process_index = multi_process, process_index
+        self.records: list[_format.LeafRecord] = []
+        self.pending: list[tuple[int, jax.Array, tuple[int, ...], _chunking.Region | None]] = []
+        self.local: list[tuple[int, jax.Array]] = []  # process-local arrays, one chunk each
+        self.snap = Snapshot((), [], {}, 0.0)
+
+    def leaf(self, i: int, path: str, leaf: Any, kind: str) -> None:
+        """Leaf `i`'s record, and its value held or its shards queued for the copy."""
+        known, snap = self.known, self.snap
         if kind == _format.ARRAY:
-            data = jax.random.key_data(leaf) if _tree.is_typed_key(leaf) else leaf
-            if multi_process and leaf.is_fully_addressable:
-                records.append(known[i] if known else _array_record(path, leaf, per_process=True))
-                snap.shardings[i] = _sharding.describe(leaf.sharding)
-                local.append((i, data))
-                continue
-            if known:
-                records.append(known[i])
-            else:
-                record = _array_record(path, leaf)
-                if multi_process:
-                    split = _split(record, data, i)
-                    if split.replicas > 1:
-                        splits[i] = split
-                        record = dataclasses.replace(
-                            record,
-                            chunk_shape=split.chunk_shape,
-                            replicas=split.replicas,
-                            cut=split.cut,
-                            slices=split.slices if split.cut is not None else None,
-                        )
-                records.append(record)
-            chunk_shape = records[-1].chunk_shape
-            assert chunk_shape is not None
-            if i in splits:  # shared with other replicas: this process's chunks only
-                pending.extend(
-                    (i, buf, index, cut)
-                    for buf, index, cut in _replicas.shares(
-                        data, records[-1], splits[i], process_index
-                    )
-                )
-                continue
-            for shard in data.addressable_shards:
-                if shard.replica_id == 0:
-                    index = _chunking.chunk_index_of(shard.index, data.shape, chunk_shape)
-                    pending.append((i, shard.data, index, None))
+            self._array(i, path, leaf)
         elif kind == _format.NUMPY:
-            records.append(known[i] if known else _numpy_record(path, leaf))
+            self.records.append(known[i] if known else _numpy_record(path, leaf))
             snap.shards.append(HostShard(i, (0,) * leaf.ndim, np.array(leaf, copy=True)))
         elif kind == _format.SCALAR:
             record = _tree.scalar_record(path, leaf)
             # The value lives in this process's part: the records stay the same everywhere.
             snap.scalars[i] = record.value
-            records.append(
+            self.records.append(
                 known[i] if known else dataclasses.replace(record, value=None, per_process=True)
             )
         else:
-            records.append(known[i] if known else _format.LeafRecord(path, kind))
+            self.records.append(known[i] if known else _format.LeafRecord(path, kind))
             snap.iterator_states[i] = _tree.encode_iterator_state(path, leaf.get_state())
 
-    # IMPORTANT: every device->host transfer starts before any is waited for.
-    local_bufs = [
-        [s.data for s in data.addressable_shards if s.replica_id == 0] for _, data in local
-    ]
-    bufs = [buf for _, buf, _, _ in pending] + [b for group in local_bufs for b in group]
-    cuts = [cut for _, _, _, cut in pending] + [None] * (len(bufs) - len(pending))
-    hosts, holds, snap.staging = _stage(bufs, pinned_host, cuts)
-    for (i, _, index, _), host, held in zip(pending, hosts, holds, strict=False):
-        snap.shards.append(HostShard(i, index, host, held))
-    done = len(pending)
-    for (i, data), group in zip(local, local_bufs, strict=True):
-        parts = list(zip(group, hosts[done : done + len(group)], strict=True))
-        done += len(group)
-        snap.shards.append(
-            HostShard(i, (0,) * data.ndim, _whole_on_host(data, parts), holds[done - 1])
-        )
-    if cached:
-        snap.leaves, _, snap.partners = cached
-    else:
-        snap.leaves = _format.with_array_keys(
-            tuple(
-                dataclasses.replace(r, keys=keys)
-                for r, (_, keys, _) in zip(records, triples, strict=True)
+    def _array(self, i: int, path: str, leaf: Any) -> None:
+        known, splits = self.known, self.splits
+        data = jax.random.key_data(leaf) if _tree.is_typed_key(leaf) else leaf
+        if self.multi_process and leaf.is_fully_addressable:
+            self.records.append(known[i] if known else _array_record(path, leaf, per_process=True))
+            self.snap.shardings[i] = _sharding.describe(leaf.sharding)
+            self.local.append((i, data))
+            return
+        if known:
+            self.records.append(known[i])
+        else:
+            record = _array_record(path, leaf)
+            if self.multi_process:
+                split = _split(record, data, i)
+                if split.replicas > 1:
+                    splits[i] = split
+                    record = dataclasses.replace(
+                        record,
+                        chunk_shape=split.chunk_shape,
+                        replicas=split.replicas,
+                        cut=split.cut,
+                        slices=split.slices if split.cut is not None else None,
+                    )
+            self.records.append(record)
+        chunk_shape = self.records[-1].chunk_shape
+        assert chunk_shape is not None
+        if i in splits:  # shared with other replicas: this process's chunks only
+            self.pending.extend(
+                (i, buf, index, cut)
+                for buf, index, cut in _replicas.shares(
+                    data, self.records[-1], splits[i], self.process_index
+                )
             )
+            return
+        for shard in data.addressable_shards:
+            if shard.replica_id == 0:
+                index = _chunking.chunk_index_of(shard.index, data.shape, chunk_shape)
+                self.pending.append((i, shard.data, index, None))
+
+    def copy_to_host(self, pinned_host: bool | None) -> None:
+        """The device->host copies of every queued shard."""
+        pending, local, snap = self.pending, self.local, self.snap
+        # IMPORTANT: every device->host transfer starts before any is waited for.
+        local_bufs = [
+            [s.data for s in data.addressable_shards if s.replica_id == 0] for _, data in local
+        ]
+        bufs = [buf for _, buf, _, _ in pending] + [b for group in local_bufs for b in group]
+        cuts = [cut for _, _, _, cut in pending] + [None] * (len(bufs) - len(pending))
+        hosts, holds, snap.staging = _stage(bufs, pinned_host, cuts)
+        for (i, _, index, _), host, held in zip(pending, hosts, holds, strict=False):
+            snap.shards.append(HostShard(i, index, host, held))
+        done = len(pending)
+        for (i, data), group in zip(local, local_bufs, strict=True):
+            parts = list(zip(group, hosts[done : done + len(group)], strict=True))
+            done += len(group)
+            snap.shards.append(
+                HostShard(i, (0,) * data.ndim, _whole_on_host(data, parts), holds[done - 1])
+            )
+
+    def finish(self, structure: Any, keys: list[Any]) -> Snapshot:
+        """The snapshot with its leaf records (and partners), cached for the same tree."""
+        snap = self.snap
+        if self.cached:
+            snap.leaves, _, snap.partners = self.cached
+            return snap
+        snap.leaves = _format.with_array_keys(
+            tuple(dataclasses.replace(r, keys=k) for r, k in zip(self.records, keys, strict=True))
         )
-        snap.partners = _replicas.partners_of(splits.values(), _multihost.process_count())
+        snap.partners = _replicas.partners_of(self.splits.values(), _multihost.process_count())
         if len(_RECORDS) >= 4:
             _RECORDS.pop(next(iter(_RECORDS), None), None)
-        _RECORDS[structure] = (snap.leaves, tuple(splits.items()), snap.partners)
-    snap.stall_s = time.perf_counter() - start
-    return snap
+        _RECORDS[structure] = (snap.leaves, tuple(self.splits.items()), snap.partners)
+        return snap
 
 
 # Leaf records of the last few tree structures, with the splits of their replicated
