@@ -72,7 +72,7 @@ def restore_after_losing(
 
     sim = _coordinator.Simulation(COUNT)
     results = sim.run(one)
-    assert sim.coordinator.data == {}
+    assert sim.left_over() == []
     return results
 
 

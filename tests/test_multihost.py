@@ -7,6 +7,7 @@ and recursive delete); the real one is exercised by tests/mp_agreement.py.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -65,43 +66,29 @@ class FakeStore:
                 del self.data[k]
 
 
-class PerThreadRounds:
-    """`_multihost._rounds` for threads playing processes: each keeps its own counters."""
+class Job:
+    """`job(count, fn)` calls `fn(process)` in `count` threads, each one a process of a
+    jax.distributed job whose key-value store is `store`; returns process -> (kind,
+    result or error, seconds)."""
 
-    def __init__(self) -> None:
-        self.local = threading.local()
+    def __init__(self, store: FakeStore, monkeypatch: pytest.MonkeyPatch):
+        self.store = store
+        self._monkeypatch = monkeypatch
+        self._members: dict[int, _multihost.Member] = {}  # a process keeps its rounds
 
-    def _rounds(self) -> dict[str, int]:
-        if not hasattr(self.local, "rounds"):
-            self.local.rounds = {}
-        return self.local.rounds
-
-    def get(self, tag: str, default: int) -> int:
-        return self._rounds().get(tag, default)
-
-    def __setitem__(self, tag: str, value: int) -> None:
-        self._rounds()[tag] = value
-
-
-@pytest.fixture
-def job(monkeypatch):
-    """(store, run): `run(count, fn)` calls `fn(process)` in `count` threads, each one a
-    process of a jax.distributed job whose key-value store is `store`."""
-    store = FakeStore()
-    me = threading.local()
-    monkeypatch.setattr(_multihost, "_rounds", PerThreadRounds())
-    monkeypatch.setattr(_multihost, "_client", lambda: store)
-    monkeypatch.setattr(_multihost, "process_index", lambda: me.index)
-
-    def run(count: int, fn: Callable[[int], Any], processes: list[int] | None = None) -> dict:
-        monkeypatch.setattr(_multihost, "process_count", lambda: count)
+    def __call__(
+        self, count: int, fn: Callable[[int], Any], processes: list[int] | None = None
+    ) -> dict:
+        self._monkeypatch.setattr(_multihost, "process_count", lambda: count)
         results: dict[int, Any] = {}
+        for p in range(count):
+            self._members.setdefault(p, _multihost.Member(self.store, p, count)).count = count
 
         def one(p: int) -> None:
-            me.index = p
             started = time.monotonic()
             try:
-                results[p] = ("ok", fn(p), time.monotonic() - started)
+                with _multihost.bound(self._members[p]):
+                    results[p] = ("ok", fn(p), time.monotonic() - started)
             except Exception as e:
                 results[p] = ("error", e, time.monotonic() - started)
 
@@ -113,7 +100,23 @@ def job(monkeypatch):
         assert not any(t.is_alive() for t in threads), "an exchange hung"
         return results
 
-    return store, run
+    def left(self) -> list[str]:
+        """The keys in the store that no later exchange would delete."""
+        return left_over(self.store.data, list(self._members.values()))
+
+
+@pytest.fixture
+def job(monkeypatch):
+    """(store, run): `run` is a `Job` over `store`."""
+    store = FakeStore()
+    return store, Job(store, monkeypatch)
+
+
+def left_over(data: dict[str, Any], members: list[_multihost.Member]) -> list[str]:
+    """The keys in `data` that no later exchange would delete: those of an exchange that
+    not every process is done with yet (each posts those it is done with next time)."""
+    done = set.intersection(*(set(m.retiring) for m in members)) if members else set()
+    return sorted(k for k in data if not any(k.startswith(f"{d}/") for d in done))
 
 
 def test_allgather_returns_every_value_in_process_order_and_leaves_no_keys(job):
@@ -121,11 +124,14 @@ def test_allgather_returns_every_value_in_process_order_and_leaves_no_keys(job):
     results = run(4, lambda p: [_multihost.allgather({"p": p}, tag="t", timeout_s=5)])
     for kind, value, _ in results.values():
         assert kind == "ok" and value == [[{"p": 0}, {"p": 1}, {"p": 2}, {"p": 3}]]
-    assert store.data == {}
+    # Its outcome alone stays, for the next exchange to delete: no value, no share.
+    assert run.left() == [] and all(k.startswith("jaxckpt/t/0/") for k in store.data)
+    assert not any("/v/" in k for k in store.data), sorted(store.data)
 
 
 def test_many_rounds_keep_the_store_empty(job):
-    """Every finished exchange deletes its keys: a long run does not grow the store."""
+    """Every finished exchange is deleted by the next one: a long run does not grow the
+    store beyond the last exchange's outcome."""
     store, run = job
 
     def many(p: int) -> list[int]:
@@ -133,7 +139,8 @@ def test_many_rounds_keep_the_store_empty(job):
 
     results = run(3, many)
     assert all(kind == "ok" and value == list(range(60)) for kind, value, _ in results.values())
-    assert store.data == {}, sorted(store.data)[:10]
+    assert {k.rsplit("/", 1)[0] for k in store.data} == {"jaxckpt/tag2/19"}, sorted(store.data)
+    assert run.left() == []
 
 
 def test_broadcast_gives_process_0s_value(job):
@@ -172,15 +179,34 @@ def test_a_late_process_fails_too_instead_of_going_on_alone(job):
     assert "processes [2] did not answer" in str(results[0][1])
 
 
-def test_giving_up_just_after_the_last_arrival_waits_for_its_outcome():
+def test_giving_up_after_the_decider_claimed_the_outcome_waits_for_it():
+    """The decider claims the outcome once it has every value, before it combines them
+    (its combine may write the step's index): a process whose deadline passes then gets
+    that outcome, not a timeout of its own; before the claim, giving up wins."""
     store = FakeStore()
-    store.key_value_increment("k/n", 3)  # all three arrived; the last one is deciding
+    store.key_value_set("k/c", "0")  # the decider has every value and is combining them
     store.key_value_set("k/all", "ok:[1,2,3]")
-    assert _multihost._give_up(store, "k", 0, 3, time.monotonic) == "ok:[1,2,3]"
+    assert _multihost._give_up(store, "k", 1, 3, 1.0, time.monotonic) == "ok:[1,2,3]"
     store2 = FakeStore()
-    store2.key_value_increment("k/n", 2)  # one missing: giving up wins
-    assert "gave_up" in _multihost._give_up(store2, "k", 0, 3, time.monotonic)
-    assert store2.data["k/all"] == '{"gave_up": 0}'
+    store2.key_value_set("k/v/0", "")
+    store2.key_value_set("k/v/1", "")  # process 2 never came: giving up wins
+    verdict = _multihost._give_up(store2, "k", 1, 3, 1.0, time.monotonic)
+    assert json.loads(verdict) == {"gave_up": 1, "missing": [2]}
+    assert store2.data["k/all"] == verdict and store2.data["k/c"] == "1"
+
+
+def test_a_combine_that_takes_longer_than_the_timeout_still_decides_everywhere(job):
+    """The decider's combine (an index written to a slow bucket) outlasts the others'
+    deadlines: they wait for its outcome (at most another timeout) instead of giving up."""
+    _, run = job
+
+    def slow(texts: dict[int, str]) -> list[str]:
+        time.sleep(1.5)
+        return sorted(texts.values())
+
+    results = run(3, lambda p: _multihost.converge(str(p), slow, tag="t", timeout_s=1.0))
+    for kind, value, _ in results.values():
+        assert kind == "ok" and value == ["0", "1", "2"], value
 
 
 def test_a_failed_coordinator_is_not_reported_as_a_missing_process(job):
@@ -197,23 +223,35 @@ def test_a_value_that_cannot_be_sent_fails_before_taking_part(job):
     results = run(2, lambda p: _multihost.allgather(object(), tag="t", timeout_s=1), [0])
     kind, error, _ = results[0]
     assert kind == "error" and isinstance(error, TypeError)
-    assert store.data == {}
+    assert store.data == {}  # nothing posted
 
 
 def test_no_process_reads_the_others_values(job):
-    """Only the last arrival reads the posted values (once); the others read one outcome."""
+    """Only the decider (process 0) reads the posted values; the others read one outcome,
+    with two calls each: their value posted, the outcome read."""
     store, run = job
-    reads: list[str] = []
-    dir_get = store.key_value_dir_get
+    calls: list[tuple[int, str, str]] = []
 
-    def counting(key: str) -> list[tuple[str, str]]:
-        reads.append(key)
-        return dir_get(key)
+    def counting(name: str) -> Callable[..., Any]:
+        method = getattr(store, name)
 
-    store.key_value_dir_get = counting  # type: ignore[method-assign]
+        def call(key: str, *args: Any) -> Any:
+            calls.append((_multihost.process_index(), name, key))
+            return method(key, *args)
+
+        return call
+
+    for name in ("key_value_set", "key_value_dir_get", "blocking_key_value_get"):
+        setattr(store, name, counting(name))
     results = run(6, lambda p: _multihost.allgather(p, tag="t", timeout_s=5))
     assert all(value == list(range(6)) for _, value, _ in results.values())
-    assert len(reads) == 1 and reads[0].endswith("/v"), reads
+    reads = [(p, key) for p, name, key in calls if name == "key_value_dir_get"]
+    assert reads and all(p == 0 and key.endswith("/v") for p, key in reads), reads
+    for p in range(1, 6):
+        assert [(n, k) for q, n, k in calls if q == p] == [
+            ("key_value_set", f"jaxckpt/t/0/v/{p}"),
+            ("blocking_key_value_get", "jaxckpt/t/0/all"),
+        ]
 
 
 def test_a_failing_combine_raises_on_every_process(job):
@@ -229,26 +267,27 @@ def test_a_failing_combine_raises_on_every_process(job):
         assert _multihost.is_agreed(error)
 
 
-def test_an_exchange_retired_later_is_deleted_by_the_next_one(job):
-    """A restore's inventory skips counting itself out; its verdict's decider deletes it."""
+def test_an_exchange_is_deleted_by_the_next_one_without_a_call_of_its_own(job):
+    """No process counts itself out of an exchange: the next exchange's decider deletes
+    the inventory's keys (every process posted that it is done with them)."""
     store, run = job
-    counted: list[str] = []
-    increment = store.key_value_increment
+    deleted: list[str] = []
+    delete = store.key_value_delete
 
-    def recording(key: str, by: int) -> int:
-        counted.append(key)
-        return increment(key, by)
+    def recording(key: str) -> None:
+        deleted.append(key)
+        delete(key)
 
-    store.key_value_increment = recording  # type: ignore[method-assign]
+    store.key_value_delete = recording  # type: ignore[method-assign]
 
     def restore(p: int) -> list[Any]:
-        held = _multihost.allgather({"held": [p]}, tag="inv", timeout_s=5, retire_later=True)
+        held = _multihost.allgather({"held": [p]}, tag="inv", timeout_s=5)
         _multihost.allgather(None, tag="verdict", timeout_s=5)
         return held
 
     results = run(4, restore)
     for kind, held, _ in results.values():
         assert kind == "ok" and held == [{"held": [p]} for p in range(4)]
-    assert "jaxckpt/inv/0/done" not in counted, counted
-    assert "jaxckpt/verdict/0/done" in counted
-    assert store.data == {}, sorted(store.data)
+    assert "jaxckpt/inv/0" in deleted, deleted
+    assert not any(k.startswith("jaxckpt/inv/") for k in store.data), sorted(store.data)
+    assert run.left() == []

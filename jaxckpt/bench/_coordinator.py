@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-from jaxckpt.coord import _multihost
+from jaxckpt.coord import _multihost, _published
 
 LATENCY_S: Final = 50e-6  # the coordinator's time per call
 BANDWIDTH: Final = 1e9  # bytes per second through the coordinator
@@ -93,6 +93,7 @@ class _Process:
         self.reply: tuple[bool, Any] = (True, None)
         self.result: tuple[bool, Any] | None = None
         self.calls: list[tuple[str, bool, Any]] = []  # (method, ok, result): for replays
+        self.member: _multihost.Member | None = None  # once it runs
 
 
 class Simulation:
@@ -149,6 +150,19 @@ class Simulation:
             raise RuntimeError(f"Simulated processes {stuck[:10]} never finished (a lost wake-up).")
         return [p.result for p in self.processes if p.result is not None]
 
+    def left_over(self) -> list[str]:
+        """The keys in the store that no later exchange would delete: every exchange's but
+        those every process is done with (the next exchange's decider deletes them; see
+        `_multihost`), and the values published for the run."""
+        retiring = [set(p.member.retiring) if p.member else set() for p in self.processes]
+        done = set.intersection(*retiring) if retiring else set()
+        return sorted(
+            k
+            for k in self.coordinator.data
+            if not k.startswith(f"{_published.PUBLISHED}/")
+            and not any(k.startswith(f"{d}/") for d in done)
+        )
+
     def _at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action))
 
@@ -165,6 +179,7 @@ class Simulation:
         member = _multihost.Member(
             SimulatedClient(self, proc), proc.index, self.count, clock=lambda: self.clock(proc)
         )
+        proc.member = member
         try:
             with _multihost.bound(member):
                 proc.result = (True, fn(proc.index))

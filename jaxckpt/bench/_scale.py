@@ -37,7 +37,7 @@ from typing import Any, Final
 from jaxckpt import _resources
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
-from jaxckpt.coord import _agreement, _multihost, _placement, _plan, _published
+from jaxckpt.coord import _agreement, _multihost, _placement, _plan
 from jaxckpt.format import _format
 from jaxckpt.peer._peers import Addresses, Peers
 from jaxckpt.peer._wire import PeerAddress
@@ -219,8 +219,9 @@ def measure(
     if failed:
         p, r = failed[0]
         raise RuntimeError(f"{op} with {count} processes failed on {len(failed)}, first {p}: {r}")
-    # What the set-up publishes (every process's address) stays for the run, by design.
-    left = [k for k in sim.coordinator.data if not k.startswith(f"{_published.PUBLISHED}/")]
+    # What the set-up publishes (every process's address) stays for the run, by design;
+    # the last exchange's outcome stays until the next exchange deletes it.
+    left = sim.left_over()
     if left:
         raise RuntimeError(f"{op} left {len(left)} keys in the coordinator, such as {left[0]}.")
     # Per-process CPU and memory: the busiest process (the one that combined the values)

@@ -11,28 +11,39 @@ data service).
 
 No process reads every other process's value: that would move O(N^2) bytes
 through the one coordinator per exchange (~1 GB at 4,096 processes). Instead
-the last process to arrive reads the values once, *combines* them into one
-outcome (a verdict, a digest comparison, a table) and publishes it; every
-process reads only that outcome. One exchange `<prefix>/<tag>/<round>`:
+one process, the *decider* (process 0, whose process hosts the coordinator),
+reads the values once, *combines* them into one outcome (a verdict, a digest
+comparison, a table) and publishes it; every process reads only that outcome.
+One exchange `<prefix>/<tag>/<round>`:
 
-    v/<p>    process p's value (text, often empty)
-    n        arrivals; a process that gives up adds `_GAVE_UP` to it
+    v/<p>    process p's value (text, often empty); deleted by the decider once read
+    c        the claim: who decides the outcome, set once (refusing to overwrite)
+             by the decider when it has every value, or by a process that gave up
     all      the outcome: "ok:" and the combined value (compressed when long),
-             or {"failed": why} or {"gave_up": p}; set by the last arrival or by
-             the one who gave up
+             or {"failed": why} or {"gave_up": p, "missing": [...]}; set by
+             whoever holds the claim
     to/<p>   with `converge_each`: what the decider tells process p alone (set
              before `all`), so that N different answers cost O(N) bytes, not N^2
-    done     processes finished with the exchange; the last one deletes it all
-             (or, for an exchange every process follows with another, that
-             one's decider: `converge(retire_later=True)`)
 
-A process makes four calls (set, increment, blocking get, increment); the
-last arrival two or three more (one directory read, a set, the delete).
+A process makes two calls (set its value, blocking get of the outcome; one
+more with `converge_each`). Every call occupies the one coordinator, so calls
+a process are what an exchange costs at scale: 50 us a call is 0.2 s for one
+call of each of 4,096 processes. The decider waits for the values with a few
+calls of its own: it reads all values posted so far (one directory get),
+waits for the lowest process still missing (one blocking get), and again
+until it has them all.
 
-The atomic counter `n` decides between "everyone arrived" and "someone gave up"
-in one order seen by all: a process whose deadline passes adds `_GAVE_UP` and
-learns from the sum whether every other process had arrived just before (then
-the last arrival is deciding, and it waits for that outcome a little longer).
+No process counts itself out of an exchange (a call each): each posts, with
+its next value in any exchange, the exchanges it is done with, and the next
+decider deletes those every process is done with (one delete each). So the
+store holds at most the last exchange's outcome (a few bytes) for a run,
+besides the exchanges in progress.
+
+The claim `c` decides between "every value is there" and "someone gave up"
+in one order seen by all: a process whose deadline passes claims it and
+publishes who was missing; one that finds it claimed by the decider waits
+for the decider's outcome, so an outcome the decider started (and the index
+it may write) stands on every process.
 """
 
 from __future__ import annotations
@@ -54,8 +65,8 @@ from absl import logging as log
 from jaxckpt import _internals
 
 _PREFIX: Final = "jaxckpt"
-_GAVE_UP: Final = 1 << 20  # added to `n` by a process that stops waiting (more than any count)
-_GRACE_S: Final = 5.0  # how long past its deadline a process waits for an outcome being decided
+_GRACE_S: Final = 5.0  # how long a process waits for a value it knows is set or being set
+DECIDER: Final = 0  # the process that reads every value and decides (see the module docstring)
 _OK: Final = "ok:"  # prefix of a combined outcome (a failure is a JSON object)
 _PACKED: Final = "z:"  # prefix of a compressed one (JSON never starts with "z")
 _PACK_FROM: Final = 256  # outcomes from this many characters on are compressed
@@ -157,25 +168,19 @@ def wait_for(
     return _get(client, key, deadline, clock)
 
 
-def converge(
-    text: str, combine: Combine, *, tag: str, timeout_s: float, retire_later: bool = False
-) -> Any:
+def converge(text: str, combine: Combine, *, tag: str, timeout_s: float) -> Any:
     """Every process posts `text`; one of them combines all texts; all get the result.
 
     `combine(texts)` gets every process's text by process index and returns a
-    JSON-serializable outcome. It runs on one process only (the last to arrive),
+    JSON-serializable outcome. It runs on one process only (the decider),
     so it must depend on nothing but its argument and what every process
     shares; if it raises, every process raises a RuntimeError saying so.
 
     All processes must call this in the same order for the same `tag`; calls
     with different tags may interleave differently on each process.
 
-    With `retire_later`, a process that got the outcome does not count itself
-    out (one call fewer, on the critical path of what follows): the exchange
-    is deleted by the first later exchange that every process enters after
-    this one (each posts the exchanges it is done with). For an exchange that
-    every process always follows with another, such as a restore's inventory
-    with its verdict.
+    Two calls a process (see the module docstring); the exchange's keys are
+    deleted by a later exchange's decider, once every process is done with it.
 
     Raises:
       TimeoutError: on every process that takes part, if some process did not
@@ -187,17 +192,7 @@ def converge(
         return json.loads(json.dumps(combine({0: text})))  # the same types as through the store
     client, me, count, clock = _session()
     key = next_key(tag)
-    return exchange(
-        client,
-        me,
-        count,
-        key,
-        text,
-        combine,
-        timeout_s=timeout_s,
-        clock=clock,
-        retire_later=retire_later,
-    )
+    return exchange(client, me, count, key, text, combine, timeout_s=timeout_s, clock=clock)
 
 
 def converge_each(text: str, combine: Combine, *, tag: str, timeout_s: float) -> tuple[Any, Any]:
@@ -222,7 +217,7 @@ def converge_each(text: str, combine: Combine, *, tag: str, timeout_s: float) ->
     )
 
 
-def allgather(value: Any, *, tag: str, timeout_s: float, retire_later: bool = False) -> list[Any]:
+def allgather(value: Any, *, tag: str, timeout_s: float) -> list[Any]:
     """Every process's JSON-serializable `value`, in process order.
 
     Moves O(N^2) bytes through the coordinator (every process reads every
@@ -240,7 +235,6 @@ def allgather(value: Any, *, tag: str, timeout_s: float, retire_later: bool = Fa
         lambda texts: [json.loads(texts[p]) for p in range(count)],
         tag=tag,
         timeout_s=timeout_s,
-        retire_later=retire_later,
     )
 
 
@@ -286,7 +280,6 @@ def exchange(
     *,
     timeout_s: float,
     clock: Callable[[], float] = time.monotonic,
-    retire_later: bool = False,
     each: bool = False,
 ) -> Any:
     """One round of `converge` (`converge_each` with `each`) through `client` under `key`
@@ -299,49 +292,38 @@ def exchange(
     """
     deadline = clock() + timeout_s
     what = key.removeprefix(f"{_PREFIX}/")
-    finished = False
-    outcome: str | None = None
     share: str | None = None
     retiring = _retiring_list()
     with _lock:
         done_with = list(retiring)
     posted_text = f"{_RETIRING}{json.dumps(done_with)}\n{text}" if done_with else text
     try:
-        try:
-            client.key_value_set(f"{key}/v/{me}", posted_text)
-            arrived = client.key_value_increment(f"{key}/n", 1)
-            if arrived == count:  # the last to arrive decides, and tells the others
-                outcome = _decide(client, key, combine, each)
-            elif arrived > count:  # somebody gave up before this process arrived
-                outcome = _get(client, f"{key}/all", max(deadline, clock() + _GRACE_S), clock)
-            else:
-                outcome = _get(client, f"{key}/all", deadline, clock) or _give_up(
-                    client, key, me, count, clock
-                )
-            ok = outcome is not None and outcome.startswith(_OK)
-            if ok and each:  # set before the outcome: there already
-                share = _get(client, f"{key}/to/{me}", max(deadline, clock() + _GRACE_S), clock)
-            decided = {} if ok else _failure(outcome)
-            posted = _posted(client, key) if not ok and "failed" not in decided else set()
-            finished = True
-            if ok and retire_later:
-                with _lock:
-                    retiring.append(key)
-            else:
-                _finish(client, key, count, me)
-        except Exception as e:  # the runtime raises its own error types
-            raise mark_agreed(
-                ConnectionError(
-                    f"[process {me}] The exchange '{what}' through the jax.distributed "
-                    f"coordination service failed: {e}. Is the coordinator (process 0) still "
-                    "running?"
-                )
-            ) from e
+        client.key_value_set(f"{key}/v/{me}", posted_text)
+        if me == DECIDER:
+            outcome = _decide(client, key, count, combine, each, deadline, clock)
+        else:
+            outcome = _get(client, f"{key}/all", deadline, clock) or _give_up(
+                client, key, me, count, timeout_s, clock
+            )
+        ok = outcome.startswith(_OK)
+        if ok and each:  # set before the outcome: there already
+            share = _get(client, f"{key}/to/{me}", clock() + _GRACE_S, clock)
+    except Exception as e:  # the runtime raises its own error types
+        raise mark_agreed(
+            ConnectionError(
+                f"[process {me}] The exchange '{what}' through the jax.distributed "
+                f"coordination service failed: {e}. Is the coordinator (process 0) still "
+                "running?"
+            )
+        ) from e
     finally:
-        if not finished:
-            _finish(client, key, count, me)
+        # IMPORTANT: done with the exchange (its outcome read, or never to be): the first
+        # later exchange whose every process says so deletes it (no call of its own).
+        with _lock:
+            if key not in retiring:
+                retiring.append(key)
     # Decoded only now, out of the exchange: a big outcome is held no longer than needed.
-    if ok and outcome is not None:
+    if ok:
         body = outcome[len(_OK) :]
         if body.startswith(_RETIRING):  # exchanges deleted by this one's decider
             line, body = body[len(_RETIRING) :].split("\n", 1)
@@ -351,6 +333,7 @@ def exchange(
         if each:
             return _unpack(body), _unpack(share) if share else None
         return _unpack(body)
+    decided = _failure(outcome)
     if "failed" in decided:
         raise mark_agreed(
             RuntimeError(
@@ -358,13 +341,33 @@ def exchange(
                 f"values: {decided['failed']}"
             )
         )
-    raise mark_agreed(_timeout(me, what, timeout_s, count, posted, decided.get("gave_up")))
+    missing = [int(p) for p in decided.get("missing") or []]
+    raise mark_agreed(_timeout(me, what, timeout_s, count, missing, decided.get("gave_up")))
 
 
-def _decide(client: KeyValueClient, key: str, combine: Combine, each: bool = False) -> str:
-    """Reads every value once, combines them and publishes the outcome (the last arrival);
-    with `each`, every process's own share first (see `converge_each`)."""
-    texts = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{key}/v")}
+def _decide(
+    client: KeyValueClient,
+    key: str,
+    count: int,
+    combine: Combine,
+    each: bool,
+    deadline: float,
+    clock: Callable[[], float],
+) -> str:
+    """The decider's part: waits for every value (until `deadline`), claims the outcome,
+    combines the values and publishes it; with `each`, every process's own share first
+    (see `converge_each`). Returns the outcome, or the one a process that gave up first
+    published."""
+    texts = _gather(client, key, count, deadline, clock)
+    # IMPORTANT: claimed before `combine` runs (it may write the step's index): once the
+    # decider holds the claim, no process can give up, so its outcome is every process's.
+    if not _claim(client, key, DECIDER, clock):
+        return _outcome_of_claim(client, key, clock() + _GRACE_S, clock)
+    if len(texts) < count:
+        missing = sorted(set(range(count)) - _posted(client, key))
+        outcome = json.dumps({"gave_up": DECIDER, "missing": missing})
+        client.key_value_set(f"{key}/all", outcome)
+        return outcome
     # Exchanges every process is done with (it posted so), deleted now.
     done_with: list[set[str]] = []
     for p, t in texts.items():
@@ -375,7 +378,7 @@ def _decide(client: KeyValueClient, key: str, combine: Combine, each: bool = Fal
             done_with.append(set())
     retired = sorted(set.intersection(*done_with)) if done_with else []
     for old in retired:
-        client.key_value_delete(old)
+        _delete(client, old)
     prefix = f"{_RETIRING}{json.dumps(retired)}\n" if retired else ""
     try:
         combined = combine(texts)
@@ -389,7 +392,54 @@ def _decide(client: KeyValueClient, key: str, combine: Combine, each: bool = Fal
     except Exception as e:  # every process raises it (see `exchange`)
         outcome = json.dumps({"failed": f"{type(e).__name__}: {e}"})
     client.key_value_set(f"{key}/all", outcome)
+    # Every value was read, by the decider alone: gone now (the outcome stays until a later
+    # exchange retires it: a few bytes, not N values).
+    _delete(client, f"{key}/v")
     return outcome
+
+
+def _delete(client: KeyValueClient, key: str) -> None:
+    """Deletes `key` and everything under it (cleanup: a failure is only logged, and the
+    exchange's outcome stands)."""
+    try:
+        client.key_value_delete(key)
+    except Exception as e:  # the runtime raises its own error types
+        log.warning("jaxckpt: could not clean up %s in the coordinator's store: %s", key, e)
+
+
+def _gather(
+    client: KeyValueClient, key: str, count: int, deadline: float, clock: Callable[[], float]
+) -> dict[int, str]:
+    """Every value posted under `key` once all `count` are there, or those posted by the
+    deadline: reads all posted values, then waits for the lowest process still missing,
+    and again (a few rounds: each read finds every value posted meanwhile)."""
+    while True:
+        texts = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{key}/v")}
+        if len(texts) >= count:
+            return texts
+        first = next(p for p in range(count) if p not in texts)
+        if _get(client, f"{key}/v/{first}", deadline, clock) is None:
+            return texts
+
+
+def _claim(client: KeyValueClient, key: str, me: int, clock: Callable[[], float]) -> bool:
+    """Whether this process decides the outcome: the first to set `c` (the decider once it
+    has every value, or a process that gave up), in one order seen by all."""
+    try:
+        client.key_value_set(f"{key}/c", str(me))
+        return True
+    except Exception:
+        holder = _get(client, f"{key}/c", clock() + _GRACE_S, clock)
+        if holder is None:  # not a refusal to overwrite: the service failed
+            raise
+        return holder == str(me)
+
+
+def _outcome_of_claim(
+    client: KeyValueClient, key: str, deadline: float, clock: Callable[[], float]
+) -> str:
+    """The outcome published by whoever holds the claim (bounded by `deadline`)."""
+    return _get(client, f"{key}/all", deadline, clock) or json.dumps({"gave_up": None})
 
 
 def _pack(text: str) -> str:
@@ -427,17 +477,21 @@ def _get(
 
 
 def _give_up(
-    client: KeyValueClient, key: str, me: int, count: int, clock: Callable[[], float]
-) -> str | None:
-    """Stops waiting: the outcome if every process arrived just in time (the last one is
-    deciding it), else tells the others who gave up."""
-    total = client.key_value_increment(f"{key}/n", _GAVE_UP)
-    if total == _GAVE_UP + count:
-        return _get(client, f"{key}/all", clock() + _GRACE_S, clock)
-    verdict = json.dumps({"gave_up": me})
-    # Wakes the processes still waiting; fails if another one gave up first and told them.
-    with contextlib.suppress(Exception):
-        client.key_value_set(f"{key}/all", verdict)
+    client: KeyValueClient,
+    key: str,
+    me: int,
+    count: int,
+    timeout_s: float,
+    clock: Callable[[], float],
+) -> str:
+    """Stops waiting: tells every process who gave up and who never posted, unless the
+    decider claimed the outcome first (it has every value): then its outcome, waited for
+    at most another `timeout_s` (its `combine` may write the step's index)."""
+    if not _claim(client, key, me, clock):
+        return _outcome_of_claim(client, key, clock() + timeout_s, clock)
+    missing = sorted(set(range(count)) - _posted(client, key))
+    verdict = json.dumps({"gave_up": me, "missing": missing})
+    client.key_value_set(f"{key}/all", verdict)  # wakes the processes still waiting
     return verdict
 
 
@@ -446,9 +500,8 @@ def _posted(client: KeyValueClient, key: str) -> set[int]:
 
 
 def _timeout(
-    me: int, what: str, timeout_s: float, count: int, posted: set[int], by: int | None
+    me: int, what: str, timeout_s: float, count: int, missing: list[int], by: int | None
 ) -> TimeoutError:
-    missing = sorted(set(range(count)) - posted)
     who = "this process" if by == me else f"process {by}" if by is not None else "a process"
     if missing:
         shown = missing if len(missing) <= 16 else f"{missing[:16]} and {len(missing) - 16} more"
@@ -462,12 +515,3 @@ def _timeout(
         f"[process {me}] The exchange '{what}' between {count} processes failed: {why}. Every "
         "process that took part raises this; raise TierOptions.timeout_s if they are just slow."
     )
-
-
-def _finish(client: KeyValueClient, key: str, count: int, me: int) -> None:
-    """Counts this process out of the exchange; the last one out deletes its keys."""
-    try:
-        if client.key_value_increment(f"{key}/done", 1) == count:
-            client.key_value_delete(key)
-    except Exception as e:  # cleanup only: the exchange's outcome stands
-        log.warning("jaxckpt: [process %d] could not clean up exchange %s: %s", me, key, e)

@@ -390,10 +390,8 @@ class Peers:
         """
         me = _multihost.process_index()
         wire = {str(step): sorted(o - me for o in owners) for step, owners in local.items()}
-        # IMPORTANT: every process follows this exchange with another (the restore's or
-        # the listing's verdict), whose decider deletes it: one call fewer before planning.
         everyone = _multihost.allgather(
-            wire, tag=f"inventory/{self.run_id}", timeout_s=self._timeout_s, retire_later=True
+            wire, tag=f"inventory/{self.run_id}", timeout_s=self._timeout_s
         )
         return {
             p: {int(s): {p + o for o in offsets} for s, offsets in inv.items()}
