@@ -52,6 +52,32 @@ def test_restore_after_a_node_loss_and_setup_plan_everywhere():
     assert sim.left_over() == []
 
 
+def test_a_restore_after_a_node_loss_costs_four_calls_a_process():
+    """The inventories and the verdict: each process posts and reads once in each; only
+    the decider (process 0) makes more calls (its reads of the values, claims, deletes)."""
+    row = _scale.measure(64, "restore")
+    assert row["process_rpcs"] == 4, row
+    assert row["rpcs"] <= 4 * 64 + 16, row
+
+
+def test_the_decider_waits_for_processes_arriving_over_time():
+    """Processes arrive spread over 50 ms (virtual): the decider reads what is there,
+    waits for the lowest one missing, and again; the others still make two calls each."""
+
+    def late(p: int) -> list:
+        _multihost_sleep(((p * 37) % 50) / 1000)
+        return _multihost.allgather(p, tag="t", timeout_s=TIMEOUT_S)
+
+    sim, results = simulate(40, late)
+    assert all(ok and value == list(range(40)) for ok, value in results), results[:2]
+    for proc in sim.processes[1:]:
+        calls = [method for method, ok, _ in proc.calls if ok]  # not the sleep
+        assert calls == ["set", "blocking_get"], (proc.index, calls)
+    decider = [method for method, _, _ in sim.processes[0].calls]
+    assert decider.count("dir_get") > 1, decider  # it waited in rounds
+    assert sim.left_over() == []
+
+
 def test_one_failing_process_makes_every_process_raise_its_error():
     def one(p: int) -> None:
         error = FileNotFoundError(f"[process {p}] no copy of part 3") if p == 11 else None

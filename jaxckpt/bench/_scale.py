@@ -241,6 +241,9 @@ def measure(
         "peak_rss_bytes": peak,
         "max_process_bytes": max(proc.counts.bytes for proc in sim.processes),
         "max_process_rpcs": max(proc.counts.calls for proc in sim.processes),
+        "process_rpcs": sorted(proc.counts.calls for proc in sim.processes)[count // 2],
+        "queue_calls_s": round(sim.coordinator.total.calls * latency_s, 6),
+        "queue_bytes_s": round(sim.coordinator.total.bytes / bandwidth, 6),
         **({"planned_s": round(max(planned.values()), 6)} if planned else {}),
     }
 
@@ -326,6 +329,23 @@ def growth_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def where_time_goes(rows: list[dict[str, Any]]) -> str:
+    """Where each operation's modeled time goes: the coordinator's queue (its calls, then
+    its bytes), and for a restore when every process had its plan."""
+    lines = ["where the modeled time goes (the coordinator's queue; calls never overlap):"]
+    for r in rows:
+        n = r["processes"]
+        line = (
+            f"  {r['op']} at {n}: {r['rpcs']} calls ({r['process_rpcs']} a process, "
+            f"{r['max_process_rpcs']} the busiest) = {r['queue_calls_s'] * 1000:.0f} ms, "
+            f"{_bytes(r['coordinator_bytes'])} = {r['queue_bytes_s'] * 1000:.0f} ms"
+        )
+        if "planned_s" in r:
+            line += f"; every process planned by {r['planned_s'] * 1000:.0f} ms"
+        lines.append(line + f"; modeled {r['modeled_s'] * 1000:.0f} ms")
+    return "\n".join(lines)
+
+
 def _bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -369,6 +389,8 @@ def main(argv: Sequence[str]) -> int:
     print(table(rows))
     print()
     print(growth_table(rows))
+    print()
+    print(where_time_goes(rows))
     print(
         f"\nsimulated in {time.monotonic() - started:.0f} s; coordinator: "
         f"{args.latency_us:g} us a call, {args.bandwidth_gbps:g} GB/s",

@@ -15,8 +15,8 @@ process). Only when the digests differ are the leaves themselves exchanged,
 to name the leaves that differ and the processes that saved them.
 
 No process reads the others' verdicts or digests: each posts its own (nothing
-but the digest when it did not fail), the last to arrive compares them and
-publishes one small outcome (the first failure, or which processes differ),
+but the digest when it did not fail), the decider (`_multihost`) compares them
+and publishes one small outcome (the first failure, or which processes differ),
 so a save moves O(N) bytes through the coordinator, a few hundred a process.
 
 A save's agreement also writes the step's index: each process posts its part's

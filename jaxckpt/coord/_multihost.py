@@ -230,12 +230,15 @@ def allgather(value: Any, *, tag: str, timeout_s: float) -> list[Any]:
     if count == 1:
         return [value]
     text = json.dumps(value)  # a value that cannot be sent fails here, before taking part
-    return converge(
-        text,
-        lambda texts: [json.loads(texts[p]) for p in range(count)],
-        tag=tag,
-        timeout_s=timeout_s,
-    )
+
+    def table(texts: dict[int, str]) -> list[Any]:
+        parsed: dict[str, Any] = {}  # many processes post the same text: parsed once
+        return [
+            parsed[t] if t in parsed else parsed.setdefault(t, json.loads(t))
+            for t in (texts[p] for p in range(count))
+        ]
+
+    return converge(text, table, tag=tag, timeout_s=timeout_s)
 
 
 def broadcast(value: Any, *, tag: str, timeout_s: float) -> Any:
@@ -368,15 +371,7 @@ def _decide(
         outcome = json.dumps({"gave_up": DECIDER, "missing": missing})
         client.key_value_set(f"{key}/all", outcome)
         return outcome
-    # Exchanges every process is done with (it posted so), deleted now.
-    done_with: list[set[str]] = []
-    for p, t in texts.items():
-        if t.startswith(_RETIRING):
-            line, texts[p] = t[len(_RETIRING) :].split("\n", 1)
-            done_with.append(set(json.loads(line)))
-        else:
-            done_with.append(set())
-    retired = sorted(set.intersection(*done_with)) if done_with else []
+    retired = _retired(texts)
     for old in retired:
         _delete(client, old)
     prefix = f"{_RETIRING}{json.dumps(retired)}\n" if retired else ""
@@ -396,6 +391,23 @@ def _decide(
     # exchange retires it: a few bytes, not N values).
     _delete(client, f"{key}/v")
     return outcome
+
+
+def _retired(texts: dict[int, str]) -> list[str]:
+    """The exchanges every process is done with (each posted so before its value), to be
+    deleted now; takes those lists off `texts`. Most processes post the same list: each
+    distinct one is parsed once (the decider's CPU is on every exchange's critical path)."""
+    lines: set[str] = set()
+    unlisted = False
+    for p, t in texts.items():
+        if t.startswith(_RETIRING):
+            line, texts[p] = t[len(_RETIRING) :].split("\n", 1)
+            lines.add(line)
+        else:
+            unlisted = True
+    if unlisted or not lines:
+        return []
+    return sorted(set.intersection(*(set(json.loads(line)) for line in lines)))
 
 
 def _delete(client: KeyValueClient, key: str) -> None:
