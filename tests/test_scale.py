@@ -60,6 +60,18 @@ def test_a_restore_after_a_node_loss_costs_four_calls_a_process():
     assert row["rpcs"] <= 4 * 64 + 16, row
 
 
+def test_a_restore_at_many_processes_plans_on_a_sample_and_charges_the_rest(monkeypatch):
+    """Beyond `EVERY_PROCESS_PLANS` only a sample plans for real (the lost process and its
+    holder among them); the others are charged one plan's CPU and still take part."""
+    monkeypatch.setattr(_scale, "EVERY_PROCESS_PLANS", 16)
+    monkeypatch.setattr(_scale, "SAMPLED_PLANNERS", 8)
+    restore = _scale.Restore(64)
+    assert {0, 63, restore.lost, *restore.holders[restore.lost]} <= restore.planners
+    assert len(restore.planners) < 64 and restore.plan_cpu_s > 0
+    row = _scale.measure(64, "restore")  # raises if a planner failed or keys were left
+    assert row["process_rpcs"] == 4 and row["planned_s"] >= restore.plan_cpu_s, row
+
+
 def test_the_decider_waits_for_processes_arriving_over_time():
     """Processes arrive spread over 50 ms (virtual): the decider reads what is there,
     waits for the lowest one missing, and again; the others still make two calls each."""

@@ -192,6 +192,12 @@ class Simulation:
         """`proc`'s virtual time now: its last reply plus the CPU its code used since."""
         return proc.clock + (time.thread_time() - proc.cpu_mark)
 
+    def charge(self, proc: _Process, seconds: float) -> None:
+        """Advances `proc`'s virtual time by `seconds` of CPU its code did not spend here
+        (work measured once elsewhere: see `_scale.Restore`)."""
+        proc.clock += seconds
+        proc.cpu_s += seconds
+
     def _spend(self, proc: _Process) -> None:
         used = time.thread_time() - proc.cpu_mark
         proc.cpu_s += used
