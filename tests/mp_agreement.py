@@ -126,7 +126,8 @@ def scenario_agreement(args: dict) -> dict:
     multihost_utils.sync_global_devices("after-corruption")
     out["restore_corrupt_for_1"] = attempt(lambda: restore(4, target(m)))
 
-    # Many more saves and restores: the store holds nothing of finished exchanges.
+    # Many more saves and restores: the store holds nothing of finished exchanges (but
+    # the last one's outcome).
     for step in range(5, 5 + args["more_saves"]):
         save(step, state(step, m))
     out["restore_last"] = attempt(lambda: restore(step, target(m)))

@@ -54,8 +54,9 @@ def test_disagreeing_processes_all_raise_without_waiting(tmp_path):
         for failed in ("restore_wrong_target_on_1", "restore_corrupt_for_1"):
             assert r[failed]["seconds"] < TIMEOUT_S / 2, (p, failed, r[failed])
 
-        # Finished exchanges leave no keys in the coordinator's store, however many saves.
-        assert r["keys_after_save_4"] == 0 and r["keys_after_more"] == 0, r
+        # Finished exchanges leave no keys in the coordinator's store, however many saves,
+        # but the last one's outcome and claim (the next exchange deletes them).
+        assert r["keys_after_save_4"] <= 2 and r["keys_after_more"] <= 2, r
     assert results[1]["corrupted_files"] > 0
     timings = {
         k: max(r[k]["seconds"] for r in results)
