@@ -254,6 +254,35 @@ def test_no_process_reads_the_others_values(job):
         ]
 
 
+def test_the_decider_waits_for_a_late_process_without_reading_big_values_again(job):
+    """Values of 60 KB: once one process is missing, waiting for it alone costs less than
+    reading every value again, so the decider reads them once and waits for the last."""
+    store, run = job
+    reads: list[str] = []
+    dir_get = store.key_value_dir_get
+
+    def counting(key: str) -> list[tuple[str, str]]:
+        reads.append(key)
+        return dir_get(key)
+
+    store.key_value_dir_get = counting  # type: ignore[method-assign]
+
+    def wait_until(ready: Callable[[], bool]) -> None:
+        while not ready():
+            time.sleep(0.01)
+
+    def late(p: int) -> list[int]:
+        if p == 0:  # the decider reads once processes 1 and 2 posted
+            wait_until(lambda: {"jaxckpt/big/0/v/1", "jaxckpt/big/0/v/2"} <= set(store.data))
+        if p == 3:  # and process 3 posts after that read
+            wait_until(lambda: bool(reads))
+        return [len(v) for v in _multihost.allgather("x" * 60_000, tag="big", timeout_s=10)]
+
+    results = run(4, late)
+    assert all(kind == "ok" and value == [60_000] * 4 for kind, value, _ in results.values())
+    assert len(reads) == 1, reads
+
+
 def test_a_failing_combine_raises_on_every_process(job):
     _, run = job
 

@@ -30,8 +30,9 @@ more with `converge_each`). Every call occupies the one coordinator, so calls
 a process are what an exchange costs at scale: 50 us a call is 0.2 s for one
 call of each of 4,096 processes. The decider waits for the values with a few
 calls of its own: it reads all values posted so far (one directory get),
-waits for the lowest process still missing (one blocking get), and again
-until it has them all.
+waits for the lowest process still missing (one blocking get) and reads them
+all again, a few rounds, until waiting for each one still missing costs less
+than reading them all again.
 
 No process counts itself out of an exchange (a call each): each posts, with
 its next value in any exchange, the exchanges it is done with, and the next
@@ -67,6 +68,7 @@ from jaxckpt import _internals
 _PREFIX: Final = "jaxckpt"
 _GRACE_S: Final = 5.0  # how long a process waits for a value it knows is set or being set
 DECIDER: Final = 0  # the process that reads every value and decides (see the module docstring)
+_CALL_BYTES: Final = 50_000  # a call costs the coordinator about as much as this many bytes
 _OK: Final = "ok:"  # prefix of a combined outcome (a failure is a JSON object)
 _PACKED: Final = "z:"  # prefix of a compressed one (JSON never starts with "z")
 _PACK_FROM: Final = 256  # outcomes from this many characters on are compressed
@@ -423,15 +425,28 @@ def _gather(
     client: KeyValueClient, key: str, count: int, deadline: float, clock: Callable[[], float]
 ) -> dict[int, str]:
     """Every value posted under `key` once all `count` are there, or those posted by the
-    deadline: reads all posted values, then waits for the lowest process still missing,
-    and again (a few rounds: each read finds every value posted meanwhile)."""
-    while True:
-        texts = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{key}/v")}
-        if len(texts) >= count:
-            return texts
-        first = next(p for p in range(count) if p not in texts)
-        if _get(client, f"{key}/v/{first}", deadline, clock) is None:
-            return texts
+    deadline. Reads all values posted so far (one call, every value's bytes); while a call
+    for each process still missing would cost more than reading them all again
+    (`_CALL_BYTES`), waits for the lowest one missing and reads them all again (each read
+    finds every value posted meanwhile: a few rounds); then waits for each missing one."""
+    texts = _posted_values(client, key)
+    while len(texts) < count:
+        missing = [p for p in range(count) if p not in texts]
+        if len(missing) * _CALL_BYTES > sum(map(len, texts.values())):
+            if _get(client, f"{key}/v/{missing[0]}", deadline, clock) is None:
+                return texts
+            texts = _posted_values(client, key)
+            continue
+        for p in missing:
+            value = _get(client, f"{key}/v/{p}", deadline, clock)
+            if value is None:
+                return texts
+            texts[p] = value
+    return texts
+
+
+def _posted_values(client: KeyValueClient, key: str) -> dict[int, str]:
+    return {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{key}/v")}
 
 
 def _claim(client: KeyValueClient, key: str, me: int, clock: Callable[[], float]) -> bool:
