@@ -81,7 +81,7 @@ def test_equal_trees_with_different_values_save(job):  # noqa: F811
 
 
 def test_an_extra_leaf_on_one_process_is_refused_everywhere(job):  # noqa: F811
-    store, run = job
+    _, run = job
     message = same_message(save_all(run, "extra"))
     assert "different trees at step 5" in message
     assert "processes [0, 2] saved one tree and processes [1] another" in message
