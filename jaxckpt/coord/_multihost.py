@@ -11,7 +11,7 @@ data service).
 
 No process reads every other process's value: that would move O(N^2) bytes
 through the one coordinator per exchange (~1 GB at 4,096 processes). Instead
-one process, the *decider* (process 0, whose process hosts the coordinator),
+one process, the *decider* (process 0, which hosts the coordinator),
 reads the values once, *combines* them into one outcome (a verdict, a digest
 comparison, a table) and publishes it; every process reads only that outcome.
 One exchange `<prefix>/<tag>/<round>`:
@@ -37,8 +37,8 @@ than reading them all again.
 No process counts itself out of an exchange (a call each): each posts, with
 its next value in any exchange, the exchanges it is done with, and the next
 decider deletes those every process is done with (one delete each). So the
-store holds at most the last exchange's outcome (a few bytes) for a run,
-besides the exchanges in progress.
+store holds at most the last exchange's outcome (a few bytes; with
+`converge_each`, the shares too) for a run, besides the exchanges in progress.
 
 The claim `c` decides between "every value is there" and "someone gave up"
 in one order seen by all: a process whose deadline passes claims it and
@@ -85,7 +85,6 @@ class KeyValueClient(Protocol):
     """The part of jax's `DistributedRuntimeClient` an exchange uses."""
 
     def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None: ...
-    def key_value_increment(self, key: str, increment: int) -> int: ...
     def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
     def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...
     def key_value_delete(self, key: str) -> None: ...
