@@ -328,15 +328,7 @@ def exchange(
                 retiring.append(key)
     # Decoded only now, out of the exchange: a big outcome is held no longer than needed.
     if ok:
-        body = outcome[len(_OK) :]
-        if body.startswith(_RETIRING):  # exchanges deleted by this one's decider
-            line, body = body[len(_RETIRING) :].split("\n", 1)
-            gone = set(json.loads(line))
-            with _lock:
-                retiring[:] = [k for k in retiring if k not in gone]
-        if each:
-            return _unpack(body), _unpack(share) if share else None
-        return _unpack(body)
+        return _decoded(outcome, share, each, retiring)
     decided = _failure(outcome)
     if "failed" in decided:
         raise mark_agreed(
@@ -347,6 +339,20 @@ def exchange(
         )
     missing = [int(p) for p in decided.get("missing") or []]
     raise mark_agreed(_timeout(me, what, timeout_s, count, missing, decided.get("gave_up")))
+
+
+def _decoded(outcome: str, share: str | None, each: bool, retiring: list[str]) -> Any:
+    """An "ok" outcome's value (with `each`, and this process's `share`), the exchanges
+    its decider deleted taken off this process's `retiring` list."""
+    body = outcome[len(_OK) :]
+    if body.startswith(_RETIRING):  # exchanges deleted by this one's decider
+        line, body = body[len(_RETIRING) :].split("\n", 1)
+        gone = set(json.loads(line))
+        with _lock:
+            retiring[:] = [k for k in retiring if k not in gone]
+    if each:
+        return _unpack(body), _unpack(share) if share else None
+    return _unpack(body)
 
 
 def _decide(
