@@ -9,7 +9,7 @@ from jaxckpt import _internals
 from jaxckpt._handler import TieredCheckpointHandler
 from jaxckpt.coord import _multihost
 from jaxckpt.format import _finite
-from jaxckpt.tiers import _index, _kept, _paths, _storage
+from jaxckpt.tiers import _index, _paths, _storage, _store
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,8 @@ def _candidate_steps(
     """The manager's finalized steps that hold a jaxckpt item, oldest first, after the
     newest durable step is put back if the manager deleted it."""
     # The newest durable step, if the manager's garbage collection deleted it, is put
-    # back from the handler's kept copy (`_kept`): it is a candidate like any step.
-    _kept.reinstate(root, sorted(handlers))
+    # back from the store's kept copy (a filesystem's: `_kept`): a candidate like any step.
+    _store.at(root).reinstate(root, sorted(handlers))
     mngr.reload()
     # Steps holding no jaxckpt item (an old loop's Orbax steps in the same directory,
     # which jaxckpt.restore_existing reads) are neither candidates nor deleted.

@@ -13,7 +13,7 @@ import pytest
 from helpers import manager, mesh_1d, save, sharded_state
 
 import jaxckpt
-from jaxckpt.tiers import _memory_tier, _persister
+from jaxckpt.tiers import _memory_tier, _persist_job, _persister
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -170,13 +170,13 @@ def test_persistence_starts_once_the_part_is_on_its_peers(memory_root, ckpt_dir,
     """A step due for persistence is pushed to its peers first: persisting beside the
     push would share the cores and the network with it."""
     writing: list[int] = []
-    write = _persister.Persister._write_arrays
+    write = _persist_job.write_chunks
 
-    async def spy(self, manifest, *args, **kwargs):
+    async def spy(manifest, *args, **kwargs):
         writing.append(manifest.step)
-        return await write(self, manifest, *args, **kwargs)
+        return await write(manifest, *args, **kwargs)
 
-    monkeypatch.setattr(_persister.Persister, "_write_arrays", spy)
+    monkeypatch.setattr(_persist_job, "write_chunks", spy)
     peers = _SlowPeers(writing)
     h = handler(memory_root, persist_every=1, replicas=1)
     monkeypatch.setattr(

@@ -48,7 +48,7 @@ from test_bad_peers import Outcome, bounded, tally
 
 import jaxckpt
 from jaxckpt._options import TierOptions
-from jaxckpt.tiers import _paths
+from jaxckpt.tiers import _step_dirs
 
 CRASH_STEP = 3
 PHASES_ONE_PROCESS = [
@@ -245,7 +245,7 @@ def test_a_killed_persists_staging_dirs_are_removed_once_old(crashed, tmp_path):
     no process can tell whether another host's writer still runs, so the next job removes
     what is older than `timeout_s` (aged here by hand)."""
     memory_root, ckpt = after_crash(crashed, "persist_write", tmp_path)
-    staging = ckpt / _paths.STAGING_DIR
+    staging = ckpt / _step_dirs.STAGING_DIR
     leftovers = list(staging.iterdir())
     assert leftovers, f"the crash at persist_write left nothing in {staging} (the fault moved?)"
     for p in leftovers:

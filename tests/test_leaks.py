@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt.tiers import _slab, _zarr
+from jaxckpt.tiers import _persist_job, _slab, _zarr
 from jaxckpt.tiers._persister import Persister
 
 
@@ -154,11 +154,11 @@ def test_persistence_starts_early_but_a_failed_commit_persists_nothing(
 
     agree = _agreement.agree_on_save
     writing: list[int] = []
-    write = Persister._write_arrays
+    write = _persist_job.write_chunks
 
-    async def spy(self, manifest, *args, **kwargs):
+    async def spy(manifest, *args, **kwargs):
         writing.append(manifest.step)
-        return await write(self, manifest, *args, **kwargs)
+        return await write(manifest, *args, **kwargs)
 
     def failing(leaves, error, *, tag, step, timeout_s, **index):
         if step == 2 and leaves is not None:
@@ -170,7 +170,7 @@ def test_persistence_starts_early_but_a_failed_commit_persists_nothing(
                 time.sleep(0.01)
         return agree(leaves, error, tag=tag, step=step, timeout_s=timeout_s, **index)
 
-    monkeypatch.setattr(Persister, "_write_arrays", spy)
+    monkeypatch.setattr(_persist_job, "write_chunks", spy)
     monkeypatch.setattr(_agreement, "agree_on_save", failing)
     h = handler(memory_root, persist_every=1)
     with manager(ckpt_dir, h, use_async=False) as mngr:

@@ -18,7 +18,7 @@ from helpers import abstract, assert_tree_equal, mesh_1d, restore, save, sharded
 from object_stores import Emulator, reset_clients, running
 
 import jaxckpt
-from jaxckpt.tiers import _persister, _retention, _storage, _zarr
+from jaxckpt.tiers import _object_store, _persister, _storage, _store, _zarr
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +133,7 @@ def test_garbage_collection_deletes_manifests_first(tmp_path, memory_root, store
             mngr.wait_until_finished()
             # What the garbage-collection guard runs before Orbax deletes a step (called
             # directly: when the manager's own collection runs depends on its threads).
-            _retention.retire_manifests(_storage.as_path(url), ["train"], [0])
+            _store.at(url).retire(_storage.as_path(url), ["train"], [0])
             retired = [
                 (d, keys, index) for d, keys, index in seen if keys == ["part_00000/manifest.json"]
             ]
@@ -159,7 +159,7 @@ def test_manager_options_for_urls():
 def test_store_killed_mid_persist(tmp_path, memory_root, store_env, monkeypatch):
     """The store dies while a step uploads: the error surfaces from wait_for_persistence,
     bounded in time, and the step persisted before stays durable and restorable."""
-    monkeypatch.setattr(_persister, "UPLOAD_BACKOFF_S", 0.1)
+    monkeypatch.setattr(_object_store, "UPLOAD_BACKOFF_S", 0.1)
     state = sharded_state(mesh_1d())
     data = tmp_path / "objects"
     data.mkdir()
@@ -167,7 +167,7 @@ def test_store_killed_mid_persist(tmp_path, memory_root, store_env, monkeypatch)
         store_env(emulator)
         url = emulator.url("run")
         h = handler(memory_root, persist_every=2, timeout_s=20)
-        write, upload = _zarr.write_chunks, _persister.Persister._upload
+        write, upload = _zarr.write_chunks, _object_store.ObjectStore._upload
         attempts: list[int] = []
 
         async def dying_write(dst, *args, **kwargs):
@@ -186,7 +186,7 @@ def test_store_killed_mid_persist(tmp_path, memory_root, store_env, monkeypatch)
             return upload(self, manifest, *args)
 
         monkeypatch.setattr(_zarr, "write_chunks", dying_write)
-        monkeypatch.setattr(_persister.Persister, "_upload", counted_upload)
+        monkeypatch.setattr(_object_store.ObjectStore, "_upload", counted_upload)
         with manager(url, h) as mngr:
             save(mngr, 0, state)
             h.wait_for_persistence()  # step 0 is durable
@@ -197,7 +197,7 @@ def test_store_killed_mid_persist(tmp_path, memory_root, store_env, monkeypatch)
                 h.wait_for_persistence()
             took = time.monotonic() - start
             assert took < 20, f"the failure took {took:.1f} s to surface"
-            assert attempts == [0] + [2] * _persister.UPLOAD_ATTEMPTS, str(error.value)
+            assert attempts == [0] + [2] * _object_store.UPLOAD_ATTEMPTS, str(error.value)
             emulator.restart()
             reset_clients()
         shutil.rmtree(memory_root)
@@ -228,13 +228,13 @@ def test_stalled_endpoint_is_bounded(tmp_path, memory_root, store_env, monkeypat
                 return spec
 
             monkeypatch.setattr(_storage, "kvstore", through_proxy)
-            upload = _persister.Persister._upload
+            upload = _object_store.ObjectStore._upload
 
             def stalled_upload(self, *args):
                 proxy.stall.set()
                 return upload(self, *args)
 
-            monkeypatch.setattr(_persister.Persister, "_upload", stalled_upload)
+            monkeypatch.setattr(_object_store.ObjectStore, "_upload", stalled_upload)
             url = emulator.url("run")
             h = handler(memory_root, persist_every=1, timeout_s=3)
             with manager(url, h) as mngr:

@@ -21,8 +21,7 @@ from object_stores import reset_clients, running
 import jaxckpt
 from jaxckpt import cli
 from jaxckpt.format import _chunking, _format
-from jaxckpt.tiers import _index, _paths, _readers, _storage, _zarr
-from jaxckpt.tools import _verify
+from jaxckpt.tiers import _index, _object_store, _readers, _step_dirs, _storage, _zarr
 
 pytestmark = pytest.mark.slow
 
@@ -193,7 +192,7 @@ def test_ls_inspect_verify_on_an_object_store(kind, tmp_path, memory_root, store
         assert f"Not checked: part 0 in {url}/2/train (its upload has not finished" in text
 
         # ---- a step without its commit file is not finalized: not a step to restore
-        _storage.delete_objects(_storage.as_path(f"{url}/3"), [_paths.COMMIT_FILE])
+        _storage.delete_objects(_storage.as_path(f"{url}/3"), [_step_dirs.COMMIT_FILE])
         report = as_json(capsys, "ls", url)
         assert [s["step"] for s in report["steps"]] == [1, 2] and report["unfinalized"] == ["3"]
         code, text, _ = jaxckpt_cli(capsys, "ls", url)
@@ -234,7 +233,7 @@ def test_verify_of_a_store_that_stops_answering_is_bounded(
                 init(self, {**part_kvstore, "endpoint": f"http://127.0.0.1:{proxy.address.port}"})
 
             monkeypatch.setattr(_readers.ZarrReader, "__init__", through_proxy)
-            monkeypatch.setattr(_verify, "REMOTE_READ_TIMEOUT_S", 1.0)
+            monkeypatch.setattr(_object_store.ObjectStore, "read_timeout_s", 1.0)
             proxy.stall.set()
             start = time.monotonic()
             code, text, _ = jaxckpt_cli(capsys, "verify", url, 2, "--no-progress")

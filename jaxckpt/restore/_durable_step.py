@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxckpt.format import _checksum, _chunking, _format
-from jaxckpt.tiers import _index, _paths, _readers, _storage
+from jaxckpt.tiers import _index, _paths, _readers, _step_dirs, _storage
 
 
 @dataclasses.dataclass
@@ -99,7 +99,10 @@ def only_item(root: Path, step: int) -> str:
     items: set[str] = set()
     if root.is_dir():
         for step_dir in root.iterdir():
-            if _paths.is_temporary(step_dir.name) or _paths.step_of_name(step_dir.name) != step:
+            if (
+                _step_dirs.is_temporary(step_dir.name)
+                or _step_dirs.step_of_name(step_dir.name) != step
+            ):
                 continue
             items |= {p.name for p in step_dir.iterdir() if _index.has_index(p)}
     if len(items) != 1:

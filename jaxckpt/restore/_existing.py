@@ -101,7 +101,7 @@ def restore_existing(
         step, is damaged (naming the file).
     """
     start = time.perf_counter()
-    root = _as_epath(directory)
+    root = _storage.absolute(directory)  # Orbax's tensorstore specs need an absolute path
     damaged: _existing_msgpack.DamagedCheckpointError | None = None
     for found in _candidates(root, step, item):
         if found.msgpack:
@@ -131,13 +131,6 @@ def restore_existing(
         ) from damaged
     log.info("jaxckpt: restore_existing found no Orbax or flax checkpoint in %s", root)
     return None
-
-
-def _as_epath(directory: str | os.PathLike[str]) -> epath.Path:
-    # Orbax's tensorstore specs need an absolute local path.
-    if _storage.is_remote(directory):
-        return epath.Path(os.fspath(directory))
-    return epath.Path(os.path.abspath(os.fspath(directory)))
 
 
 def _candidates(root: epath.Path, step: int | None, item: str | None) -> Iterator[_Found]:

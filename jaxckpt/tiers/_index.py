@@ -12,7 +12,9 @@ own copies. Everything here reads them through checked parsers, never raw JSON:
 - `read_index`: the index manifests of one step (either layout);
 - `memory_parts`, `persisted_parts`: which of a step's parts a memory tier holds,
   or persistent storage, from the very save the index describes;
-- `part_count`, `is_persisted`: the durability reads garbage collection makes;
+- `part_count`, `has_index`: how many parts a step has, whether a directory holds a
+  jaxckpt step (whether each part is durable is the store's:
+  `_store.PersistentStore.is_persisted`);
 - `GlobalView`: what every process holds for every finalized step, each step's
   index read at most once, and the restore plan of a step.
 """
@@ -220,15 +222,6 @@ def part_count(item_dir: Path) -> int | None:
     missing or damaged."""
     first = first_index(item_dir)
     return None if first is None else first.process_count
-
-
-def is_persisted(item_dir: Path, owner: int) -> bool:
-    """Whether `owner`'s part of the step is durable: its directory (renamed into place
-    when complete) on a filesystem, its manifest (written last) on an object store."""
-    part = item_dir / _format.part_dir_name(owner)
-    if _storage.is_remote(item_dir):
-        return (part / _format.MANIFEST_FILE).exists()
-    return part.is_dir()
 
 
 def matches(copy: _format.PartManifest | None, index: _format.PartManifest) -> bool:

@@ -21,8 +21,10 @@ newest complete kept step back as a step directory, by hard links again, when th
 manager deleted it and no newer step is durable; the manager then lists and
 restores it like any step.
 
-Filesystems only: an object store has no hard links (there the manager keeps the
-newest durable step through `jaxckpt.manager_options(url, handler=handler, ...)`).
+Filesystems only, and part of the file store (`_file_store`): an object store has no
+hard links (there the manager keeps the newest durable step through
+`jaxckpt.manager_options(url, handler=handler, ...)`). On a filesystem a part is
+persisted once its directory exists (renamed into place complete).
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ from pathlib import Path
 from absl import logging as log
 
 from jaxckpt.format import _format
-from jaxckpt.tiers import _fs, _index, _paths, _storage
+from jaxckpt.tiers import _fs, _index, _step_dirs
 
 KEPT_DIR = ".jaxckpt-kept"
 _UNLINKABLE: set[Path] = set()  # checkpoint directories whose filesystem has no hard links
 # What Orbax writes into a step directory itself (linked along with the items, so a
 # step put back is the one the manager finalized).
-STEP_FILES = ("_CHECKPOINT_METADATA", _paths.COMMIT_FILE)
+STEP_FILES = ("_CHECKPOINT_METADATA", _step_dirs.COMMIT_FILE)
 
 
 def kept_dir(root: Path) -> Path:
@@ -154,9 +156,12 @@ class KeptPart:
 
 
 def is_complete(item_dir: Path) -> bool:
-    """Whether every process's part of the step in (kept) `item_dir` is there."""
+    """Whether every process's part of the step in (kept) `item_dir` is there: its
+    directory, renamed into place complete."""
     count = _index.part_count(item_dir)
-    return count is not None and all(_index.is_persisted(item_dir, p) for p in range(count))
+    return count is not None and all(
+        (item_dir / _format.part_dir_name(p)).is_dir() for p in range(count)
+    )
 
 
 def _kept_steps(root: Path) -> dict[int, str]:
@@ -167,7 +172,7 @@ def _kept_steps(root: Path) -> dict[int, str]:
         return {}
     out = {}
     for name in names:
-        step = _paths.step_of_name(name)
+        step = _step_dirs.step_of_name(name)
         if step is not None and not name.startswith("."):
             out[step] = name
     return out
@@ -211,11 +216,12 @@ def reinstate(root: Path, items: list[str]) -> int | None:
 
     Every process may call it at once: each builds the step directory under a
     staging name, and the first rename wins (the others' find the name taken).
+    A filesystem's only (`_file_store.FileStore.reinstate`).
 
     Returns:
       The step put back, or None if none was needed.
     """
-    if _storage.is_remote(root) or not items:
+    if not items:
         return None
     newest = newest_complete(root, items)
     if newest is None:
@@ -223,23 +229,24 @@ def reinstate(root: Path, items: list[str]) -> int | None:
     step, name = newest
     if (root / name).exists():
         return None
-    finalized = [_paths.finalized_steps(root, item) for item in items]
+    steps = _step_dirs.step_dirs(root)
+    finalized = [_step_dirs.with_item(steps, item) for item in items]
     newer = set.intersection(*(set(f) for f in finalized))
     if any(s > step and all(is_complete(f[s]) for f in finalized) for s in newer):
         return None
-    staging = root / _paths.STAGING_DIR / f"reinstate.{name}.{uuid.uuid4().hex[:8]}"
+    staging = root / _step_dirs.STAGING_DIR / f"reinstate.{name}.{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir(parents=True)
         _link_step_files(kept_dir(root) / name, staging)
         for item in items:
             link_tree(kept_dir(root) / name / item, staging / item)
-        if not (staging / _paths.COMMIT_FILE).exists():
+        if not (staging / _step_dirs.COMMIT_FILE).exists():
             # A step the manager deleted before its files were linked: finalized for
             # a manager that finalizes by commit file too (a rename needs nothing).
-            (staging / _paths.COMMIT_FILE).write_text(f"put back by jaxckpt: step {step}\n")
+            (staging / _step_dirs.COMMIT_FILE).write_text(f"put back by jaxckpt: step {step}\n")
         _fs.fsync_tree(staging, files=False)
-        if (staging / _paths.COMMIT_FILE).stat().st_nlink == 1:
-            _fs.fsync_path(staging / _paths.COMMIT_FILE)
+        if (staging / _step_dirs.COMMIT_FILE).stat().st_nlink == 1:
+            _fs.fsync_path(staging / _step_dirs.COMMIT_FILE)
         try:
             os.rename(staging, root / name)
         except OSError:

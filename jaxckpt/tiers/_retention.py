@@ -15,14 +15,15 @@ and a memory loss then leaves nothing to restore. So a manager set up with
 
 Once a newer step is durable, the older one is deleted as the options say. The
 rule is an ordinary Orbax `PreservationPolicy` (`KeepDurable`): nothing of
-Orbax is rewritten. It reads only the shared checkpoint directory (through the
-checked manifest parser, `_index`), so every process reaches the same decision
-once persistence has settled; only the primary process deletes. On an object
-store the policy also deletes the part manifests of the steps it lets go, before
-the manager deletes the steps' other objects (`retire_manifests`). On a filesystem
-a manager without the policy still leaves the newest durable step, in the kept
-area (`_kept`); on an object store a handler whose manager has no such policy
-logs, once, the one-line fix.
+Orbax is rewritten. It reads only the shared checkpoint directory (durability
+through the store, `_store.PersistentStore.is_durable`, which reads the step's
+index through the checked parser), so every process reaches the same decision
+once persistence has settled; only the primary process deletes. The steps it lets
+go are retired on the store first (`PersistentStore.retire`: on an object store
+their part manifests are deleted before the manager deletes the steps' other
+objects). Where the store keeps the newest durable step itself (a filesystem's
+kept area, `_kept`) a manager without the policy still leaves it; elsewhere a
+handler whose manager has no such policy logs, once, the one-line fix.
 
 The first save into a directory holding another loop's checkpoint and no durable
 jaxckpt step is persisted (`Keeper.switching_in`).
@@ -45,45 +46,15 @@ from typing import Any
 from absl import logging as log
 
 from jaxckpt.coord import _multihost
-from jaxckpt.format import _format
-from jaxckpt.tiers import _index, _kept, _memory_tier, _paths, _storage
+from jaxckpt.tiers import _index, _memory_tier, _paths, _storage, _store
 
 
 class DurableSteps:
-    """Finds the newest durable step of an item; remembers what it found durable."""
-
-    def __init__(self) -> None:
-        # (item dir, inode and ctime of its first part): durable for as long as that
-        # part exists; a step deleted and saved again has a new part.
-        self._durable: set[tuple[Path, int, int]] = set()
+    """Finds the newest durable step of an item, asking the store it lies on."""
 
     def is_durable(self, item_dir: Path) -> bool:
         """Whether every process's part of the step in `item_dir` is persisted."""
-        if _storage.is_remote(item_dir):
-            return self._is_durable_remote(item_dir)
-        try:
-            first = os.stat(item_dir / _format.part_dir_name(0))  # cheap: most steps have none
-        except OSError:
-            return False
-        key = (item_dir, first.st_ino, first.st_ctime_ns)
-        if key in self._durable:
-            return True
-        count = _index.part_count(item_dir)
-        if count is None:
-            return False
-        if all(_index.is_persisted(item_dir, p) for p in range(count)):
-            self._durable.add(key)
-            return True
-        return False
-
-    def _is_durable_remote(self, item_dir: Path) -> bool:
-        """On an object store a part is durable once its manifest object exists (no rename;
-        objects have no inode to remember them by, so nothing is cached)."""
-        count = _index.part_count(item_dir)
-        try:
-            return count is not None and all(_index.is_persisted(item_dir, p) for p in range(count))
-        except OSError:
-            return False
+        return _store.at(item_dir).is_durable(item_dir)
 
     def steps_to_keep(
         self,
@@ -103,7 +74,7 @@ class DurableSteps:
           pending: steps this process is still persisting.
         """
         steps = sorted(set(steps), reverse=True)
-        item_dirs = _item_dirs(root, item)
+        item_dirs = {s: d / item for s, d in _store.at(root).step_dirs(root).items()}
 
         def _is_due(step: int) -> bool:
             if step % persist_every == 0:
@@ -141,9 +112,9 @@ class Keeper:
             first = (item.root, item.item) not in self._items
             self._items.add((item.root, item.item))
             guarded = self._guarded_anywhere or _storage.identity(item.root) in self._guarded
-        # On a filesystem the kept area holds the newest durable step whatever the
-        # manager deletes (`_kept`); an object store has no hard links.
-        if first and not guarded and _storage.is_remote(item.root):
+        # Where the store keeps the newest durable step itself (a filesystem's kept area,
+        # `_kept`) it holds whatever the manager deletes; an object store does not.
+        if first and not guarded and not item.store.keeps_durable_step:
             log.warning(
                 "jaxckpt: garbage collection in %s does not know which step is durable: "
                 "if the manager's options delete steps (max_to_keep, a preservation "
@@ -158,25 +129,13 @@ class Keeper:
         steps of another kind (an Orbax or flax checkpoint of the loop before jaxckpt).
         That save is persisted: the manager's options (`LatestN(1)`) delete the old step
         as soon as it is finalized, and the first step due by `persist_every` may be
-        far away."""
+        far away. The store judges the directory (`PersistentStore.old_steps_only`:
+        on a filesystem; an object store does not judge it)."""
         with self._lock:
             if (item.root, item.item) in self._saved:
                 return False
             self._saved.add((item.root, item.item))
-        if _storage.is_remote(item.root) or not item.root.is_dir():
-            return False
-        if _kept.newest_complete(item.root, [item.item]) is not None:
-            return False
-        ours = _paths.finalized_steps(item.root, item.item)
-        if any(self._durable.is_durable(ours[s]) for s in sorted(ours, reverse=True)):
-            return False
-        return any(
-            not name.startswith(".")
-            and not _paths.is_temporary(name)
-            and _paths.step_of_name(name) is not None
-            and not _index.has_index(item.root / name / item.item)
-            for name in os.listdir(item.root)
-        )
+        return item.store.old_steps_only(item.root, item.item)
 
     def steps_to_keep(self, root: Path, item: str, steps: Sequence[int]) -> set[int]:
         return self._durable.steps_to_keep(root, item, steps, self._persist_every, self._pending())
@@ -239,51 +198,9 @@ class Keeper:
             if len(roots) != 1:  # which manager's steps these are is unknown: leave them
                 return
             (r,) = roots
-            retire_manifests(r, sorted({i for _, i in items()}), steps)
+            _store.at(r).retire(r, sorted({i for _, i in items()}), list(steps))
 
         return KeepDurable(base, keep, retire)
-
-
-def _item_dirs(root: Path, item: str) -> dict[int, Path]:
-    """step -> `<root>/<step name>/<item>` for every finalized step name (one listdir)."""
-    if _storage.is_remote(root):
-        return _paths.finalized_steps(root, item)
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return {}
-    out = {}
-    for name in names:
-        if name.startswith(".") or _paths.is_temporary(name):
-            continue
-        step = _paths.step_of_name(name)
-        if step is not None:
-            out[step] = root / name / item
-    return out
-
-
-def retire_manifests(root: Path, items: Sequence[str], steps: Sequence[int]) -> None:
-    """On an object store, deletes the part manifests of `steps` of `items` under the
-    checkpoint directory `root` before the manager deletes the steps' other objects.
-
-    IMPORTANT: a part's manifest is its durability marker there, and deleting a
-    prefix is one request per object in no given order: without its manifest first,
-    a reader could meet a part that still looks durable while its chunks vanish.
-    """
-    if not _storage.is_remote(root) or not steps:
-        return
-    for item in items:
-        item_dirs = _item_dirs(root, item)
-        for step in steps:
-            if step not in item_dirs:
-                continue
-            count = _index.part_count(item_dirs[step])
-            if count is None:
-                continue  # no index: nothing of this step was ever persisted
-            manifests = [
-                f"{_format.part_dir_name(p)}/{_format.MANIFEST_FILE}" for p in range(count)
-            ]
-            _storage.delete_objects(item_dirs[step], manifests)
 
 
 @dataclasses.dataclass

@@ -81,6 +81,14 @@ def as_path(path: str | os.PathLike[str]) -> Path:
     return Path(os.fspath(path))
 
 
+def absolute(path: str | os.PathLike[str]) -> epath.Path:
+    """`path` as an `epath.Path` that names it wherever it is read from: a local path
+    made absolute (Orbax's tensorstore specs need one), a URL as it is."""
+    if is_remote(path):
+        return epath.Path(os.fspath(path))
+    return epath.Path(os.path.abspath(os.fspath(path)))
+
+
 def kvstore(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The tensorstore kvstore spec of the directory `path` (local or object store)."""
     name = scheme(path)

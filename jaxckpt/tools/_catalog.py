@@ -7,11 +7,11 @@ it is given, and decides restorability with the same rules a restore uses
 (`_index.matches`, `_plan.plan_step`): a step is restorable from what is in
 reach when every part it needs has a copy of this very save somewhere.
 
-The checkpoint directory may be local or on an object store (`gs://`, `s3://`;
-`_storage`): there a step is finalized once its commit file exists (`_paths`),
-and a persisted part is durable once its `manifest.json` exists, written after
-every chunk (`_persister`); a part without one is an upload not finished (or
-abandoned, or being retired by garbage collection), never a copy. Memory roots
+The checkpoint directory may be local or on an object store (`gs://`, `s3://`):
+its store (`_store.at`) says which steps are finalized (there: once their commit
+file exists) and whether a part is persisted (there: once its `manifest.json`
+exists, written after every chunk; a part without one is an upload not finished,
+abandoned, or being retired by garbage collection, never a copy). Memory roots
 are always local paths: a host's memory tier next to a remote directory.
 """
 
@@ -27,7 +27,7 @@ from typing import Final
 
 from jaxckpt.coord import _placement, _plan
 from jaxckpt.format import _format
-from jaxckpt.tiers import _index, _memory_tier, _paths, _storage
+from jaxckpt.tiers import _index, _memory_tier, _paths, _step_dirs, _storage, _store
 
 UNREADABLE: Final = "unreadable manifest"
 OTHER_SAVE: Final = "another save of the step"
@@ -87,11 +87,6 @@ class StepInfo:
     persisted: frozenset[int]
     missing: tuple[int, ...]
     incomplete: tuple[int, ...] = ()
-
-    @property
-    def remote(self) -> bool:
-        """Whether the step's directory is on an object store."""
-        return self.item_dir is not None and _storage.is_remote(self.item_dir)
 
     @property
     def finalized(self) -> bool:
@@ -159,7 +154,8 @@ class Catalog:
     ):
         # Never Path(os.fspath(url)): that turns gs://b/x into the local path gs:/b/x.
         self.directory = _storage.as_path(directory)
-        self.remote = _storage.is_remote(self.directory)
+        self.store = _store.at(self.directory)
+        self.remote = self.store.remote  # what the reports say
         if not self.directory.is_dir():
             raise FileNotFoundError(f"Checkpoint directory {self.directory} does not exist.")
         self.item = item or _single_item(self.directory)
@@ -227,17 +223,16 @@ class Catalog:
 
     def _unfinalized(self) -> list[str]:
         """Step directories the manager has not finalized: a save in progress or
-        abandoned. On a filesystem they still have their temporary names; on an
-        object store the manager writes into the final name and finalizes with a
-        commit file, so a step directory without one is not finalized either."""
-        final = {d.parent.name for d in self.step_dirs.values()}
+        abandoned. They have temporary names, or (where the manager writes into the
+        final name and finalizes with a commit file, as on object stores) a step's
+        name that the store does not count as finalized."""
+        final = {d.name for d in self.store.step_dirs(self.directory).values()}
         out = []
         for p in self.directory.iterdir():
-            if _paths.is_temporary(p.name) or (
-                self.remote
-                and p.name not in final
-                and _paths.step_of_name(p.name) is not None
-                and not _storage.exists(p / _paths.COMMIT_FILE)
+            if _step_dirs.is_temporary(p.name) or (
+                p.name not in final
+                and not p.name.startswith(".")
+                and _step_dirs.step_of_name(p.name) is not None
             ):
                 out.append(p.name)
         return sorted(out)
@@ -349,8 +344,8 @@ def _single_item(directory: Path) -> str:
     for step_dir in directory.iterdir():
         if (
             step_dir.is_dir()
-            and not _paths.is_temporary(step_dir.name)
-            and _paths.step_of_name(step_dir.name) is not None
+            and not _step_dirs.is_temporary(step_dir.name)
+            and _step_dirs.step_of_name(step_dir.name) is not None
         ):
             items.update(p.parent.name for p in step_dir.glob("*/index_*.json"))
             items.update(p.parent.name for p in step_dir.glob(f"*/{_format.STEP_INDEX_FILE}"))

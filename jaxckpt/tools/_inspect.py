@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt.format import _format
-from jaxckpt.tiers import _index, _storage
+from jaxckpt.tiers import _index, _store
 from jaxckpt.tools import _catalog, _table
 
 # Save metrics shown as columns by `inspect`, in this order (others only in --json).
@@ -133,7 +133,7 @@ def _restorable_cell(s: dict[str, Any]) -> str:
 def _incomplete_note(report: dict[str, Any], owners: list[int]) -> str:
     which = f"part {owners[0]}" if len(owners) == 1 else f"parts {_table.owners(owners)}"
     if report.get("remote"):
-        # The manifest is written last (`_persister`): without it the upload is unfinished.
+        # The manifest is written last (`_object_store`): without it the upload is unfinished.
         return (
             f"{which} in the object store not durable (upload not finished, abandoned, or "
             "being deleted: no manifest of this save); not used"
@@ -435,7 +435,7 @@ def _step_header(report: dict[str, Any]) -> list[str]:
         out.append("(no --memory-root given: only the copies in the checkpoint directory count)")
     out.append(f"finite: {_finite_cell(loc)} (NaN/Inf values counted at save; - not counted)")
     if loc["incomplete"]:
-        remote = _storage.is_remote(report["directory"])
+        remote = _store.at(report["directory"]).remote
         out.append(_incomplete_note({"remote": remote}, loc["incomplete"]))
     out.append("")
     return out

@@ -5,9 +5,11 @@ given on the command line, or the checkpoint directory (local, or on an object
 store: `gs://`, `s3://`). Every chunk is read with tensorstore, exactly as a
 restore reads it, and compared with the checksum in the step's index manifest.
 
-On an object store a part without its `manifest.json` is an upload that has not
-finished (`_persister`): it is no copy, is not read, and the report says so
-(`not_checked`), as it says which memory tiers were not looked at.
+A part in place that its store does not count as persisted (on an object store:
+one without its `manifest.json`, an upload that has not finished: `_object_store`)
+is no copy, is not read, and the report says so (`not_checked`), as it says which
+memory tiers were not looked at. A read that gets no answer within the store's
+bound (`PersistentStore.read_timeout_s`) makes the copy unreadable.
 """
 
 from __future__ import annotations
@@ -20,17 +22,13 @@ from typing import Any
 
 from jaxckpt.coord import _plan
 from jaxckpt.format import _checksum, _format
-from jaxckpt.tiers import _readers, _slab, _storage
+from jaxckpt.tiers import _readers, _slab, _storage, _store
 from jaxckpt.tools import _catalog, _table
 
 # (chunks done, chunks in all, bytes done, bytes in all)
 Progress = Callable[[int, int, int, int], None]
 
 _CONCURRENCY = 32  # chunk reads in flight per copy
-# A chunk read (or array open) on an object store that gets no answer within this
-# is reported unreadable, and the rest of that copy is not read (tensorstore's
-# requests have no timeout of their own); as long as a restore waits by default.
-REMOTE_READ_TIMEOUT_S = 120.0
 # Tensorstore's error when a chunk fails the zarr3 `crc32c` codec that persisted
 # arrays end with (format v3): the chunk's bytes do not match their checksum.
 _DIGEST_MISMATCH = "Digest mismatch"
@@ -82,9 +80,10 @@ def _copies(catalog: _catalog.Catalog, info: _catalog.StepInfo) -> tuple[list[_C
                 out.append(_Copy(_plan.PERSISTENT, catalog.directory, owner, part_dir))
             elif owner not in info.incomplete:
                 continue
-            elif info.remote and not _storage.exists(part_dir / _format.MANIFEST_FILE):
-                # The manifest is written last: the upload has not finished (or was
-                # abandoned, or garbage collection is retiring the step).
+            elif not catalog.store.is_persisted(info.item_dir, owner):
+                # A part in place that its store does not count as persisted: on an
+                # object store, its manifest is written last: the upload has not
+                # finished (or was abandoned, or garbage collection is retiring it).
                 skipped.append(
                     f"part {owner} in {info.item_dir} (its upload has not finished: no "
                     f"{_format.MANIFEST_FILE} yet, so it is not a durable copy)"
@@ -101,7 +100,9 @@ def _copies(catalog: _catalog.Catalog, info: _catalog.StepInfo) -> tuple[list[_C
 async def _verify_copy(
     copy: _Copy, manifest: _format.PartManifest, on_chunk: Callable[[int], None]
 ) -> CopyReport:
-    timeout = REMOTE_READ_TIMEOUT_S if _storage.is_remote(copy.part_dir) else None
+    # A read that gets no answer within the store's bound is reported unreadable, and
+    # the rest of that copy is not read.
+    timeout = _store.at(copy.part_dir).read_timeout_s
     records = [(leaf, c) for leaf, cs in sorted(manifest.chunks.items()) for c in cs]
     total = sum(c.nbytes for _, c in records)
     if copy.problem:
