@@ -1,7 +1,9 @@
-"""What an Orbax item directory tells us: the step, the final path, the run.
+"""What an Orbax item directory tells us: the step, the final path, the run, the store.
 
 `ItemDir.parse` reads it once, where a save or a restore enters the handler; the
 value is passed down, so nothing below derives these facts from the path again.
+It carries the persistent store the directory lies on (`_store.at`, asked once):
+which steps are finalized and how often a wait looks again are the store's.
 """
 
 from __future__ import annotations

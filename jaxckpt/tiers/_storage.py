@@ -1,15 +1,17 @@
-"""Where the persistent tier lives: a local (POSIX) directory or an object store.
+"""Below the persistent-store seam: bytes on a local (POSIX) directory or an object store.
 
 The checkpoint directory a CheckpointManager hands the handler is either a
 local path or a URL on an object store (`gs://bucket/...`, `s3://bucket/...`).
-Everything that touches it goes through this module, which tells the two apart
-by the path alone:
+What the two stores do differently is `_store.PersistentStore`'s (`_store.at`
+chooses); this module holds what both need, telling a file from an object by the
+path alone:
 
 - `as_path`: a `pathlib.Path` for a local directory; an `etils.epath.Path` for
   a URL (gcsfs or s3fs underneath), which offers the same methods used on it
   here (`/`, `name`, `parent`, `exists`, `is_dir`, `iterdir`, `glob`,
   `read_text`). `Path(os.fspath(url))` must never be used: it silently turns
-  `gs://b/x` into the local relative path `gs:/b/x`.
+  `gs://b/x` into the local relative path `gs:/b/x`. `absolute`: the same as
+  an `epath.Path`, a local path made absolute (what Orbax's specs need).
 - `kvstore`: the tensorstore kvstore spec of a directory: `file`, `gcs` or `s3`.
   Tensorstore's `gcs` kvstore reads `TENSORSTORE_GCS_HTTP_URL` (an emulator) and
   application default credentials itself; its `s3` kvstore does not read
@@ -17,12 +19,9 @@ by the path alone:
   standard AWS variables (any S3-compatible store: MinIO, R2, ...).
 - `write_file`: a file that appears whole or not at all: a rename on a local
   filesystem (`_fs.write_atomic`), one PUT on an object store (an object is
-  never visible half-written).
-
-What durability means differs (see `_persister`): a local part is made durable
-by fsync and one directory rename; an object store has no rename, so a
-persisted part is durable once its manifest object exists, written after every
-chunk.
+  never visible half-written). `read_bytes`, `exists`: one read or look, never
+  answered from a cached listing; `write_object`, `delete_objects`: bounded
+  object-store requests.
 """
 
 from __future__ import annotations
