@@ -210,7 +210,6 @@ FUNCTION_LINES_AT_MOST = 80
 # each entry goes once its function is short (the test below says so).
 LONG_FUNCTIONS_TO_SPLIT = {
     "restore._existing.restore_existing",
-    "tiers._persister.Persister._persist_to_filesystem",
 }
 
 
