@@ -232,6 +232,6 @@ class ObjectStore:
                 _storage.delete_objects(item_dirs[step], manifests)
 
     def old_steps_only(self, root: Path, item: str) -> bool:
-        """False: not judged on an object store (its steps are not listed from the save
-        path); a first save there is persisted when it is due."""
+        """False: the switch from an old directory is judged on filesystems only (as
+        before this seam); a first save on an object store is persisted when due."""
         return False

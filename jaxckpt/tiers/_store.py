@@ -109,7 +109,8 @@ class PersistentStore(Protocol):
 
     def old_steps_only(self, root: Path, item: str) -> bool:
         """Whether `root` holds finalized steps of another kind (an Orbax or flax
-        checkpoint of the loop before jaxckpt) and no durable step of `item`."""
+        checkpoint of the loop before jaxckpt) and no durable step of `item`, kept or in
+        place (`Keeper.switching_in`; judged on a filesystem, False on an object store)."""
         ...
 
 
