@@ -22,7 +22,7 @@ from pathlib import Path
 
 from absl import logging as log
 
-from jaxckpt.tiers import _index, _memory_tier, _paths, _persister
+from jaxckpt.tiers import _index, _memory_tier, _paths, _persist_job, _persister
 
 
 class Recovery:
@@ -65,7 +65,7 @@ class Recovery:
         item: str,
         owner: int,
         indexes: dict[int, _index.Index],
-    ) -> list[_persister.PersistJob]:
+    ) -> list[_persist_job.PersistJob]:
         """Jobs that persist `owner`'s part of every step due for persistence (by
         `persist_every`, or asked for by its save) that the manager finalized, that
         `memory` still holds from that very save, and that is not durable."""

@@ -35,7 +35,17 @@ from jaxckpt.coord import _multihost
 from jaxckpt.format import _finite, _format
 from jaxckpt.run import _choreography
 from jaxckpt.save import _snapshot
-from jaxckpt.tiers import _fs, _index, _memory_tier, _paths, _persister, _retention, _slab, _storage
+from jaxckpt.tiers import (
+    _fs,
+    _index,
+    _memory_tier,
+    _paths,
+    _persist_job,
+    _persister,
+    _retention,
+    _slab,
+    _storage,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +238,7 @@ class Save:
         # (measured on 2 cores: the push 5x slower, and the persist no faster).
         if self._persist:
             self._services.persister.submit(
-                _persister.PersistJob(
+                _persist_job.PersistJob(
                     manifest,
                     part,
                     self._item.path,
