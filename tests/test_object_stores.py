@@ -171,15 +171,17 @@ def test_store_killed_mid_persist(tmp_path, memory_root, store_env, monkeypatch)
         attempts: list[int] = []
 
         async def dying_write(dst, *args, **kwargs):
-            await write(dst, *args, **kwargs)
             if "run/2/train/" in dst["path"] and emulator.proc.poll() is None:
                 # Once the manager finalized step 2 (its commit file is on the store, so
-                # save() returns), the store dies after this array: mid-upload.
+                # save() returns), the store dies before any array of step 2 is written
+                # (the writes run concurrently: each waits here): mid-upload.
                 deadline = time.monotonic() + 10
                 while not _storage.exists(_storage.as_path(url + "/2/commit_success.txt")):
                     assert time.monotonic() < deadline, "step 2 was not finalized"
                     await asyncio.sleep(0.02)
-                emulator.kill()
+                if emulator.proc.poll() is None:
+                    emulator.kill()
+            await write(dst, *args, **kwargs)
 
         def counted_upload(self, manifest, *args):
             attempts.append(manifest.step)
