@@ -2,7 +2,7 @@
 
 Trees that differ across processes are refused at save on every process with
 one message naming the leaves and processes; any one process's error is
-raised by all. The real multi-process runs are in tests/mp_agreement.py.
+raised by all. The real multi-process runs are in tests/workers/mp_agreement.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Without the agreement, a tree that differs on one process saved fine and then
 hung the job at restore (the others waited in Orbax's barrier), and a restore
 error on one process (a wrong target, a chunk damaged in every copy it reads)
-left the others waiting there. See tests/mp_agreement.py for the scenario.
+left the others waiting there. See tests/workers/mp_agreement.py for the scenario.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ before the run is opened.
 
 Every process must raise the failing process's error, without waiting out the
 timeout (a process that skipped an exchange would leave the other waiting in it
-until a TimeoutError). See tests/mp_choreography.py for the scenario.
+until a TimeoutError). See tests/workers/mp_choreography.py for the scenario.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def test_cli_export_with_progress_and_json(saved, tmp_path, capsys):
 
 # ---- a sharded multi-process state ----------------------------------------------------
 
-ROWS = 48  # tests/mp_worker.py's state, a pure function of the step
+ROWS = 48  # tests/workers/mp_worker.py's state, a pure function of the step
 
 
 def mp_expected(step: int) -> dict:

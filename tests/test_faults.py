@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 import patience
 import pytest
 from helpers import (
-    REPO,
+    TEST_PYTHONPATH,
     abstract,
     assert_tree_equal,
     manager,
@@ -122,7 +122,7 @@ def run_crashing(phase: str, memory_root: str, ckpt: str) -> subprocess.Complete
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+        "PYTHONPATH": TEST_PYTHONPATH,
         "MEMORY_ROOT": memory_root,
         "CKPT": ckpt,
         "ORBAX_FAULT": orbax_fault,

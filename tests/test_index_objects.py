@@ -3,7 +3,7 @@ process count: jaxckpt's one combined index, written by one process, beside
 Orbax's own step metadata (written three times) and its two commit markers
 (docs/object_stores.md states the count).
 
-Each case starts an emulator (tests/object_stores.py) and 1, 2 or 4 JAX processes
+Each case starts an emulator (tests/support/object_stores.py) and 1, 2 or 4 JAX processes
 that save memory-only steps into it; the emulator's request log names every
 object written.
 """

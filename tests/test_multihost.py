@@ -2,7 +2,7 @@
 
 The store behaves like jax's coordination service key-value store (set refuses
 to overwrite, atomic increment, blocking get with a deadline, directory get
-and recursive delete); the real one is exercised by tests/mp_agreement.py.
+and recursive delete); the real one is exercised by tests/workers/mp_agreement.py.
 """
 
 from __future__ import annotations

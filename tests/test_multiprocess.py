@@ -1,7 +1,7 @@
 """Recovery across processes: 4 JAX processes x 2 CPU devices on loopback, gloo collectives.
 
 Every process is a "host" with its own memory root and failure domain; a node
-loss is deleting its memory root. See tests/mp_worker.py for the scenarios.
+loss is deleting its memory root. See tests/workers/mp_worker.py for the scenarios.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Three test hosts, each in its own network namespace with its own address.
 
 Multi-host here is otherwise loopback on one network stack. These hosts meet
-over a bridge (tests/netns.py): the jax.distributed coordinator listens on
+over a bridge (tests/support/netns.py): the jax.distributed coordinator listens on
 host 0's address and every peer service on its host's, and the test cuts the
 data link of one host (the peer services' network; the coordinator and the
 collectives have their own) while the others push a save's replicas to it and
 while they read a restore from it. Skipped with the reason where namespaces cannot be
 made (not root, no iproute2); the `tc netem` test also where the kernel has no
-netem. See tests/mp_netns.py for the worker.
+netem. See tests/workers/mp_netns.py for the worker.
 """
 
 from __future__ import annotations

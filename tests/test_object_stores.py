@@ -1,6 +1,6 @@
 """The persistent tier on object stores (gs://, s3://), against real local emulators.
 
-Each test starts its emulator (tests/object_stores.py) on a free loopback port
+Each test starts its emulator (tests/support/object_stores.py) on a free loopback port
 and stops it by pid at the end.
 """
 

@@ -3,7 +3,7 @@
 Every process saves its own value of a process-local jax.Array, a numpy array
 and a scalar; it gets its own back on the same process count, from any tier;
 on another count, values equal everywhere restore, differing ones are refused
-by name unless a mapping function picks them. See tests/mp_process_local.py.
+by name unless a mapping function picks them. See tests/workers/mp_process_local.py.
 """
 
 from __future__ import annotations

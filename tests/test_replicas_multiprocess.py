@@ -1,5 +1,5 @@
 """Data-parallel replicas share the save, and are the copies: JAX processes x 2 CPU devices
-on loopback (gloo), meshes ('dp', 'fsdp') with dp across processes. See tests/mp_replicas.py.
+on loopback (gloo), meshes ('dp', 'fsdp') with dp across processes. See tests/workers/mp_replicas.py.
 
 Every process is a "host" with its own memory root and failure domain; a node loss is
 deleting its memory root.

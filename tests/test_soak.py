@@ -25,7 +25,7 @@ from pathlib import Path
 
 import patience
 import pytest
-from helpers import REPO
+from helpers import TEST_PYTHONPATH
 
 SAVES = 500 if os.environ.get("JAXCKPT_SOAK_FULL") else 150
 EVERY = 25
@@ -89,7 +89,7 @@ def run_soak(memory_root: str, ckpt: str) -> list[dict]:
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+        "PYTHONPATH": TEST_PYTHONPATH,
         "MEMORY_ROOT": memory_root,
         "CKPT": ckpt,
         "SAVES": str(SAVES),

@@ -1,7 +1,7 @@
 """The persistent-store seam (`_store.PersistentStore`), one protocol on every store.
 
 The same test body runs on a local directory and, against the local emulators
-(tests/object_stores.py), on gs:// and s3://: which steps the store lists as
+(tests/support/object_stores.py), on gs:// and s3://: which steps the store lists as
 finalized, a part written and made durable by the store alone (no persistence
 queue), its bytes restored from it, and a step retired before the manager deletes
 it. The filesystem's own members (the kept area, the switch from an old

@@ -1,7 +1,7 @@
 """`jaxckpt ls`, `inspect` and `verify` on a checkpoint directory on an object store.
 
 The steps are saved and persisted by a CheckpointManager on a local emulator
-(tests/object_stores.py) of GCS or S3, then read back by the command line, as
+(tests/support/object_stores.py) of GCS or S3, then read back by the command line, as
 an operator would from a machine that has only the bucket.
 """
 

@@ -143,7 +143,7 @@ class PushReceiver:
         Each ``step`` bytes, the chunks completed so far go to ``check``, so chunks
         are verified while later ones still arrive.
 
-        Note: tests/mp_worker.py replaces this method on a receiver (a holder
+        Note: tests/workers/mp_worker.py replaces this method on a receiver (a holder
         dying mid-receive); keep its positional signature.
         """
         done = 0

@@ -1,6 +1,6 @@
 """Scenarios for tests/test_netns_multiprocess.py: each process on its own test host.
 
-Every process runs in its own network namespace (tests/netns.py) with its own
+Every process runs in its own network namespace (tests/support/netns.py) with its own
 address: the jax.distributed coordinator binds to host 0's, each peer service
 to its host's. The test process cuts and heals links between the phases: a
 phase starts when every process has written `<sync>/<phase>.<p>` and the test

@@ -1,6 +1,6 @@
 """Scenarios for tests/test_index_objects.py: memory-only saves into an object store.
 
-Run by tests/multiproc.py, one JAX process per "host" (see mp_worker.py); the
+Run by tests/support/multiproc.py, one JAX process per "host" (see mp_worker.py); the
 emulator's environment comes from the test.
 """
 

@@ -1,4 +1,4 @@
-"""Scenarios run by tests/multiproc.py: one JAX process per "host" on loopback.
+"""Scenarios run by tests/support/multiproc.py: one JAX process per "host" on loopback.
 
 Each scenario prints one `RESULT <json>` line. The saved state is a pure
 function of the step, so any process count can check what it restored.
@@ -156,7 +156,7 @@ def scenario_save(args: dict) -> dict:
     }
     if args.get("crash"):
         # Every process says what it saved before any "crashes": the first os._exit makes the
-        # coordinator abort the others (tests/multiproc.py accepts that after a RESULT line).
+        # coordinator abort the others (tests/support/multiproc.py accepts that after a RESULT line).
         print("RESULT " + json.dumps(out), flush=True)
         _internals.distributed_client().wait_at_barrier("mp_worker_crash", 120_000)
         os._exit(0)

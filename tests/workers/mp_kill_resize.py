@@ -1,7 +1,7 @@
 """Scenarios for the failure suite (tests/test_faults.py): one process of four is killed
 during a save with replicas, and the job restarts with three processes.
 
-Run by tests/multiproc.py, one JAX process per "host" (see mp_worker.py).
+Run by tests/support/multiproc.py, one JAX process per "host" (see mp_worker.py).
 """
 
 from __future__ import annotations

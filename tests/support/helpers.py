@@ -25,7 +25,11 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
+# What a child Python process needs to import jaxckpt and the test modules by name.
+TEST_PYTHONPATH = ":".join(
+    str(p) for p in (REPO, REPO / "tests" / "support", REPO / "tests" / "workers")
+)
 
 
 def mesh_1d(n: int = 8, name: str = "data") -> Mesh:
@@ -135,7 +139,7 @@ def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float =
     full_env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+        "PYTHONPATH": TEST_PYTHONPATH,
         **(env or {}),
     }
     proc = patience.run(

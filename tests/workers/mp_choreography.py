@@ -1,7 +1,7 @@
 """Scenario for tests/test_choreography_multiprocess.py: one process fails just before each
 exchange of a save, a restore and a listing; every process must raise its error at once.
 
-Run by tests/multiproc.py, one JAX process per "host" (see mp_worker.py).
+Run by tests/support/multiproc.py, one JAX process per "host" (see mp_worker.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Scenarios for tests/test_agreement_multiprocess.py: processes that disagree must all fail, at once.
 
-Run by tests/multiproc.py, one JAX process per "host" (see mp_worker.py).
+Run by tests/support/multiproc.py, one JAX process per "host" (see mp_worker.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import portpicker
 from jaxckpt.launch._supervise import port_in_use
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]
+WORKERS = REPO / "tests" / "workers"  # the scenario scripts
 
 
 @dataclass
@@ -42,7 +43,7 @@ def run(
     """Starts len(roots) processes; process i uses memory root roots[i] in failure domain domains[i].
 
     `worker` is the scenario script in tests/ (it defines `scenario_<name>` functions);
-    `prefix[i]` goes before process i's command (`ip netns exec NAME`: tests/netns.py).
+    `prefix[i]` goes before process i's command (`ip netns exec NAME`: tests/support/netns.py).
 
     Returns each process's parsed `RESULT` line. With `expect_ok`, any process
     exiting non-zero fails the caller with every process's output.
@@ -71,7 +72,7 @@ def _run_once(worker, scenario, roots, domains, args, timeout, env, prefix) -> l
         proc_env = {
             **os.environ,
             "JAX_PLATFORMS": "cpu",
-            "PYTHONPATH": f"{REPO}:{HERE}",
+            "PYTHONPATH": f"{REPO}:{HERE}:{WORKERS}",
             "MP_COORDINATOR": f"127.0.0.1:{port}",
             "MP_NUM_PROCESSES": str(n),
             "MP_PROCESS_ID": str(i),
@@ -84,7 +85,7 @@ def _run_once(worker, scenario, roots, domains, args, timeout, env, prefix) -> l
                 [
                     *(prefix or {}).get(i, []),
                     sys.executable,
-                    str(HERE / worker),
+                    str(WORKERS / worker),
                     scenario,
                     json.dumps(args),
                 ],
