@@ -104,26 +104,15 @@ def restore_existing(
     root = _storage.absolute(directory)  # Orbax's tensorstore specs need an absolute path
     damaged: _existing_msgpack.DamagedCheckpointError | None = None
     for found in _candidates(root, step, item):
-        if found.msgpack:
-            try:
-                saved = _existing_msgpack.read(found.step, found.path)
-            except _existing_msgpack.DamagedCheckpointError as e:
-                if step is not None:
-                    raise
-                log.warning("jaxckpt: %s Trying the next older step.", e)
-                damaged = damaged or e
-                continue
-            restored = _restore_msgpack(found, saved, target)
-        else:
-            restored = _restore_pytree(found, target)
-        log.info(
-            "jaxckpt: [process %d] restored step %d from the old format (%s %s) in %.2f s",
-            jax.process_index(),
-            found.step,
-            "flax msgpack" if found.msgpack else "Orbax PyTree",
-            found.path,
-            time.perf_counter() - start,
-        )
+        try:
+            restored = _restore_found(found, target)
+        except _existing_msgpack.DamagedCheckpointError as e:
+            if step is not None:
+                raise
+            log.warning("jaxckpt: %s Trying the next older step.", e)
+            damaged = damaged or e
+            continue
+        _say_restored(found, time.perf_counter() - start)
         return found.step, restored
     if damaged is not None:  # every step there was is damaged: never a silent fresh start
         raise ValueError(
@@ -131,6 +120,29 @@ def restore_existing(
         ) from damaged
     log.info("jaxckpt: restore_existing found no Orbax or flax checkpoint in %s", root)
     return None
+
+
+def _say_restored(found: _Found, seconds: float) -> None:
+    """The one INFO line of a `restore_existing` that found a checkpoint."""
+    log.info(
+        "jaxckpt: [process %d] restored step %d from the old format (%s %s) in %.2f s",
+        jax.process_index(),
+        found.step,
+        "flax msgpack" if found.msgpack else "Orbax PyTree",
+        found.path,
+        seconds,
+    )
+
+
+def _restore_found(found: _Found, target: Any) -> Any:
+    """One found checkpoint restored into `target`'s shape.
+
+    Raises:
+      _existing_msgpack.DamagedCheckpointError: if its msgpack file is damaged.
+    """
+    if found.msgpack:
+        return _restore_msgpack(found, _existing_msgpack.read(found.step, found.path), target)
+    return _restore_pytree(found, target)
 
 
 def _candidates(root: epath.Path, step: int | None, item: str | None) -> Iterator[_Found]:
