@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import time
 
 import mp_worker
 import orbax.checkpoint as ocp
 
 import jaxckpt
-from jaxckpt.tiers import _persister
 
 
 def manager(args: dict) -> tuple[ocp.CheckpointManager, jaxckpt.TieredCheckpointHandler]:
@@ -26,16 +24,7 @@ def manager(args: dict) -> tuple[ocp.CheckpointManager, jaxckpt.TieredCheckpoint
 
 def scenario_save_with_max_to_keep_1(args: dict) -> dict:
     """Saves 1..5 with max_to_keep=1; the last process persists slowly."""
-    import jax
-
-    if jax.process_index() == jax.process_count() - 1:
-        original = _persister.Persister._persist
-
-        def slow(self, job):
-            time.sleep(args["slow_s"])
-            return original(self, job)
-
-        _persister.Persister._persist = slow
+    mp_worker.slow_persists_on_the_last_process(args["slow_s"])
     mngr, h = manager(args)
     m = mp_worker.mesh()
     seen = []

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import jax
@@ -12,7 +11,6 @@ import mp_worker
 import orbax.checkpoint as ocp
 
 import jaxckpt
-from jaxckpt.tiers import _persister
 
 
 def _manager(ckpt: str, **options) -> tuple[ocp.CheckpointManager, jaxckpt.TieredCheckpointHandler]:
@@ -75,16 +73,7 @@ def scenario_end_of_run(args: dict) -> dict:
     run that ends on a step that was not due and is not asked to persist (the upstream
     gemma set-up: LatestN(1), commit-file finalization), and its restart with nothing
     left to train."""
-    if jax.process_index() == jax.process_count() - 1:
-        # The last process persists slowly: a release that judged the step from its own
-        # persistence alone would find the other's part missing (the bug: 3 of 4 trials).
-        original = _persister.Persister._persist
-
-        def slow(self, job):
-            time.sleep(args["slow_s"])
-            return original(self, job)
-
-        _persister.Persister._persist = slow
+    mp_worker.slow_persists_on_the_last_process(args["slow_s"])
     m = mp_worker.mesh()
     trials = []
     for trial in range(args["trials"]):

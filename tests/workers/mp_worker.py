@@ -311,6 +311,21 @@ def scenario_recover(args: dict) -> dict:
     return {"recovered": recovered, "tokens": tokens, "peer_hosts": sorted(hosts)}
 
 
+def slow_persists_on_the_last_process(slow_s: float) -> None:
+    """The last process waits `slow_s` before each persist: a verdict that judged a step
+    from one process's own persistence would find the slower process's part missing."""
+    from jaxckpt.tiers import _persister
+
+    if jax.process_index() == jax.process_count() - 1:
+        original = _persister.Persister._persist
+
+        def slow(self, job):
+            time.sleep(slow_s)
+            return original(self, job)
+
+        _persister.Persister._persist = slow
+
+
 def main(scenarios: dict) -> None:
     """Runs `scenario_<argv[1]>` from `scenarios` (a worker's globals()) with argv[2] as JSON.
 
