@@ -18,21 +18,11 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from mp_worker import ROWS, check, expected, manager, mesh, state, target
+from mp_worker import ROWS, attempt, check, expected, manager, mesh, state, target
 
 import jaxckpt
 from jaxckpt.coord import _multihost
 from jaxckpt.format import _format
-
-
-def attempt(fn) -> dict:
-    """Runs `fn`; its outcome and how long it took."""
-    started = time.perf_counter()
-    try:
-        value = fn()
-    except Exception as e:  # reported to the test
-        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - started}
-    return {"value": value, "seconds": time.perf_counter() - started}
 
 
 def keys_in_store(label: str) -> int:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from mp_agreement import attempt
-from mp_worker import check, manager, mesh, state, target
+from mp_worker import attempt, check, manager, mesh, state, target
 
 import jaxckpt
 from jaxckpt import _faults

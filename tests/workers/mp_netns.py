@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
-from mp_worker import check, manager, mesh, state, target
+from mp_worker import attempt, check, manager, mesh, state, target
 
 import jaxckpt
 
@@ -35,15 +35,6 @@ def phase(sync: str, name: str, timeout_s: float = 60) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the test never started phase {name}")
         time.sleep(0.02)
-
-
-def attempt(fn) -> dict:
-    started = time.perf_counter()
-    try:
-        value = fn()
-    except Exception as e:  # reported to the test
-        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - started}
-    return {"value": value, "seconds": time.perf_counter() - started}
 
 
 def drop_own_part(step: int) -> int:

@@ -311,6 +311,16 @@ def scenario_recover(args: dict) -> dict:
     return {"recovered": recovered, "tokens": tokens, "peer_hosts": sorted(hosts)}
 
 
+def attempt(fn) -> dict:
+    """Runs `fn`; its outcome and how long it took."""
+    started = time.perf_counter()
+    try:
+        value = fn()
+    except Exception as e:  # reported to the test
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - started}
+    return {"value": value, "seconds": time.perf_counter() - started}
+
+
 def slow_persists_on_the_last_process(slow_s: float) -> None:
     """The last process waits `slow_s` before each persist: a verdict that judged a step
     from one process's own persistence would find the slower process's part missing."""
