@@ -101,6 +101,32 @@ def test_retention_keeps_newest_and_pinned_steps(tmp_path):
     assert tier.steps() == [3, 4, 5]  # 5 is after `upto`: still being saved
 
 
+class _Racing(MemoryTier):
+    """A tier whose listing of steps is followed at once by another process's
+    retention of the same memory root (two processes on one host)."""
+
+    other: MemoryTier
+
+    def steps(self) -> list[int]:
+        found = super().steps()
+        if getattr(self, "other", None) is not None:
+            other, self.other = self.other, None
+            other.retain(1, upto=max(found))
+        return found
+
+
+def test_retention_tolerates_steps_deleted_by_another_process_meanwhile(tmp_path):
+    tier = _Racing(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    for step in range(1, 6):
+        commit_step(tier, step)
+    tier.other = MemoryTier(str(tmp_path), "run-a")
+    # The other process deletes 1-4 after this one listed them: nothing left to delete.
+    assert tier.retain(2, upto=5) == [1, 2, 3]
+    assert tier.steps() == [5]
+    assert not tier.is_pinned(1) and tier.parts(1) == []
+
+
 def test_pins_of_dead_processes_are_ignored(tmp_path):
     """Processes sharing one memory root see each other's pins; a dead one's pin is void."""
     tier = MemoryTier(str(tmp_path), "run-a")

@@ -274,9 +274,7 @@ class MemoryTier:
 
     def steps(self) -> list[int]:
         """Steps with at least one committed part, oldest first."""
-        if not self.run_dir.is_dir():
-            return []
-        found = (_STEP_RE.match(p.name) for p in self.run_dir.iterdir())
+        found = (_STEP_RE.match(name) for name in _names(self.run_dir))
         return sorted(int(m.group(1)) for m in found if m)
 
     def parts(self, step: int) -> list[int]:
@@ -284,9 +282,7 @@ class MemoryTier:
         before the slab, left by an older jaxckpt, are not counted, nor parts found
         damaged: `_quarantine`)."""
         step_dir = self.step_dir(step)
-        if not step_dir.is_dir():
-            return []
-        found = (_PART_RE.match(p.name) for p in step_dir.iterdir())
+        found = (_PART_RE.match(name) for name in _names(step_dir))
         return sorted(
             int(m.group(1))
             for m in found
@@ -327,8 +323,15 @@ class MemoryTier:
         return Pin(self.step_dir(step) / f".pin-{_liveness.record()}-{uuid.uuid4().hex[:8]}")
 
     def is_pinned(self, step: int) -> bool:
-        """Whether a live process holds a pin on `step`."""
-        return any(_liveness.is_held(pin) for pin in self.step_dir(step).glob(".pin-*"))
+        """Whether a live process holds a pin on `step` (False once the step is gone).
+
+        Another process sharing the memory root may delete the step meanwhile
+        (its own retention, or a host losing its memory): a missing step holds
+        no pin.
+        """
+        step_dir = self.step_dir(step)
+        pins = [step_dir / n for n in _names(step_dir) if n.startswith(".pin-")]
+        return any(_liveness.is_held(pin) for pin in pins)
 
     def retain(self, keep: int, upto: int, pinned: Iterable[int] = ()) -> list[int]:
         """Of the steps up to `upto`, deletes all but the newest `keep`; never a pinned one.
@@ -459,3 +462,13 @@ class StagedSlab:
     offsets: list[int]
     crcs: list[int] | None  # None: not computed yet (`_slab.checksums`)
     seconds: float  # the write took
+
+
+def _names(directory: Path) -> list[str]:
+    """The entries of `directory`; none once it is gone (another process sharing
+    the memory root may delete a step, or a host lose its whole memory root, at
+    any moment)."""
+    try:
+        return os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
