@@ -110,12 +110,27 @@ def test_bad_arguments_are_refused_before_anything_starts(argv, capsys):
     assert "jaxckpt bench: error" in capsys.readouterr().err
 
 
+# Smaller than --quick: the test checks that every figure is measured and reported, not
+# the figures themselves.
+_SMALL = {
+    "state-gib": 1 / 32,
+    "steps": 5,
+    "warmup": 2,
+    "repeats": 2,
+    "proxy-state-gib": 1 / 64,
+    "proxy-batch": 32,
+    "many-leaves": 200,
+    "prefault-gib": 0.25,
+}
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_quick_run_reports_every_figure(tmp_path, capsys):
     path = tmp_path / "bench.json"
     argv = ["--quick", "--json", str(path), "--memory-root", str(tmp_path / "memory")]
+    argv += [f"--{flag}={value}" for flag, value in _SMALL.items()]
     assert bench.main([*argv, "--work-dir", str(tmp_path / "work")]) == 0
     printed = capsys.readouterr().out
     report = json.loads(path.read_text())
@@ -236,16 +251,18 @@ def _check_floor_memory_and_proxy(report, figures):
         figures["9a"]["value"], statistics.median(loops["jaxckpt_hold"]["step_s"][warmup:])
     )
     assert figures["9a"]["target"] == "<= 1.03"
-    assert report["proxy"]["shape"]["batch"] == 64 and report["proxy"]["devices"] == 1
+    assert report["proxy"]["shape"]["batch"] == _SMALL["proxy-batch"]
+    assert report["proxy"]["devices"] == 1
 
 
 def _check_many_leaves(report, figures):
-    """8a/8b: the 4000-leaf tree, jaxckpt against Orbax, from the same raw timings."""
+    """8a/8b: the many-leaf tree, jaxckpt against Orbax, from the same raw timings."""
     config, procs = report["config"], report["processes"]
-    assert config["many_leaves"] == 4000 and config["many_leaf_bytes"] == 16 * 1024
+    count = _SMALL["many-leaves"]
+    assert config["many_leaves"] == count and config["many_leaf_bytes"] == 16 * 1024
     for p in procs:
         many = p["many_leaves"]
-        assert many["leaves"] == 4000 and many["bytes"] == 4000 * 16 * 1024
+        assert many["leaves"] == count and many["bytes"] == count * 16 * 1024
         # Each process owns its shards of every leaf: half the bytes with 2 processes.
         assert many["own_bytes"] * len(procs) == many["bytes"]
         for kind in ("saves", "orbax_saves"):
@@ -279,7 +296,7 @@ def _check_many_leaves(report, figures):
             worst(lambda m, s=source: statistics.median([r["seconds"] for r in m["restores"][s]])),
         )
     assert figures["8a"]["target"] == "<= 0.25" and figures["8b"]["target"] == "<= 0.2"
-    assert figures["8a"]["name"].startswith("4000-leaf tree")
+    assert figures["8a"]["name"].startswith(f"{count}-leaf tree")
 
 
 @pytest.mark.slow
