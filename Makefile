@@ -6,6 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-newest test-oldest lint clean
 
+# pytest workers for the suites (pytest-xdist): most multi-process tests wait on each other
+# more than they compute, so 2 workers fill 2 cores; TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+PYTEST_ARGS = -q -n $(TEST_WORKERS) --dist worksteal tests
+
 # The oldest releases pyproject.toml allows; `make test-oldest` runs the suite against them.
 OLDEST := jax==0.10.0 jaxlib==0.10.0 orbax-checkpoint==0.12.6 tensorstore==0.1.85 \
 	flax==0.12.2 optax==0.2.6 grain==0.2.15 numpy==2.0.2 crc32c==2.4
@@ -22,7 +27,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check jaxckpt tests examples
@@ -36,7 +41,7 @@ $(OLDEST_VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 test-oldest: $(OLDEST_VENV)/.installed
-	$(OLDEST_VENV)/bin/python -m pytest -q tests
+	$(OLDEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # The newest releases `pyproject.toml` allows, on Python 3.12 (JAX >= 0.11 needs it): pyenv's
 # newest 3.12 where pyenv is installed, else a `python3.12` on PATH; `make PY_NEWEST=...` overrides.
@@ -57,7 +62,7 @@ $(NEWEST_VENV)/.installed: pyproject.toml Makefile
 
 test-newest: $(NEWEST_VENV)/.installed
 	$(NEWEST_VENV)/bin/mypy
-	$(NEWEST_VENV)/bin/python -m pytest -q tests
+	$(NEWEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) build *.egg-info
