@@ -37,7 +37,7 @@ from typing import Any, Final
 from jaxckpt import _resources
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
-from jaxckpt.coord import _agreement, _multihost, _placement, _plan
+from jaxckpt.coord import _agreement, _holdings, _multihost, _placement, _plan
 from jaxckpt.format import _format
 from jaxckpt.peer._peers import Addresses, Peers
 from jaxckpt.peer._wire import PeerAddress
@@ -167,10 +167,11 @@ class Restore:
 
     def _one_plan_s(self) -> float:
         """The CPU of one process's plan (process 1's), measured once."""
-        held = {q: {STEP: owners} for q, owners in self.inventory.items()}
+        held = _holdings.Holdings.of({q: {STEP: owners} for q, owners in self.inventory.items()})
         with _resources.SHARED.gc_paused():
             start = time.thread_time()
-            _plan.plan_step(STEP, self.manifests, 1, {q: h[STEP] for q, h in held.items()}, set())
+            plan = _plan.plan_step(STEP, self.manifests, 1, held.for_step(STEP), set())
+            _ = plan.restorable, plan.sources[1]
             return time.thread_time() - start
 
     def __call__(self, p: int) -> bool:
@@ -185,9 +186,7 @@ class Restore:
         held = peers.exchange_inventories({STEP: self.inventory[p]})
         ok, error = True, None
         if p in self.planners:
-            plan = _plan.plan_step(
-                STEP, self.manifests, p, {q: h[STEP] for q, h in held.items()}, set()
-            )
+            plan = _plan.plan_step(STEP, self.manifests, p, held.for_step(STEP), set())
             own = plan.sources[p]
             ok = plan.restorable and bool(own) and (p != self.lost or own[0].tier == _plan.PEER)
             if not plan.restorable:
