@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import threading
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence, Set
 
 from jaxckpt.coord import _holdings
@@ -75,16 +76,44 @@ class StepPlan:
         Only leaves saved once are listed: a per-process leaf has its own value
         in every part, and its reader names the owner it reads.
         """
-        per_process = (
-            {i for i, r in enumerate(self.leaves) if r.per_process} if self.manifests else set()
-        )
+        per_process = self._per_process()
         return {
-            (leaf, c.index): owner
-            for owner, m in self.manifests.items()
-            for leaf, chunks in m.chunks.items()
-            if leaf not in per_process
-            for c in chunks
+            key: owner for owner, m in self.manifests.items() for key in _chunks(m, per_process)
         }
+
+    def chunk_owner(self, first: int | None) -> Callable[[tuple[int, tuple[int, ...]]], int | None]:
+        """`chunk_owners().get`, looking in `first`'s part before any other: a process
+        restoring onto the mesh it saved from reads only its own part, and never builds
+        the table of every part's chunks (O(chunks of the step)); built on a first miss."""
+        mine = self.manifests.get(first) if first is not None else None
+        own = set(_chunks(mine, self._per_process())) if mine is not None else set()
+        table: list[dict[tuple[int, tuple[int, ...]], int]] = []
+        lock = threading.Lock()
+
+        def owner(key: tuple[int, tuple[int, ...]]) -> int | None:
+            if key in own:
+                return first
+            with lock:  # leaves are read on several threads
+                if not table:
+                    table.append(self.chunk_owners())
+            return table[0].get(key)
+
+        return owner
+
+    def _per_process(self) -> set[int]:
+        if not self.manifests:
+            return set()
+        return {i for i, r in enumerate(self.leaves) if r.per_process}
+
+
+def _chunks(
+    m: _format.PartManifest, per_process: Set[int]
+) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """(leaf, chunk index) of every chunk of the leaves saved once in part `m`."""
+    for leaf, chunks in m.chunks.items():
+        if leaf not in per_process:
+            for c in chunks:
+                yield leaf, c.index
 
 
 class LazySources(Mapping[int, tuple[Source, ...]]):
