@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import operator
 import threading
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence, Set
 
@@ -49,7 +50,9 @@ class StepPlan:
     @property
     def missing(self) -> list[int]:
         """Owners whose part has no verified copy (or no index manifest) anywhere."""
-        unindexed = set(self.owners).difference(self.manifests)
+        unindexed = set()
+        if len(self.manifests) < len(self.owners):  # the manifests' owners are among them
+            unindexed = set(self.owners).difference(self.manifests)
         suspects = self.owners if self.suspects is None else self.suspects
         return sorted(unindexed | {o for o in suspects if not self.sources.get(o)})
 
@@ -147,8 +150,19 @@ def _index_of(values: Sequence[int], value: int) -> int | None:
 
 
 def expected_owners(manifests: Mapping[int, _format.PartManifest]) -> set[int]:
-    counts = {m.process_count for m in manifests.values()}
-    return set(range(max(counts))) if counts else set()
+    return set(range(_part_count(manifests)))
+
+
+def _part_count(manifests: Mapping[int, _format.PartManifest]) -> int:
+    return max(map(operator.attrgetter("process_count"), manifests.values()), default=0)
+
+
+def _owners(manifests: Mapping[int, _format.PartManifest]) -> list[int]:
+    """Every owner the step has (its process count's, and any other indexed): sorted."""
+    count = _part_count(manifests)
+    if manifests and min(manifests) >= 0 and max(manifests) < count:  # as a step usually is
+        return list(range(count))
+    return sorted(set(range(count)).union(manifests))
 
 
 def plan_step(
@@ -177,7 +191,7 @@ def plan_step(
       The plan; `plan.missing` lists parts with no copy (including parts whose
       index manifest is missing although the step had that many processes).
     """
-    owners = sorted(expected_owners(manifests).union(manifests))
+    owners = _owners(manifests)
     holdings = held if isinstance(held, _holdings.StepHoldings) else _holdings.StepHoldings.of(held)
     mine = holdings.held_by(me)
     count = holdings.count
