@@ -194,7 +194,7 @@ class Restore:
             ok = ok and (p != self.lost or own[0].tier == _plan.PEER)
             if not plan.restorable:
                 error = FileNotFoundError(f"step {STEP}: {plan.missing}")
-            del plan
+            del plan, owner_of  # a closure over the plan, and its copy of the manifests
         else:
             self.charge(p, self.plan_cpu_s)
         self.planned[p] = self.clock(p)
