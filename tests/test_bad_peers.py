@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt._options import TierOptions
+from jaxckpt.coord import _holdings
 from jaxckpt.format import _format
 from jaxckpt.peer import _peers
 from jaxckpt.peer._client import check_part, fetch_file
@@ -173,13 +174,13 @@ class FakePeers(_peers.Peers):
         self.held = held or {}
         self.holder_memory, self.ckpt_dir = holder_memory, ckpt_dir
 
-    def exchange_inventories(self, local: _peers.Inventory) -> dict[int, _peers.Inventory]:
+    def exchange_inventories(self, local: _peers.Inventory) -> _holdings.Holdings:
         held = {s: set(o) for s, o in self.held.items()}
         if self.holder_memory is not None and self.ckpt_dir is not None:
             for s in self.holder_memory.steps():
                 index = _index.read_index(self.ckpt_dir / str(s) / "train")
                 held[s] = _index.memory_parts(self.holder_memory, s, index)
-        return {0: local, 1: held}
+        return _holdings.Holdings.of({0: local, 1: held})
 
 
 def attach(h: jaxckpt.TieredCheckpointHandler, peers: _peers.Peers, monkeypatch) -> None:

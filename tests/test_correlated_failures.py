@@ -60,10 +60,7 @@ def restore_after_losing(
         addresses = _peers.Addresses(RUN, {}, 30.0)
         peers = _peers.Peers(_scale._Service(p), "t" * 64, RUN, addresses, holders[p], replicas, 30)
         inventories = peers.exchange_inventories({STEP: held[p]})
-        plan = _plan.plan_step(
-            STEP, manifests, p, {q: inv.get(STEP, set()) for q, inv in inventories.items()},
-            persisted,
-        )  # fmt: skip
+        plan = _plan.plan_step(STEP, manifests, p, inventories.for_step(STEP), persisted)
         error = None
         if not plan.restorable:
             error = FileNotFoundError(f"Step {STEP}: no copy of the parts of {plan.missing}")

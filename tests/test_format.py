@@ -98,6 +98,13 @@ def test_plan_prefers_own_memory_then_peers_then_persistent():
         _plan.Source("persistent"),
     )
     assert plan.chunk_owners() == {(0, (0, 0)): 0, (0, (1, 0)): 1}
+    # Looked up in a process's own part first; any other chunk through the whole table.
+    for first in (0, 1, None):
+        owner_of = plan.chunk_owner(first)
+        assert [owner_of((0, (i, 0))) for i in (0, 1, 2)] == [0, 1, None]
+    # Sources are planned per part asked for; the plan without a tier drops it.
+    assert plan.without("memory").sources[0][0] == _plan.Source("peer", 2)
+    assert not _plan.plan_step(5, index, 0, {0: {0}}, set()).without("memory").restorable
 
 
 def test_plan_is_the_same_on_every_process_up_to_its_own_view():

@@ -37,7 +37,7 @@ from typing import Any, Final
 from jaxckpt import _resources
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
-from jaxckpt.coord import _agreement, _multihost, _placement, _plan
+from jaxckpt.coord import _agreement, _holdings, _multihost, _placement, _plan
 from jaxckpt.format import _format
 from jaxckpt.peer._peers import Addresses, Peers
 from jaxckpt.peer._wire import PeerAddress
@@ -51,7 +51,7 @@ DEVICES_PER_PROCESS: Final = 8
 STEP: Final = 1000
 RUN_ID: Final = "run-0123456789abcdef"
 TIMEOUT_S: Final = 120.0  # TierOptions' default: every wait is bounded by it
-EVERY_PROCESS_PLANS: Final = 4096  # up to this N every simulated process plans a restore
+EVERY_PROCESS_PLANS: Final = 16384  # up to this N every simulated process plans a restore
 SAMPLED_PLANNERS: Final = 512  # beyond, about this many do (see `Restore`)
 FIGURES: Final = ("rpcs", "coordinator_bytes", "modeled_s", "plan_cpu_s", "peak_rss_bytes")
 
@@ -138,10 +138,10 @@ class Setup:
 class Restore:
     """One restore after the loss of process `lost`: its memory tier is empty.
 
-    Every process plans (`_plan.plan_step`, O(N) each) up to `EVERY_PROCESS_PLANS`
-    processes. Beyond, the simulation would cost N times O(N) of real CPU (80 minutes
-    at 16,384), so a sample plans for real (the lost process, its holders, process 0,
-    the last, and evenly spaced others: `SAMPLED_PLANNERS` in all) and every other
+    Every process plans (`_plan.plan_step`: the verdict from the parts no process holds,
+    and the sources of its own part, the one it reads) up to `EVERY_PROCESS_PLANS`
+    processes. Beyond, a sample plans for real (the lost process, its holders, process
+    0, the last, and evenly spaced others: `SAMPLED_PLANNERS` in all) and every other
     process is charged, in virtual time, the CPU one plan took before the simulation;
     every process still takes part in every exchange and decodes the inventories.
     """
@@ -167,10 +167,11 @@ class Restore:
 
     def _one_plan_s(self) -> float:
         """The CPU of one process's plan (process 1's), measured once."""
-        held = {q: {STEP: owners} for q, owners in self.inventory.items()}
+        held = _holdings.Holdings.of({q: {STEP: owners} for q, owners in self.inventory.items()})
         with _resources.SHARED.gc_paused():
             start = time.thread_time()
-            _plan.plan_step(STEP, self.manifests, 1, {q: h[STEP] for q, h in held.items()}, set())
+            plan = _plan.plan_step(STEP, self.manifests, 1, held.for_step(STEP), set())
+            _ = plan.restorable, plan.sources[1], plan.chunk_owner(1)((0, (1, 0)))
             return time.thread_time() - start
 
     def __call__(self, p: int) -> bool:
@@ -185,14 +186,15 @@ class Restore:
         held = peers.exchange_inventories({STEP: self.inventory[p]})
         ok, error = True, None
         if p in self.planners:
-            plan = _plan.plan_step(
-                STEP, self.manifests, p, {q: h[STEP] for q, h in held.items()}, set()
-            )
+            plan = _plan.plan_step(STEP, self.manifests, p, held.for_step(STEP), set())
             own = plan.sources[p]
-            ok = plan.restorable and bool(own) and (p != self.lost or own[0].tier == _plan.PEER)
+            owner_of = plan.chunk_owner(p)  # as the restorer finds the part of each chunk
+            ok = all(owner_of((leaf, (p, 0))) == p for leaf in range(LEAVES))
+            ok = ok and plan.restorable and bool(own)
+            ok = ok and (p != self.lost or own[0].tier == _plan.PEER)
             if not plan.restorable:
                 error = FileNotFoundError(f"step {STEP}: {plan.missing}")
-            del plan
+            del plan, owner_of  # a closure over the plan, and its copy of the manifests
         else:
             self.charge(p, self.plan_cpu_s)
         self.planned[p] = self.clock(p)

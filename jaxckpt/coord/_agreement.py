@@ -212,9 +212,11 @@ def _combine(texts: dict[int, str], write_index: WriteIndex | None = None) -> di
     count = len(texts)
     if any("p" in v for v in values.values()):
         out["payloads"] = [values.get(p, {}).get("p") for p in range(count)]
-    groups: dict[str, list[int]] = {}
-    for p in range(count):
-        groups.setdefault(str(values.get(p, {}).get("d")), []).append(p)
+    groups: dict[str, list[int]] = {"None": list(range(count))}
+    if any("d" in v for v in values.values()):  # else (a restore's verdict) one group
+        groups = {}
+        for p in range(count):
+            groups.setdefault(str(values.get(p, {}).get("d")), []).append(p)
     if len(groups) > 1:
         # The reference is the most common tree (ties: the lowest process's).
         reference = max(groups.values(), key=lambda ps: (len(ps), -ps[0]))

@@ -1,15 +1,22 @@
 """Restore planning: for a step, where every part can be read from. Pure logic.
 
-Every process computes the same plan from the same inputs (the step's index
-manifests and every process's inventory), so all agree on whether a step is
-restorable before any of them starts reading.
+Every process computes the same verdict from the same inputs (the step's index
+manifests, the parts the exchange of inventories says no process holds, and
+persistent storage), so all agree on whether a step is restorable before any of
+them starts reading. Sources are planned per part when a reader asks for them
+(`StepPlan.sources` is lazy): a process plans only the parts it reads, O(own
+parts), not every part of the step.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Mapping, Set
+import operator
+import threading
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence, Set
 
+from jaxckpt.coord import _holdings
 from jaxckpt.format import _format
 
 MEMORY = "memory"  # this process's own memory tier
@@ -37,11 +44,17 @@ class StepPlan:
     owners: tuple[int, ...]  # every process that saved a part of the step
     manifests: Mapping[int, _format.PartManifest]  # owner -> index manifest
     sources: Mapping[int, tuple[Source, ...]]  # owner -> fastest first
+    # The owners that may have no source: those no process holds (None: any owner).
+    suspects: Sequence[int] | None = None
 
     @property
     def missing(self) -> list[int]:
         """Owners whose part has no verified copy (or no index manifest) anywhere."""
-        return [o for o in self.owners if o not in self.manifests or not self.sources.get(o)]
+        unindexed = set()
+        if len(self.manifests) < len(self.owners):  # the manifests' owners are among them
+            unindexed = set(self.owners).difference(self.manifests)
+        suspects = self.owners if self.suspects is None else self.suspects
+        return sorted(unindexed | {o for o in suspects if not self.sources.get(o)})
 
     @property
     def restorable(self) -> bool:
@@ -53,10 +66,12 @@ class StepPlan:
 
     def without(self, tier: str) -> StepPlan:
         """This plan with no source of `tier` (a tier the reader cannot use after all)."""
-        sources = {
-            o: tuple(s for s in found if s.tier != tier) for o, found in self.sources.items()
-        }
-        return dataclasses.replace(self, sources=sources)
+        found = self.sources
+
+        def plan(owner: int) -> tuple[Source, ...]:
+            return tuple(s for s in found.get(owner, ()) if s.tier != tier)
+
+        return dataclasses.replace(self, sources=LazySources(self.owners, plan), suspects=None)
 
     def chunk_owners(self) -> dict[tuple[int, tuple[int, ...]], int]:
         """(leaf, chunk index) -> the owner whose part holds the chunk.
@@ -64,64 +79,135 @@ class StepPlan:
         Only leaves saved once are listed: a per-process leaf has its own value
         in every part, and its reader names the owner it reads.
         """
-        per_process = (
-            {i for i, r in enumerate(self.leaves) if r.per_process} if self.manifests else set()
-        )
+        per_process = self._per_process()
         return {
-            (leaf, c.index): owner
-            for owner, m in self.manifests.items()
-            for leaf, chunks in m.chunks.items()
-            if leaf not in per_process
-            for c in chunks
+            key: owner for owner, m in self.manifests.items() for key in _chunks(m, per_process)
         }
+
+    def chunk_owner(self, first: int | None) -> Callable[[tuple[int, tuple[int, ...]]], int | None]:
+        """`chunk_owners().get`, looking in `first`'s part before any other: a process
+        restoring onto the mesh it saved from reads only its own part, and never builds
+        the table of every part's chunks (O(chunks of the step)); built on a first miss."""
+        mine = self.manifests.get(first) if first is not None else None
+        own = set(_chunks(mine, self._per_process())) if mine is not None else set()
+        table: list[dict[tuple[int, tuple[int, ...]], int]] = []
+        lock = threading.Lock()
+
+        def owner(key: tuple[int, tuple[int, ...]]) -> int | None:
+            if key in own:
+                return first
+            with lock:  # leaves are read on several threads
+                if not table:
+                    table.append(self.chunk_owners())
+            return table[0].get(key)
+
+        return owner
+
+    def _per_process(self) -> set[int]:
+        if not self.manifests:
+            return set()
+        return {i for i, r in enumerate(self.leaves) if r.per_process}
+
+
+def _chunks(
+    m: _format.PartManifest, per_process: Set[int]
+) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """(leaf, chunk index) of every chunk of the leaves saved once in part `m`."""
+    for leaf, chunks in m.chunks.items():
+        if leaf not in per_process:
+            for c in chunks:
+                yield leaf, c.index
+
+
+class LazySources(Mapping[int, tuple[Source, ...]]):
+    """owner -> its sources, each planned on first use (a reader asks only for the
+    parts it reads)."""
+
+    def __init__(self, owners: Sequence[int], plan: Callable[[int], tuple[Source, ...]]):
+        self._owners = owners  # sorted
+        self._plan = plan
+        self._planned: dict[int, tuple[Source, ...]] = {}
+
+    def __getitem__(self, owner: int) -> tuple[Source, ...]:
+        found = self._planned.get(owner)
+        if found is None:
+            i = _index_of(self._owners, owner)
+            if i is None:
+                raise KeyError(owner)
+            found = self._planned[owner] = self._plan(owner)
+        return found
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._owners)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+
+def _index_of(values: Sequence[int], value: int) -> int | None:
+    i = bisect.bisect_left(values, value)
+    return i if i < len(values) and values[i] == value else None
 
 
 def expected_owners(manifests: Mapping[int, _format.PartManifest]) -> set[int]:
-    counts = {m.process_count for m in manifests.values()}
-    return set(range(max(counts))) if counts else set()
+    return set(range(_part_count(manifests)))
+
+
+def _part_count(manifests: Mapping[int, _format.PartManifest]) -> int:
+    return max(map(operator.attrgetter("process_count"), manifests.values()), default=0)
+
+
+def _owners(manifests: Mapping[int, _format.PartManifest]) -> list[int]:
+    """Every owner the step has (its process count's, and any other indexed): sorted."""
+    count = _part_count(manifests)
+    if manifests and min(manifests) >= 0 and max(manifests) < count:  # as a step usually is
+        return list(range(count))
+    return sorted(set(range(count)).union(manifests))
 
 
 def plan_step(
     step: int,
     manifests: Mapping[int, _format.PartManifest],
     me: int,
-    held: Mapping[int, Set[int]],
-    persisted: Set[int],
+    held: Mapping[int, Set[int]] | _holdings.StepHoldings,
+    persisted: Container[int],
 ) -> StepPlan:
     """Decides where each part of `step` is read from by process `me`.
+
+    The verdict (`restorable`, `missing`) looks only at the parts no process holds
+    (and persistent storage for those); the sources of a part are planned when
+    asked for (`StepPlan.sources`).
 
     Args:
       step: the step to restore.
       manifests: owner -> index manifest of every part saved for the step.
       me: the planning process.
-      held: process -> owners whose verified part of `step` it holds in memory.
-      persisted: owners whose part is durable in persistent storage.
+      held: who holds which verified part of `step` in memory: the exchange's
+        `StepHoldings`, or process -> owners held.
+      persisted: owners whose part is durable in persistent storage (asked only
+        about the parts planned and those no process holds).
 
     Returns:
       The plan; `plan.missing` lists parts with no copy (including parts whose
       index manifest is missing although the step had that many processes).
     """
-    owners = sorted(expected_owners(manifests) | set(manifests))
-    # One pass over the inventories (owner -> the processes that hold it), so planning
-    # costs O(processes + copies), not O(owners x processes): at 4,096 processes the
-    # per-owner scan took seconds of CPU on every process.
-    holding: dict[int, list[int]] = {}
-    for p, owners_held in held.items():
-        if p != me:
-            for owner in owners_held:
-                holding.setdefault(owner, []).append(p)
-    mine = held.get(me, ())
-    count = max(1, len(held))
-    sources: dict[int, tuple[Source, ...]] = {}
-    for owner in owners:
+    owners = _owners(manifests)
+    holdings = held if isinstance(held, _holdings.StepHoldings) else _holdings.StepHoldings.of(held)
+    mine = holdings.held_by(me)
+    count = holdings.count
+
+    def plan(owner: int) -> tuple[Source, ...]:
         found: list[Source] = []
         if owner in mine:
             found.append(Source(MEMORY, me))
         # Prefer the owner itself, then the others in a rotating order so that
         # readers of the same part spread over its holders.
-        peers = sorted(holding.get(owner, ()), key=lambda p: (p != owner, (p - me) % count, p))
+        peers = [p for p in holdings.holders(owner) if p != me]
+        peers.sort(key=lambda p: (p != owner, (p - me) % count, p))
         found += [Source(PEER, p) for p in peers]
         if owner in persisted:
             found.append(Source(PERSISTENT))
-        sources[owner] = tuple(found)
-    return StepPlan(step, tuple(owners), dict(manifests), sources)
+        return tuple(found)
+
+    sources = LazySources(owners, plan)
+    return StepPlan(step, tuple(owners), dict(manifests), sources, holdings.uncovered(owners))

@@ -164,7 +164,7 @@ class Restorer:
         self._redact = redact
         self._reader_for = reader_for
         self._process_index = process_index
-        self._owners = plan.chunk_owners()
+        self._owner_of = plan.chunk_owner(process_index)  # its own part first
         self._readers: dict[tuple[_plan.Source, int], _readers.ChunkReader] = {}
         self._chunk_records: dict[tuple[int, int], dict[tuple[int, ...], _format.ChunkRecord]] = {}
         self._lock = threading.Lock()
@@ -208,7 +208,7 @@ class Restorer:
     ) -> np.ndarray:
         record = self._plan.leaves[leaf]
         if owner is None:
-            owner = self._owners.get((leaf, index))
+            owner = self._owner_of((leaf, index))
         expected = self._saved_chunks(owner, leaf).get(index) if owner is not None else None
         if owner is None or expected is None:
             raise ChunkUnavailableError(

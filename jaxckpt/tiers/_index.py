@@ -25,14 +25,14 @@ import base64
 import dataclasses
 import json
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from absl import logging as log
 
 from jaxckpt import _resources
-from jaxckpt.coord import _plan
+from jaxckpt.coord import _holdings, _plan
 from jaxckpt.format import _checksum, _format
 from jaxckpt.tiers import _memory_tier, _storage
 
@@ -249,15 +249,32 @@ def memory_parts(memory: _memory_tier.MemoryTier, step: int, index: Index) -> se
 
 def persisted_parts(item_dir: Path, index: Index) -> set[int]:
     """Owners whose part of the step is durable in the item directory."""
-    out = set()
-    for owner, m in index.items():
-        try:
-            path = item_dir / _format.part_dir_name(owner) / _format.MANIFEST_FILE
-            if matches(_format.PartManifest.from_json(_storage.read_bytes(path)), m):
-                out.add(owner)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
+    return {owner for owner, m in index.items() if _is_persisted(item_dir, m)}
+
+
+def _is_persisted(item_dir: Path, m: _format.PartManifest) -> bool:
+    try:
+        path = item_dir / _format.part_dir_name(m.owner) / _format.MANIFEST_FILE
+        return matches(_format.PartManifest.from_json(_storage.read_bytes(path)), m)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+class PersistedParts(Container[int]):
+    """`persisted_parts`, each part's manifest read when it is first asked about: a
+    restore plan asks about the parts it reads and those no process holds, not all."""
+
+    def __init__(self, item_dir: Path, index: Index):
+        self._item_dir = item_dir
+        self._index = index
+        self._known: dict[int, bool] = {}
+
+    def __contains__(self, owner: object) -> bool:
+        if not isinstance(owner, int) or owner not in self._index:
+            return False
+        if owner not in self._known:
+            self._known[owner] = _is_persisted(self._item_dir, self._index[owner])
+        return self._known[owner]
 
 
 class GlobalView:
@@ -270,12 +287,14 @@ class GlobalView:
     def __init__(
         self,
         steps: dict[int, Path],
-        inventories: dict[int, dict[int, set[int]]],
+        inventories: Mapping[int, dict[int, set[int]]] | _holdings.Holdings,
         me: int,
         indexes: dict[int, Index] | None = None,
     ):
         self.steps = steps  # step -> item directory
-        self.inventories = inventories  # process -> step -> owners held
+        if not isinstance(inventories, _holdings.Holdings):
+            inventories = _holdings.Holdings.of(inventories)
+        self.inventories = inventories  # who holds which part of which step
         self.me = me
         self._indexes = indexes if indexes is not None else {}
 
@@ -290,8 +309,8 @@ class GlobalView:
         if step not in self._indexes:
             self._indexes[step] = read_index(item_dir)
         index = self._indexes[step]
-        held = {p: inv.get(step, set()) for p, inv in self.inventories.items()}
-        return _plan.plan_step(step, index, self.me, held, persisted_parts(item_dir, index))
+        held = self.inventories.for_step(step)
+        return _plan.plan_step(step, index, self.me, held, PersistedParts(item_dir, index))
 
     def restorable_steps(self, exclude: int | None = None) -> list[int]:
         """Restorable steps, newest first."""
