@@ -97,7 +97,7 @@ def test_plan_prefers_own_memory_then_peers_then_persistent():
         _plan.Source("peer", 2),
         _plan.Source("persistent"),
     )
-    assert plan.chunk_owners() == {(0, (0, 0)): 0, (0, (1, 0)): 1}
+    assert plan.chunk_owners() == {(0, (0, 0)): (0,), (0, (1, 0)): (1,)}
 
 
 def test_plan_is_the_same_on_every_process_up_to_its_own_view():
@@ -210,3 +210,15 @@ def test_unknown_leaf_fields_are_ignored():
     d.pop("crc32c")
     d["leaves"][0]["from_a_later_version"] = [1, 2]
     assert _format.PartManifest.from_dict(d).leaves == manifest(0).leaves
+
+
+def test_a_chunk_in_several_parts_is_read_from_this_process_memory_first():
+    # A small replicated shard is saved by each of its holders (`_replicas`): the same
+    # chunk in every part. Process 1 holds its own part: it reads its own copy, and the
+    # others in a rotating order after it.
+    shared = (_format.ChunkRecord((0, 0), 32, crc32c=7, offset=0),)
+    index = {o: dataclasses.replace(manifest(o, count=3), chunks={0: shared}) for o in range(3)}
+    plan = _plan.plan_step(5, index, me=1, held={0: {0}, 1: {1}, 2: {2}}, persisted={0, 1, 2})
+    assert plan.chunk_owners(1) == {(0, (0, 0)): (1, 2, 0)}
+    plan = _plan.plan_step(5, index, me=2, held={0: {0}, 1: {1}}, persisted={0, 1, 2})
+    assert plan.chunk_owners(2) == {(0, (0, 0)): (0, 1, 2)}  # peers first, then persistent

@@ -58,21 +58,36 @@ class StepPlan:
         }
         return dataclasses.replace(self, sources=sources)
 
-    def chunk_owners(self) -> dict[tuple[int, tuple[int, ...]], int]:
-        """(leaf, chunk index) -> the owner whose part holds the chunk.
+    def chunk_owners(self, me: int = 0) -> dict[tuple[int, tuple[int, ...]], tuple[int, ...]]:
+        """(leaf, chunk index) -> the owners whose parts hold the chunk, the one to read
+        first first.
 
-        Only leaves saved once are listed: a per-process leaf has its own value
-        in every part, and its reader names the owner it reads.
+        A chunk is in one part, or (a small shard held by data-parallel replicas,
+        `_replicas.every_holder_saves`) in the part of each of its holders: those
+        come in the order of their fastest source (a copy in `me`'s own memory tier
+        first), then in a rotating order after `me`, so that readers spread over
+        them. Only leaves saved once are listed: a per-process leaf has its own
+        value in every part, and its reader names the owner it reads.
         """
         per_process = (
             {i for i, r in enumerate(self.leaves) if r.per_process} if self.manifests else set()
         )
+        found: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for owner, m in self.manifests.items():
+            for leaf, chunks in m.chunks.items():
+                if leaf not in per_process:
+                    for c in chunks:
+                        found.setdefault((leaf, c.index), []).append(owner)
+        count = max(1, len(self.manifests))
+
+        def rank(owner: int) -> tuple[int, int, int]:
+            sources = self.sources.get(owner, ())
+            tier = TIER_ORDER.index(sources[0].tier) if sources else len(TIER_ORDER)
+            return (tier, (owner - me) % count, owner)
+
         return {
-            (leaf, c.index): owner
-            for owner, m in self.manifests.items()
-            for leaf, chunks in m.chunks.items()
-            if leaf not in per_process
-            for c in chunks
+            key: tuple(owners) if len(owners) == 1 else tuple(sorted(owners, key=rank))
+            for key, owners in found.items()
         }
 
 
