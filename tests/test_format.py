@@ -6,6 +6,7 @@ import dataclasses
 import json
 import zlib
 
+import numpy as np
 import pytest
 
 from jaxckpt.coord import _plan
@@ -222,3 +223,36 @@ def test_a_chunk_in_several_parts_is_read_from_this_process_memory_first():
     assert plan.chunk_owners(1) == {(0, (0, 0)): (1, 2, 0)}
     plan = _plan.plan_step(5, index, me=2, held={0: {0}, 1: {1}}, persisted={0, 1, 2})
     assert plan.chunk_owners(2) == {(0, (0, 0)): (0, 1, 2)}  # peers first, then persistent
+
+
+def test_a_damaged_own_copy_of_a_chunk_in_several_parts_falls_back_to_another_part():
+    from jaxckpt.format import _checksum
+    from jaxckpt.restore import _restore
+
+    good = np.arange(8, dtype=np.float32).reshape(4, 2)
+    leaf = dataclasses.replace(manifest(0).leaves[0], shape=(4, 2), stored_shape=(4, 2))
+    shared = (_format.ChunkRecord((0, 0), good.nbytes, crc32c=_checksum.crc32c(good), offset=0),)
+    index = {
+        o: dataclasses.replace(manifest(o), leaves=(leaf,), chunks={0: shared}) for o in range(2)
+    }
+    plan = _plan.plan_step(5, index, me=0, held={0: {0}, 1: {1}}, persisted=set())
+
+    class Reader:
+        def __init__(self, data):
+            self.data = data
+
+        def read(self, leaf, record, expected, timeout_s):
+            return self.data
+
+    readers = {("memory", 0): Reader(good + 1), ("peer", 1): Reader(good)}
+    damaged = []
+    restorer = _restore.Restorer(
+        plan,
+        lambda source, owner: readers[(source.tier, owner)],
+        0,
+        on_damaged=lambda source, owner, why: damaged.append((source.tier, owner)),
+    )
+    (got,) = restorer._read_regions(0, [(slice(0, 4), slice(0, 2))])
+    np.testing.assert_array_equal(got, good)
+    assert restorer.bytes_by_tier == {"peer": good.nbytes}  # the other part's copy
+    assert damaged == [("memory", 0)] and restorer.failures
