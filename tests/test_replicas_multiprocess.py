@@ -148,6 +148,7 @@ def test_dp2_fsdp4_on_4_processes(tmp_path: Path, capsys) -> None:
         )
     )
     assert _ok(loss), loss
+    print("node loss, bytes by tier:", [(r["bytes_by_tier"], r["fallbacks"]) for r in loss])
     assert set(loss[1]["bytes_by_tier"]) == {"peer"}, loss[1]
     # Every memory tier gone: the persisted step 2 is read once across the job (each
     # replica group reads 1/R, a collective over dp does the rest), "odd" too, whose sizes

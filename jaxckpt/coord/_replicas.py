@@ -362,41 +362,53 @@ def read_layout(
 ) -> ReadLayout | None:
     """How a restore onto `sharding` reads each region once across its replicas (pure);
     None where they cannot share the read (no replication across processes, not a
-    NamedSharding, a zero-size or 0-d array, a target uneven already).
+    NamedSharding, a zero-size or 0-d array, a target uneven already, a target shard
+    that is one saved chunk where no dimension divides).
 
     `read_sharding` where a dimension divides; else padded (`ReadLayout`) along the
     dimension with the most saved chunks (`chunk_shape`) in a target shard, each
     replica reading a contiguous run of whole chunks: every byte is read once, not
     once a replica.
     """
-    even = read_sharding(sharding, stored_shape)
-    if even is not None:
-        return ReadLayout(even, tuple(stored_shape))
     found = _spread(sharding, stored_shape)
     if found is None:
         return None
     mesh, spec, across = found
+    even = _even_dim(mesh, spec, across, stored_shape)
+    if even is not None:
+        return ReadLayout(_named(sharding, spec, even, across), tuple(stored_shape))
+    return _padded(sharding, found, stored_shape, chunk_shape)
+
+
+def _padded(
+    sharding: jax.sharding.Sharding,
+    found: tuple[Any, list[Any], tuple[str, ...]],
+    stored_shape: Sequence[int],
+    chunk_shape: Sequence[int] | None,
+) -> ReadLayout | None:
+    """The padded `ReadLayout` along the dimension with the most saved chunks in a target
+    shard, among those whose chunks tile the target shards first (elements stand for
+    chunks in the others: restored onto another mesh); None where a target shard is
+    one chunk (a small shard, saved whole by each of its holders: nothing to share)."""
+    mesh, spec, across = found
     replicas = math.prod(mesh.shape[a] for a in across)
-    best: tuple[tuple[int, int], int, int, int, int] | None = None  # (rank, dim, a, s, chunk)
-    for d, entry in enumerate(spec):
+    best: tuple[tuple[bool, int, int], int, int, int, int] | None = None
+    for d, entry in enumerate(spec):  # (rank, dimension, target shards, their size, chunk)
         blocks = math.prod(mesh.shape[a] for a in _axes(entry))
         if stored_shape[d] % blocks:
             continue
         size = stored_shape[d] // blocks
-        chunk = chunk_shape[d] if chunk_shape and size % chunk_shape[d] == 0 else 1
-        rank = (size // chunk, -d)  # the most chunks (the first dimension among equals)
+        tiled = chunk_shape is not None and size % chunk_shape[d] == 0
+        chunk = chunk_shape[d] if chunk_shape is not None and tiled else 1
+        rank = (tiled, size // chunk, -d)
         if best is None or rank > best[0]:
             best = (rank, d, blocks, size, chunk)
-    if best is None:
+    if best is None or best[0][1] < 2:
         return None
     _, d, blocks, size, chunk = best
     slot = -(-(size // chunk) // replicas) * chunk
-    spec[d] = _axes(spec[d]) + across
     shape = (*stored_shape[:d], blocks * replicas * slot, *stored_shape[d + 1 :])
-    read = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
-    )
-    return ReadLayout(read, shape, d, blocks, slot, size)
+    return ReadLayout(_named(sharding, spec, d, across), shape, d, blocks, slot, size)
 
 
 def read_sharding(
@@ -416,14 +428,29 @@ def read_sharding(
     if found is None:
         return None
     mesh, spec, across = found
+    d = _even_dim(mesh, spec, across, stored_shape)
+    return None if d is None else _named(sharding, spec, d, across)
+
+
+def _even_dim(
+    mesh: Any, spec: list[Any], across: tuple[str, ...], stored_shape: Sequence[int]
+) -> int | None:
+    """The first dimension that `across`, added to its own axes, divides."""
     for d, entry in enumerate(spec):
-        axes = _axes(entry) + across
-        if stored_shape[d] % math.prod(mesh.shape[a] for a in axes) == 0:
-            spec[d] = axes
-            return jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
-            )
+        if stored_shape[d] % math.prod(mesh.shape[a] for a in _axes(entry) + across) == 0:
+            return d
     return None
+
+
+def _named(
+    sharding: Any, spec: list[Any], d: int, across: tuple[str, ...]
+) -> jax.sharding.NamedSharding:
+    """`sharding` with `across` added, minor, to dimension `d`'s axes."""
+    spec = list(spec)
+    spec[d] = _axes(spec[d]) + across
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
+    )
 
 
 def _spread(
