@@ -6,6 +6,7 @@ import dataclasses
 import json
 import zlib
 
+import numpy as np
 import pytest
 
 from jaxckpt.coord import _plan
@@ -97,11 +98,12 @@ def test_plan_prefers_own_memory_then_peers_then_persistent():
         _plan.Source("peer", 2),
         _plan.Source("persistent"),
     )
-    assert plan.chunk_owners() == {(0, (0, 0)): 0, (0, (1, 0)): 1}
+    assert plan.chunk_owners() == {(0, (0, 0)): (0,), (0, (1, 0)): (1,)}
     # Looked up in a process's own part first; any other chunk through the whole table.
     for first in (0, 1, None):
-        owner_of = plan.chunk_owner(first)
-        assert [owner_of((0, (i, 0))) for i in (0, 1, 2)] == [0, 1, None]
+        owners_of = plan.chunk_owner(first)
+        assert [owners_of((0, (i, 0)), False) for i in (0, 1, 2)] == [(0,), (1,), ()]
+        assert owners_of((0, (0, 0)), True) == (0,)
     # Sources are planned per part asked for; the plan without a tier drops it.
     assert plan.without("memory").sources[0][0] == _plan.Source("peer", 2)
     assert not _plan.plan_step(5, index, 0, {0: {0}}, set()).without("memory").restorable
@@ -217,3 +219,48 @@ def test_unknown_leaf_fields_are_ignored():
     d.pop("crc32c")
     d["leaves"][0]["from_a_later_version"] = [1, 2]
     assert _format.PartManifest.from_dict(d).leaves == manifest(0).leaves
+
+
+def test_a_chunk_in_several_parts_is_read_from_this_process_memory_first():
+    # A small replicated shard is saved by each of its holders (`_replicas`): the same
+    # chunk in every part. Process 1 holds its own part: it reads its own copy, and the
+    # others in a rotating order after it.
+    shared = (_format.ChunkRecord((0, 0), 32, crc32c=7, offset=0),)
+    index = {o: dataclasses.replace(manifest(o, count=3), chunks={0: shared}) for o in range(3)}
+    plan = _plan.plan_step(5, index, me=1, held={0: {0}, 1: {1}, 2: {2}}, persisted={0, 1, 2})
+    assert plan.chunk_owners(1) == {(0, (0, 0)): (1, 2, 0)}
+    plan = _plan.plan_step(5, index, me=2, held={0: {0}, 1: {1}}, persisted={0, 1, 2})
+    assert plan.chunk_owners(2) == {(0, (0, 0)): (0, 1, 2)}  # peers first, then persistent
+
+
+def test_a_damaged_own_copy_of_a_chunk_in_several_parts_falls_back_to_another_part():
+    from jaxckpt.format import _checksum
+    from jaxckpt.restore import _restore
+
+    good = np.arange(8, dtype=np.float32).reshape(4, 2)
+    leaf = dataclasses.replace(manifest(0).leaves[0], shape=(4, 2), stored_shape=(4, 2))
+    shared = (_format.ChunkRecord((0, 0), good.nbytes, crc32c=_checksum.crc32c(good), offset=0),)
+    index = {
+        o: dataclasses.replace(manifest(o), leaves=(leaf,), chunks={0: shared}) for o in range(2)
+    }
+    plan = _plan.plan_step(5, index, me=0, held={0: {0}, 1: {1}}, persisted=set())
+
+    class Reader:
+        def __init__(self, data):
+            self.data = data
+
+        def read(self, leaf, record, expected, timeout_s):
+            return self.data
+
+    readers = {("memory", 0): Reader(good + 1), ("peer", 1): Reader(good)}
+    damaged = []
+    restorer = _restore.Restorer(
+        plan,
+        lambda source, owner: readers[(source.tier, owner)],
+        0,
+        on_damaged=lambda source, owner, why: damaged.append((source.tier, owner)),
+    )
+    (got,) = restorer._read_regions(0, [(slice(0, 4), slice(0, 2))])
+    np.testing.assert_array_equal(got, good)
+    assert restorer.bytes_by_tier == {"peer": good.nbytes}  # the other part's copy
+    assert damaged == [("memory", 0)] and restorer.failures

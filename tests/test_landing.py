@@ -4,7 +4,10 @@ ahead of the transfer, and lent to the restored arrays (one process, a fake peer
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 import types
+from unittest import mock
 
 import jax
 import numpy as np
@@ -27,6 +30,18 @@ def _leaf() -> _format.LeafRecord:
         stored_shape=(4 * SHAPE[0], SHAPE[1]),
         stored_dtype="float32",
         chunk_shape=SHAPE,
+    )
+
+
+def _empty_leaf() -> _format.LeafRecord:
+    return _format.LeafRecord(
+        "empty",
+        _format.ARRAY,
+        shape=(0, 8),
+        dtype="float32",
+        stored_shape=(0, 8),
+        stored_dtype="float32",
+        chunk_shape=(1, 8),
     )
 
 
@@ -208,3 +223,57 @@ def test_the_part_size_comes_from_its_chunk_records():
     }
     assert _landing.part_bytes(types.SimpleNamespace(chunks=chunks)) == 320
     assert _landing.part_bytes(types.SimpleNamespace(chunks={})) == 0
+
+
+def test_a_zero_size_chunk_at_the_offset_of_the_next_is_not_taken_for_it(tmp_path):
+    """A zero-size chunk (an empty shard) is laid out at the offset of the chunk after it
+    (`_slab.layout`): while that chunk is still on its way, the empty one has arrived at
+    the same offset. A read of the real chunk waits for its own bytes, not the empty
+    chunk's checksum (which failed it: "damaged on the way", the holder's copy whole)."""
+    values, chunks, slab = _peer_part(seed=4)
+    empty = _format.ChunkRecord((0, 0), 0, crc32c=_checksum.crc32c(b""), offset=chunks[1].offset)
+    part = [chunks[0], empty, *chunks[1:]]
+    first_piece, go_on = threading.Event(), threading.Event()
+    fetch = _fetcher(slab)
+
+    def slow(offset: int, into: memoryview, timeout_s: float, progress=None) -> None:
+        def told(done: int) -> None:
+            if progress is not None:
+                progress(done)
+            if offset + done > chunks[1].offset:  # chunk 0 and part of chunk 1 landed
+                first_piece.set()
+                assert go_on.wait(5.0)  # the rest waits for the reads below
+
+        fetch(offset, into, timeout_s, told)
+
+    tier = MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    landing = _landing.LandingSlab(tier, len(slab))
+    # One stream: the empty chunk lands with the first byte of chunk 1 (after chunk 0).
+    with mock.patch.object(_landing, "_STREAMS", 1):
+        reader = _landing.LandingReader(slow, landing, part, timeout_s=5.0)
+    leaves = [_leaf(), _empty_leaf(), _leaf(), _leaf(), _leaf()]
+    try:
+        assert first_piece.wait(5.0)
+        got: dict[int, np.ndarray | BaseException] = {}
+
+        def read(i: int) -> None:
+            try:
+                got[i] = reader.read(0, leaves[i], part[i], 5.0)
+            except BaseException as e:
+                got[i] = e
+
+        readers = [threading.Thread(target=read, args=(i,)) for i in (1, 2)]
+        for t in readers:
+            t.start()
+        readers[0].join(5.0)  # the empty chunk: at once
+        time.sleep(0.2)  # chunk 1's read, if it did not wait, has failed by now
+        go_on.set()
+        for t in readers:
+            t.join(5.0)
+    finally:
+        go_on.set()
+        reader.finish()
+    assert isinstance(got[1], np.ndarray) and got[1].size == 0, got[1]
+    assert isinstance(got[2], np.ndarray), got[2]
+    assert got[2].tobytes() == values[1].tobytes()

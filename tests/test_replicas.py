@@ -161,17 +161,29 @@ def test_no_dimension_divisible_by_r() -> None:
     assert _replicas.choose_cut((3, 5), 4, 4) == (None, 1)
 
 
-def test_zero_size_and_small_shards_are_not_cut_but_rotate() -> None:
+def test_zero_size_shards_rotate_and_small_shards_are_saved_by_every_holder() -> None:
     split = _replicas.split_regions((0, 8), (0, 8), {((0, 0), (0, 8)): [0, 1]}, 4)
     assert (split.cut, split.chunk_shape) == (None, (1, 8))
     assert sum(len(c) for c in split.chunks.values()) == 1
     owners = [
-        next(iter(_replicas.split_regions((16,), (16,), {((0, 16),): [0, 1]}, 4, i).chunks))
+        next(iter(_replicas.split_regions((0, 8), (0, 8), {((0, 0), (0, 8)): [0, 1]}, 4, i).chunks))
         for i in range(4)
     ]
-    assert owners == [0, 1, 0, 1]  # small leaves saved whole, by each replica in turn
-    scalar = _replicas.split_regions((), (), {(): [0, 1, 2]}, 4, leaf=5)
-    assert scalar.chunk_shape == () and scalar.chunks == {2: ((),)}
+    assert owners == [0, 1, 0, 1]  # empty shards saved (a record only) by each replica in turn
+    # Too small to cut: each holder saves it whole, into its own part.
+    small = _replicas.split_regions((16,), (16,), {((0, 16),): [0, 1]}, 4, leaf=3)
+    assert small.cut is None and small.chunks == {0: ((0,),), 1: ((0,),)}
+    scalar = _replicas.split_regions((), (), {(): [0, 1, 2, 2]}, 4, leaf=5)
+    assert scalar.chunk_shape == () and scalar.chunks == {p: ((),) for p in range(3)}
+    # On a dp x fsdp mesh a small fsdp-sharded leaf: each shard saved by both its holders.
+    bias = _replicas.split_regions(
+        (16,), (4,), {((i * 4, i * 4 + 4),): [i % 2, i % 2 + 2] for i in range(4)}, 4
+    )
+    assert bias.chunks == {0: ((0,), (2,)), 2: ((0,), (2,)), 1: ((1,), (3,)), 3: ((1,), (3,))}
+    # From R x MIN_CHUNK_BYTES on a shard is cut instead, each holder saving a share.
+    assert not _replicas.every_holder_saves((2 * _replicas.MIN_CHUNK_BYTES // 4,), 2, 4)
+    assert _replicas.every_holder_saves((2 * _replicas.MIN_CHUNK_BYTES // 4 - 1,), 2, 4)
+    assert not _replicas.every_holder_saves((16,), 1, 4)  # one holder: as ever
 
 
 def test_owned_slices_are_contiguous_runs() -> None:
@@ -256,3 +268,30 @@ def test_read_sharding_needs_replicas_across_processes() -> None:
     assert (
         _replicas.read_sharding(jax.sharding.SingleDeviceSharding(jax.devices()[0]), (8,)) is None
     )
+
+
+def test_padded_read_layout_reads_each_chunk_once_and_unpads_to_the_stored_array() -> None:
+    # 12 rows in 4 target shards of 3 (one saved chunk a row), read by 2 replicas: slots of
+    # 2 rows, the second of each shard holding 1 row and 1 of padding.
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    layout = _replicas.ReadLayout(NamedSharding(mesh, P()), (16, 5), 0, 4, 2, 3)
+    stored = np.arange(60, dtype=np.float32).reshape(12, 5)
+    padded = np.empty((16, 5), np.float32)
+    read_rows: list[int] = []
+    for slot in range(8):
+        region = (slice(2 * slot, 2 * slot + 2), slice(0, 5))
+        where = layout.stored_region(region)
+        read_rows += range(where[0].start, where[0].stop)
+        padded[region] = layout.pad(stored[where], region)
+    assert read_rows == list(range(12))  # every row read once, in order
+    np.testing.assert_array_equal(np.asarray(layout.unpad(jax.numpy.asarray(padded))), stored)
+    # Unpadded (a dimension divides): the read array is the stored array.
+    plain = _replicas.ReadLayout(NamedSharding(mesh, P()), (12, 5))
+    region = (slice(0, 6), slice(0, 5))
+    assert plain.stored_region(region) == region and plain.unpad(stored) is stored
+
+
+def test_read_layout_needs_replicas_across_processes() -> None:
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "fsdp"))
+    assert _replicas.read_layout(NamedSharding(mesh, P("fsdp")), (63, 8), (63, 8)) is None
+    assert _replicas.read_layout(NamedSharding(mesh, P()), (), ()) is None

@@ -61,7 +61,10 @@ def test_a_damaged_peer_replica_is_quarantined_and_the_older_step_resumed(tmp_pa
     run_id = _paths.default_run_id(Path(common["ckpt"]) / "0" / "train")
     replica = _memory_tier.MemoryTier(roots[1], run_id).part_dir(3, 0)
     manifest = _format.PartManifest.from_json((replica / _format.MANIFEST_FILE).read_text())
-    chunk = next(c for cs in manifest.chunks.values() for c in cs)
+    # A chunk of "w", which only part 0 holds ("b", small and replicated over both
+    # processes, is in each one's part: a damaged copy of it is read from the other).
+    w = next(i for i, r in enumerate(manifest.leaves) if r.path == "['w']")
+    chunk = manifest.chunks[w][0]
     assert chunk.offset is not None and chunk.nbytes >= 8
     with open(replica / "slab", "r+b") as f:
         f.seek(chunk.offset)

@@ -171,7 +171,7 @@ class Restore:
         with _resources.SHARED.gc_paused():
             start = time.thread_time()
             plan = _plan.plan_step(STEP, self.manifests, 1, held.for_step(STEP), set())
-            _ = plan.restorable, plan.sources[1], plan.chunk_owner(1)((0, (1, 0)))
+            _ = plan.restorable, plan.sources[1], plan.chunk_owner(1)((0, (1, 0)), False)
             return time.thread_time() - start
 
     def __call__(self, p: int) -> bool:
@@ -189,7 +189,7 @@ class Restore:
             plan = _plan.plan_step(STEP, self.manifests, p, held.for_step(STEP), set())
             own = plan.sources[p]
             owner_of = plan.chunk_owner(p)  # as the restorer finds the part of each chunk
-            ok = all(owner_of((leaf, (p, 0))) == p for leaf in range(LEAVES))
+            ok = all(owner_of((leaf, (p, 0)), False) == (p,) for leaf in range(LEAVES))
             ok = ok and plan.restorable and bool(own)
             ok = ok and (p != self.lost or own[0].tier == _plan.PEER)
             if not plan.restorable:

@@ -73,35 +73,61 @@ class StepPlan:
 
         return dataclasses.replace(self, sources=LazySources(self.owners, plan), suspects=None)
 
-    def chunk_owners(self) -> dict[tuple[int, tuple[int, ...]], int]:
-        """(leaf, chunk index) -> the owner whose part holds the chunk.
+    def chunk_owners(self, me: int = 0) -> dict[tuple[int, tuple[int, ...]], tuple[int, ...]]:
+        """(leaf, chunk index) -> the owners whose parts hold the chunk, the one to read
+        first first.
 
-        Only leaves saved once are listed: a per-process leaf has its own value
-        in every part, and its reader names the owner it reads.
+        A chunk is in one part, or (a small shard held by data-parallel replicas,
+        `_replicas.every_holder_saves`) in the part of each of its holders: those
+        come in the order of their fastest source (a copy in `me`'s own memory tier
+        first), then in a rotating order after `me`, so that readers spread over
+        them. Only leaves saved once are listed: a per-process leaf has its own
+        value in every part, and its reader names the owner it reads.
         """
         per_process = self._per_process()
+        found: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for owner, m in self.manifests.items():
+            for key in _chunks(m, per_process):
+                found.setdefault(key, []).append(owner)
+        count = max(1, len(self.manifests))
+
+        def rank(owner: int) -> tuple[int, int, int]:
+            sources = self.sources.get(owner, ())
+            tier = TIER_ORDER.index(sources[0].tier) if sources else len(TIER_ORDER)
+            return (tier, (owner - me) % count, owner)
+
         return {
-            key: owner for owner, m in self.manifests.items() for key in _chunks(m, per_process)
+            key: tuple(owners) if len(owners) == 1 else tuple(sorted(owners, key=rank))
+            for key, owners in found.items()
         }
 
-    def chunk_owner(self, first: int | None) -> Callable[[tuple[int, tuple[int, ...]]], int | None]:
-        """`chunk_owners().get`, looking in `first`'s part before any other: a process
-        restoring onto the mesh it saved from reads only its own part, and never builds
-        the table of every part's chunks (O(chunks of the step)); built on a first miss."""
+    def chunk_owner(
+        self, first: int | None
+    ) -> Callable[[tuple[int, tuple[int, ...]], bool], tuple[int, ...]]:
+        """`chunk_owners(first).get(key, ())`, looking in `first`'s part before any
+        other: a process restoring onto the mesh it saved from reads only its own part
+        (while a verified source of it is faster than persistent storage), and never
+        builds the table of every part's chunks (O(chunks of the step)). The returned
+        function's second argument, `every`, asks for every part that holds the chunk
+        (the table, built on first use): where the own copy failed."""
         mine = self.manifests.get(first) if first is not None else None
-        own = set(_chunks(mine, self._per_process())) if mine is not None else set()
-        table: list[dict[tuple[int, tuple[int, ...]], int]] = []
+        own: set[tuple[int, tuple[int, ...]]] = set()
+        if mine is not None and first is not None:
+            fastest = self.sources.get(first, ())
+            if fastest and fastest[0].tier != PERSISTENT:
+                own = set(_chunks(mine, self._per_process()))
+        table: list[dict[tuple[int, tuple[int, ...]], tuple[int, ...]]] = []
         lock = threading.Lock()
 
-        def owner(key: tuple[int, tuple[int, ...]]) -> int | None:
-            if key in own:
-                return first
+        def owners(key: tuple[int, tuple[int, ...]], every: bool = False) -> tuple[int, ...]:
+            if key in own and not every and first is not None:
+                return (first,)
             with lock:  # leaves are read on several threads
                 if not table:
-                    table.append(self.chunk_owners())
-            return table[0].get(key)
+                    table.append(self.chunk_owners(first or 0))
+            return table[0].get(key, ())
 
-        return owner
+        return owners
 
     def _per_process(self) -> set[int]:
         if not self.manifests:

@@ -11,7 +11,13 @@ saving all of it, each of the R processes saves a distinct, deterministic 1/R:
   `MIN_CHUNK_BYTES` a replica are not cut, and zero-size arrays never are;
 - the chunks of a shard go, in contiguous runs, to its holders (the distinct
   processes that hold it, in process order), the runs rotated by the leaf and
-  shard so that a leftover chunk falls on a different holder each time.
+  shard so that a leftover chunk falls on a different holder each time;
+- a shard too small to cut (under `MIN_CHUNK_BYTES` a replica: biases, norms,
+  scalars) is saved whole by every one of its holders (`every_holder_saves`):
+  each keeps its own copy in its own memory tier, so that a restart reads it
+  from there even where more processes hold it than a part has copies (a
+  fully replicated scalar on a dp x fsdp mesh); its bytes are negligible, and
+  every holder pays them alike.
 
 Everything is computed from the sharding alone, so every process agrees
 without an exchange, and a single-replica leaf (R = 1) keeps the grid and the
@@ -36,8 +42,7 @@ from jaxckpt.format import _chunking
 # A shard is cut only while each of its R slices keeps at least this many bytes: a
 # chunk costs a manifest record, a CRC and a slab alignment, which small leaves
 # (biases, norms, counters) would pay R times for nothing. Such a shard is saved
-# whole by one of its holders, chosen in rotation, so that many of them still
-# spread over the replicas.
+# whole by every one of its holders (`every_holder_saves`).
 MIN_CHUNK_BYTES: Final = 64 << 10
 
 RegionKey = tuple[tuple[int, int], ...]
@@ -91,6 +96,19 @@ def choose_cut(shard_shape: Sequence[int], replicas: int, itemsize: int) -> tupl
     return longest, shard_shape[longest]
 
 
+def every_holder_saves(shard_shape: Sequence[int], replicas: int, itemsize: int) -> bool:
+    """Whether a shard held by `replicas` processes is saved whole by each of them (pure):
+    one too small to cut (`choose_cut`), and not empty.
+
+    Saved once, such a shard would reach the holders that did not save it (and hold
+    no copy of the saver's part) over the network on every restore; saved by each,
+    it is read from each one's own memory tier. It costs under `replicas` x
+    `MIN_CHUNK_BYTES` a holder, the same on every holder.
+    """
+    nbytes = math.prod(shard_shape) * itemsize
+    return replicas > 1 and 0 < nbytes < replicas * MIN_CHUNK_BYTES
+
+
 def owned_slices(slices: int, holders: int, rotation: int) -> list[range]:
     """For each holder position, the run of chunk positions 0..slices-1 it saves (pure).
 
@@ -126,6 +144,7 @@ def split_regions(
     holders = {key: sorted(set(ps)) for key, ps in regions.items()}
     replicas = min((len(h) for h in holders.values()), default=1)
     cut, slices = choose_cut(shard_shape, replicas, itemsize)
+    every = every_holder_saves(shard_shape, replicas, itemsize)
     chunk_shape = [max(1, n) for n in shard_shape]  # zarr chunks are never empty
     if cut is not None:
         chunk_shape[cut] = shard_shape[cut] // slices
@@ -134,7 +153,8 @@ def split_regions(
         procs = holders[key]
         base = tuple(start // c for (start, _), c in zip(key, chunk_shape, strict=True))
         if cut is None or shape[cut] == 0:
-            chunks.setdefault(procs[(leaf + ordinal) % len(procs)], []).append(base)
+            for p in procs if every else [procs[(leaf + ordinal) % len(procs)]]:
+                chunks.setdefault(p, []).append(base)
             continue
         first = base[cut]
         stop = key[cut][1]
@@ -247,21 +267,148 @@ def shares(
     return out
 
 
-def reshard(arrays: list[jax.Array], shardings: list[jax.sharding.Sharding]) -> Sequence[jax.Array]:
-    """`arrays` laid out with `shardings`, by one compiled identity: a collective over the
-    replica axes, each process contributing the 1/R it read (`read_sharding`).
+def reshard(
+    arrays: list[jax.Array],
+    shardings: list[jax.sharding.Sharding],
+    layouts: Sequence[ReadLayout | None] | None = None,
+) -> Sequence[jax.Array]:
+    """`arrays` laid out with `shardings`, by one compiled program: a collective over the
+    replica axes, each process contributing the 1/R it read (`read_layout`), the
+    padding of a padded read layout dropped on the way.
     Collective: every process calls it with the same leaves."""
-    key = tuple(shardings)
+    key = (tuple(shardings), tuple(layouts or [None] * len(arrays)))
     fn = _RESHARD.get(key)
     if fn is None:
         if len(_RESHARD) >= 8:
             _RESHARD.pop(next(iter(_RESHARD)), None)
-        fn = _RESHARD[key] = jax.jit(lambda *xs: xs, out_shardings=key)
+        unpads = [(lambda x: x) if lay is None else lay.unpad for lay in key[1]]
+        fn = _RESHARD[key] = jax.jit(
+            lambda *xs: tuple(f(x) for f, x in zip(unpads, xs, strict=True)),
+            out_shardings=key[0],
+        )
     return fn(*arrays)
 
 
 # The reshard of the last few trees (its compiled programs are kept with it).
-_RESHARD: dict[tuple[jax.sharding.Sharding, ...], Any] = _resources.SHARED.cache({})
+_RESHARD: dict[Any, Any] = _resources.SHARED.cache({})
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadLayout:
+    """How the processes that hold one region of a target sharding (its replicas across
+    processes) read it, each a distinct part, before `reshard` carries the parts to
+    the others.
+
+    Where a dimension splits evenly (`read_sharding`) the read array is the stored
+    array itself. Where none does, it is the stored array padded along `dim`: each
+    of the `blocks` target shards along `dim` (`size` long) is cut into slots of
+    `slot` (whole saved chunks where the chunks tile the shard), one a replica,
+    the last ones short or empty, filled out with zeros that `unpad` drops.
+
+    Attributes:
+      sharding: the read array's sharding (the target's mesh).
+      shape: the read array's shape.
+      dim: the padded dimension; None: not padded.
+      blocks: target shards along `dim`.
+      slot: each replica's slot along `dim`, padding included.
+      size: a target shard's extent along `dim`.
+    """
+
+    sharding: jax.sharding.NamedSharding
+    shape: tuple[int, ...]
+    dim: int | None = None
+    blocks: int = 1
+    slot: int = 0
+    size: int = 0
+
+    def stored_region(self, region: _chunking.Region) -> _chunking.Region:
+        """The part of the stored array that `region` of the read array holds (empty
+        along `dim` for a slot of padding only)."""
+        d = self.dim
+        if d is None:
+            return region
+        width = self.shape[d] // self.blocks
+        block, offset = divmod(region[d].start, width)
+        start = block * self.size + min(offset, self.size)
+        stop = block * self.size + min(offset + region[d].stop - region[d].start, self.size)
+        return (*region[:d], slice(start, stop), *region[d + 1 :])
+
+    def pad(self, data: np.ndarray, region: _chunking.Region) -> np.ndarray:
+        """`data` (read for `stored_region(region)`) filled out with zeros to `region`."""
+        d = self.dim
+        want = region[d].stop - region[d].start if d is not None else 0
+        if d is None or data.shape[d] == want:
+            return data
+        out = np.zeros((*data.shape[:d], want, *data.shape[d + 1 :]), dtype=data.dtype)
+        out[(slice(None),) * d + (slice(0, data.shape[d]),)] = data
+        return out
+
+    def unpad(self, x: jax.Array) -> jax.Array:
+        """The stored array from the read array (traced inside `reshard`)."""
+        d = self.dim
+        if d is None:
+            return x
+        blocks = x.reshape(
+            *x.shape[:d], self.blocks, self.shape[d] // self.blocks, *x.shape[d + 1 :]
+        )
+        kept = jax.lax.slice_in_dim(blocks, 0, self.size, axis=d + 1)
+        return kept.reshape(*x.shape[:d], self.blocks * self.size, *x.shape[d + 1 :])
+
+
+def read_layout(
+    sharding: jax.sharding.Sharding,
+    stored_shape: Sequence[int],
+    chunk_shape: Sequence[int] | None = None,
+) -> ReadLayout | None:
+    """How a restore onto `sharding` reads each region once across its replicas (pure);
+    None where they cannot share the read (no replication across processes, not a
+    NamedSharding, a zero-size or 0-d array, a target uneven already, a target shard
+    that is one saved chunk where no dimension divides).
+
+    `read_sharding` where a dimension divides; else padded (`ReadLayout`) along the
+    dimension with the most saved chunks (`chunk_shape`) in a target shard, each
+    replica reading a contiguous run of whole chunks: every byte is read once, not
+    once a replica.
+    """
+    found = _spread(sharding, stored_shape)
+    if found is None:
+        return None
+    mesh, spec, across = found
+    even = _even_dim(mesh, spec, across, stored_shape)
+    if even is not None:
+        return ReadLayout(_named(sharding, spec, even, across), tuple(stored_shape))
+    return _padded(sharding, found, stored_shape, chunk_shape)
+
+
+def _padded(
+    sharding: jax.sharding.Sharding,
+    found: tuple[Any, list[Any], tuple[str, ...]],
+    stored_shape: Sequence[int],
+    chunk_shape: Sequence[int] | None,
+) -> ReadLayout | None:
+    """The padded `ReadLayout` along the dimension with the most saved chunks in a target
+    shard, among those whose chunks tile the target shards first (elements stand for
+    chunks in the others: restored onto another mesh); None where a target shard is
+    one chunk (a small shard, saved whole by each of its holders: nothing to share)."""
+    mesh, spec, across = found
+    replicas = math.prod(mesh.shape[a] for a in across)
+    best: tuple[tuple[bool, int, int], int, int, int, int] | None = None
+    for d, entry in enumerate(spec):  # (rank, dimension, target shards, their size, chunk)
+        blocks = math.prod(mesh.shape[a] for a in _axes(entry))
+        if stored_shape[d] % blocks:
+            continue
+        size = stored_shape[d] // blocks
+        tiled = chunk_shape is not None and size % chunk_shape[d] == 0
+        chunk = chunk_shape[d] if chunk_shape is not None and tiled else 1
+        rank = (tiled, size // chunk, -d)
+        if best is None or rank > best[0]:
+            best = (rank, d, blocks, size, chunk)
+    if best is None or best[0][1] < 2:
+        return None
+    _, d, blocks, size, chunk = best
+    slot = -(-(size // chunk) // replicas) * chunk
+    shape = (*stored_shape[:d], blocks * replicas * slot, *stored_shape[d + 1 :])
+    return ReadLayout(_named(sharding, spec, d, across), shape, d, blocks, slot, size)
 
 
 def read_sharding(
@@ -269,13 +416,48 @@ def read_sharding(
 ) -> jax.sharding.NamedSharding | None:
     """A sharding under which the processes that all hold one region of `sharding` (its
     replicas across processes) each hold a distinct 1/R of it; None where there is
-    none (no replication across processes, not a NamedSharding, sizes that do not divide).
+    none (no replication across processes, not a NamedSharding, sizes that do not
+    divide: see `read_layout`).
 
     A restore reads each region once across the job this way and reshards onto
     `sharding` over the replica axes (a collective: NCCL/ICI, gloo on CPU): the
     mesh axes the spec leaves unused and along which processes differ are added,
     minor, to the first dimension they divide with its own axes.
     """
+    found = _spread(sharding, stored_shape)
+    if found is None:
+        return None
+    mesh, spec, across = found
+    d = _even_dim(mesh, spec, across, stored_shape)
+    return None if d is None else _named(sharding, spec, d, across)
+
+
+def _even_dim(
+    mesh: Any, spec: list[Any], across: tuple[str, ...], stored_shape: Sequence[int]
+) -> int | None:
+    """The first dimension that `across`, added to its own axes, divides."""
+    for d, entry in enumerate(spec):
+        if stored_shape[d] % math.prod(mesh.shape[a] for a in _axes(entry) + across) == 0:
+            return d
+    return None
+
+
+def _named(
+    sharding: Any, spec: list[Any], d: int, across: tuple[str, ...]
+) -> jax.sharding.NamedSharding:
+    """`sharding` with `across` added, minor, to dimension `d`'s axes."""
+    spec = list(spec)
+    spec[d] = _axes(spec[d]) + across
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
+    )
+
+
+def _spread(
+    sharding: jax.sharding.Sharding, stored_shape: Sequence[int]
+) -> tuple[Any, list[Any], tuple[str, ...]] | None:
+    """(mesh, the spec padded to the stored rank, the unused mesh axes along which
+    processes differ) of a NamedSharding that replicates across processes."""
     if not isinstance(sharding, jax.sharding.NamedSharding) or not math.prod(stored_shape):
         return None
     mesh = sharding.mesh
@@ -291,14 +473,7 @@ def read_sharding(
     )
     if not across:
         return None
-    for d, entry in enumerate(spec):
-        axes = _axes(entry) + across
-        if stored_shape[d] % math.prod(mesh.shape[a] for a in axes) == 0:
-            spec[d] = axes
-            return jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
-            )
-    return None
+    return mesh, spec, across
 
 
 def _axes(entry: Any) -> tuple[str, ...]:

@@ -164,7 +164,7 @@ class Restorer:
         self._redact = redact
         self._reader_for = reader_for
         self._process_index = process_index
-        self._owner_of = plan.chunk_owner(process_index)  # its own part first
+        self._owners_of = plan.chunk_owner(process_index)  # its own part first
         self._readers: dict[tuple[_plan.Source, int], _readers.ChunkReader] = {}
         self._chunk_records: dict[tuple[int, int], dict[tuple[int, ...], _format.ChunkRecord]] = {}
         self._lock = threading.Lock()
@@ -206,17 +206,64 @@ class Restorer:
     def _read_chunk(
         self, leaf: int, index: tuple[int, ...], owner: int | None = None
     ) -> np.ndarray:
+        """A verified chunk: from `owner`'s part (a per-process leaf), else from the parts
+        that hold it, in the plan's order (`StepPlan.chunk_owners`), each from its
+        sources fastest first."""
         record = self._plan.leaves[leaf]
-        if owner is None:
-            owner = self._owner_of((leaf, index))
-        expected = self._saved_chunks(owner, leaf).get(index) if owner is not None else None
-        if owner is None or expected is None:
+        key = (leaf, index)
+        owners = (owner,) if owner is not None else self._owners_of(key, False)
+        tried: list[str] = []
+        data = self._read_from(leaf, record, index, owners, tried)
+        if data is None and owner is None and tried:  # its own copy failed: any other
+            others = tuple(o for o in self._owners_of(key, True) if o not in owners)
+            owners += others
+            data = self._read_from(leaf, record, index, others, tried)
+        if data is not None:
+            return data
+        if not tried:
             raise ChunkUnavailableError(
                 f"Chunk {index} of {record.path} is in no part of step {self._plan.step}"
                 + (f" (looked in the part of process {owner})." if owner is not None else ".")
             )
-        tried = []
-        for source in self._plan.sources.get(owner, ()):
+        parts = ", ".join(str(o) for o in owners)
+        raise ChunkUnavailableError(
+            f"[process {self._process_index}] No verified copy of chunk {index} of {record.path} "
+            f"(part of process {parts}) at step {self._plan.step}: " + "; ".join(tried)
+        )
+
+    def _read_from(
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        index: tuple[int, ...],
+        owners: tuple[int, ...],
+        tried: list[str],
+    ) -> np.ndarray | None:
+        """The chunk from the first of `owners`' parts that holds it and gives verified
+        bytes; None (each failure added to `tried`) where none does."""
+        for o in owners:
+            expected = self._saved_chunks(o, leaf).get(index)
+            if expected is not None:
+                data = self._read_copy(leaf, record, index, o, expected, tried)
+                if data is not None:
+                    return data
+        return None
+
+    def _read_copy(
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        index: tuple[int, ...],
+        owner: int,
+        expected: _format.ChunkRecord,
+        tried: list[str],
+    ) -> np.ndarray | None:
+        """The chunk from the first source of `owner`'s part that gives verified bytes;
+        None (each failure added to `tried`) where none does."""
+        sources = self._plan.sources.get(owner, ())
+        if not sources:
+            tried.append(f"part of process {owner}: no source holds it")
+        for source in sources:
             if source in self._dead:
                 tried.append(f"{source.describe()}: gave no answer earlier in this restore")
                 continue
@@ -259,11 +306,7 @@ class Restorer:
                     tried,
                 )
             return data
-        raise ChunkUnavailableError(
-            f"[process {self._process_index}] No verified copy of chunk {index} of {record.path} "
-            f"(part of process {owner}) at step {self._plan.step}: "
-            + ("; ".join(tried) if tried else "no source holds it")
-        )
+        return None
 
     def _damaged_copy(self, source: _plan.Source, owner: int, why: str) -> None:
         """Tells `on_damaged` (once per copy) that `source`'s copy of `owner`'s part
@@ -339,33 +382,51 @@ class Restorer:
         )
         # Replicated across processes: each of the R reads a distinct 1/R, and a collective
         # over the replica axes carries it to the others (`place`): no byte read twice.
-        spread = (
-            _replicas.read_sharding(data_sharding, record.stored_shape)
+        layout = (
+            _replicas.read_layout(data_sharding, record.stored_shape, record.chunk_shape)
             if owner is None and self._agree is not None
             else None
         )
-        read_as = spread or data_sharding
-        index_map = read_as.addressable_devices_indices_map(record.stored_shape)
-        regions = [
-            _chunking.normalize_region(r or (), record.stored_shape) for r in index_map.values()
-        ]
-        # Replicated targets ask for the same region on many devices: read it once.
+        read_as = layout.sharding if layout is not None else data_sharding
+        shape = layout.shape if layout is not None else tuple(record.stored_shape)
+        index_map = read_as.addressable_devices_indices_map(shape)
+        regions = [_chunking.normalize_region(r or (), shape) for r in index_map.values()]
+        # Replicated targets ask for the same region on many devices: read it once. A
+        # padded layout's region is a part of the stored array, filled out with zeros.
         unique = {_chunking.region_key(r): r for r in regions}
+        stored = {
+            key: layout.stored_region(r) if layout is not None else r for key, r in unique.items()
+        }
+        wanted = (  # a slot of padding alone reads nothing
+            stored
+            if layout is None
+            else {k: r for k, r in stored.items() if all(s.stop > s.start for s in r)}
+        )
 
         def read() -> dict[tuple[tuple[int, int], ...], np.ndarray]:
-            got = self._read_regions(leaf, list(unique.values()), owner)
-            return dict(zip(unique, got, strict=True))
+            regions = self._read_regions(leaf, list(wanted.values()), owner)
+            got = dict(zip(wanted, regions, strict=True))
+            if layout is None:
+                return got
+            dtype = np.dtype(record.stored_dtype)
+            return {
+                k: layout.pad(
+                    got[k] if k in got else np.zeros([s.stop - s.start for s in stored[k]], dtype),
+                    r,
+                )
+                for k, r in unique.items()
+            }
 
         assert record.stored_dtype is not None
         itemsize = np.dtype(record.stored_dtype).itemsize
-        nbytes = itemsize * sum(math.prod(s.stop - s.start for s in r) for r in unique.values())
+        nbytes = itemsize * sum(math.prod(s.stop - s.start for s in r) for r in wanted.values())
         reading: concurrent.futures.Future[dict[tuple[tuple[int, int], ...], np.ndarray]]
         if nbytes >= _BACKGROUND_LEAF_BYTES:
             reading = LEAF_POOL.submit(read)  # while the next leaves are asked for
         else:
             reading = concurrent.futures.Future()
             reading.set_result(read())
-        return Deferred(record, read_as, reading, data_sharding if spread else None)
+        return Deferred(record, read_as, reading, data_sharding if layout else None, shape, layout)
 
     def place(self, values: list[Any]) -> list[Any]:
         """`values` with every `Deferred` among them put on its devices as a jax.Array,
@@ -389,23 +450,26 @@ class Restorer:
         if spread:
             # IMPORTANT: the reshard is a collective: every process starts it or none.
             self._agree_once(None)
-        resharded: list[tuple[int, jax.Array, jax.sharding.Sharding]] = []
+        resharded: list[
+            tuple[int, jax.Array, jax.sharding.Sharding, _replicas.ReadLayout | None]
+        ] = []
         for k, d, bufs in pending:
-            shape = d.record.stored_shape
-            assert shape is not None
+            shape = d.shape
 
             def shard(index: Any, bufs: Any = bufs, shape: Any = shape) -> np.ndarray:
                 return bufs[_chunking.region_key(_chunking.normalize_region(index, shape))]
 
             data = jax.make_array_from_callback(shape, d.sharding, shard)
             if d.then is not None:
-                resharded.append((k, data, d.then))
+                resharded.append((k, data, d.then, d.layout))
                 continue
             key_impl = d.record.key_impl
             out[k] = jax.random.wrap_key_data(data, impl=key_impl) if key_impl else data
         if resharded:
-            gathered = _replicas.reshard([a for _, a, _ in resharded], [s for _, _, s in resharded])
-            for (k, _, _), whole in zip(resharded, gathered, strict=True):
+            gathered = _replicas.reshard(
+                [r[1] for r in resharded], [r[2] for r in resharded], [r[3] for r in resharded]
+            )
+            for (k, *_), whole in zip(resharded, gathered, strict=True):
                 key_impl = out[k].record.key_impl
                 out[k] = jax.random.wrap_key_data(whole, impl=key_impl) if key_impl else whole
         return out
@@ -432,6 +496,8 @@ class Deferred:
     sharding: jax.sharding.Sharding
     reading: concurrent.futures.Future[dict[tuple[tuple[int, int], ...], np.ndarray]]
     then: jax.sharding.Sharding | None = None  # the target, resharded onto from `sharding`
+    shape: tuple[int, ...] = ()  # of the array read (a padded read layout's: see `layout`)
+    layout: _replicas.ReadLayout | None = None  # how the replicas shared the read
 
 
 # Leaves of this many bytes on are read on `LEAF_POOL`, several at once (a peer's

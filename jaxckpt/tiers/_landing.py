@@ -256,14 +256,17 @@ class LandingReader:
         self._fetch = fetch
         self._landing = landing
         self._cond = threading.Condition()
-        self._arrived: dict[int, int | BaseException] = {}  # offset -> CRC-32C, or the error
+        # (offset, nbytes) -> CRC-32C. IMPORTANT: not the offset alone: a zero-size chunk
+        # (an empty shard) lies at the offset of the chunk after it (`_slab.layout`), and
+        # arrives first: its CRC would pass for that chunk's, still on its way.
+        self._arrived: dict[tuple[int, int], int] = {}
         # Set once a receive got no answer (a partition, a dead or stalled peer): every
         # later read fails at once, so the restore marks this source dead and reads the
         # next one instead of waiting for the peer again, chunk after chunk.
         self._no_answer: BaseException | None = None
         self._streams: list[threading.Thread] = []
         chunks = sorted((c for c in prefetch if c.offset is not None), key=lambda c: c.offset or 0)
-        self._prefetched = {c.offset for c in chunks}
+        self._prefetched = {_key(c) for c in chunks}
         groups = _groups(chunks, _STREAMS)
         landing.make_ahead((g[0].offset or 0, (g[-1].offset or 0) + g[-1].nbytes) for g in groups)
         for group in groups:
@@ -314,7 +317,7 @@ class LandingReader:
                 if hi < c.offset - start + c.nbytes:
                     break  # the rest of this chunk is still on its way
                 with self._cond:
-                    self._arrived[c.offset] = crc
+                    self._arrived[_key(c)] = crc
                     self._cond.notify_all()
                 at, crc = at + 1, 0
             seen = done
@@ -327,8 +330,8 @@ class LandingReader:
         except BaseException as e:
             with self._cond:  # the chunks not arrived: asked for again, one by one
                 for c in chunks:
-                    if c.offset not in self._arrived:
-                        self._prefetched.discard(c.offset)
+                    if _key(c) not in self._arrived:
+                        self._prefetched.discard(_key(c))
                 if isinstance(e, (TimeoutError, ConnectionError)):
                     self._no_answer = e
                 self._cond.notify_all()
@@ -338,21 +341,21 @@ class LandingReader:
         self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
     ) -> np.ndarray:
         offset = _readers.slab_offset(record, chunk)
+        key = (offset, chunk.nbytes)
         with self._cond:
             if not self._cond.wait_for(
-                lambda: offset in self._arrived or offset not in self._prefetched, timeout_s
+                lambda: key in self._arrived or key not in self._prefetched, timeout_s
             ):
                 raise TimeoutError(
                     f"Chunk {chunk.index} of {record.path} did not arrive within {timeout_s:g} s."
                 )
-            crc = self._arrived.get(offset)
+            crc = self._arrived.get(key)
             no_answer = self._no_answer
         if crc is None and no_answer is not None:
             raise TimeoutError(f"The peer gave no answer: {no_answer}") from no_answer
         if crc is None:  # not prefetched, or its stream failed: received now
             into, got = self._receive(chunk, timeout_s)
         else:
-            assert isinstance(crc, int)
             into, got = self._landing.view(offset, chunk.nbytes), crc
         matches = (
             got == chunk.crc32c
@@ -371,6 +374,13 @@ class LandingReader:
         for thread in self._streams:
             thread.join()
         self._landing.finish()
+
+
+def _key(chunk: _format.ChunkRecord) -> tuple[int, int]:
+    """A prefetched chunk's bytes in the slab, (offset, nbytes): what tells it apart
+    (a zero-size chunk shares its offset with the next chunk)."""
+    assert chunk.offset is not None
+    return chunk.offset, chunk.nbytes
 
 
 def _groups(

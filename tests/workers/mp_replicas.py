@@ -28,7 +28,9 @@ LEAVES = {
     "w": ((64, 4096), np.float32, P("fsdp")),  # 1 MiB, sharded over fsdp, replicated over dp
     "odd": ((12, 24003), np.float32, P("fsdp")),  # shards of 3 rows: cut in 3 over R = 2
     "full": ((256, 1024), np.float32, P()),  # fully replicated: cut over every process
-    "bias": ((16,), np.float32, P("fsdp")),  # small shards: saved whole by one replica
+    "bias": ((16,), np.float32, P("fsdp")),  # small shards: saved whole by both replicas
+    "ln": ((512,), np.float32, P()),  # small, fully replicated: saved whole by every process
+    "scale": ((), np.float32, P()),  # a fully replicated scalar array: likewise
     "empty": ((0, 8), np.float32, P(None, "fsdp")),  # zero-size
     "cols": ((24, 8192), np.float32, P(None, "fsdp")),  # sharded along the second dim
 }
