@@ -260,14 +260,16 @@ def test_partner_placement_is_the_same_under_another_hash_seed() -> None:
     assert len(outs) == 1
 
 
-def test_read_sharding_needs_replicas_across_processes() -> None:
+def test_read_layout_needs_replicas_across_processes() -> None:
     # One process holds every device here: nothing to spread, the restore reads as before.
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "fsdp"))
-    assert _replicas.read_sharding(NamedSharding(mesh, P("fsdp")), (64, 8)) is None
-    assert _replicas.read_sharding(NamedSharding(mesh, P()), (64, 8)) is None
-    assert (
-        _replicas.read_sharding(jax.sharding.SingleDeviceSharding(jax.devices()[0]), (8,)) is None
-    )
+    assert _replicas.read_layout(NamedSharding(mesh, P("fsdp")), (64, 8)) is None
+    assert _replicas.read_layout(NamedSharding(mesh, P()), (64, 8)) is None
+    assert _replicas.read_layout(jax.sharding.SingleDeviceSharding(jax.devices()[0]), (8,)) is None
+    # Nor with an undivisible size, nor a 0-d array.
+    small = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "fsdp"))
+    assert _replicas.read_layout(NamedSharding(small, P("fsdp")), (63, 8), (63, 8)) is None
+    assert _replicas.read_layout(NamedSharding(small, P()), (), ()) is None
 
 
 def test_padded_read_layout_reads_each_chunk_once_and_unpads_to_the_stored_array() -> None:
@@ -289,9 +291,3 @@ def test_padded_read_layout_reads_each_chunk_once_and_unpads_to_the_stored_array
     plain = _replicas.ReadLayout(NamedSharding(mesh, P()), (12, 5))
     region = (slice(0, 6), slice(0, 5))
     assert plain.stored_region(region) == region and plain.unpad(stored) is stored
-
-
-def test_read_layout_needs_replicas_across_processes() -> None:
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "fsdp"))
-    assert _replicas.read_layout(NamedSharding(mesh, P("fsdp")), (63, 8), (63, 8)) is None
-    assert _replicas.read_layout(NamedSharding(mesh, P()), (), ()) is None

@@ -299,7 +299,7 @@ class ReadLayout:
     processes) read it, each a distinct part, before `reshard` carries the parts to
     the others.
 
-    Where a dimension splits evenly (`read_sharding`) the read array is the stored
+    Where a dimension splits evenly (`_even_dim`) the read array is the stored
     array itself. Where none does, it is the stored array padded along `dim`: each
     of the `blocks` target shards along `dim` (`size` long) is cut into slots of
     `slot` (whole saved chunks where the chunks tile the shard), one a replica,
@@ -365,7 +365,9 @@ def read_layout(
     NamedSharding, a zero-size or 0-d array, a target uneven already, a target shard
     that is one saved chunk where no dimension divides).
 
-    `read_sharding` where a dimension divides; else padded (`ReadLayout`) along the
+    Where a dimension divides with the unused mesh axes along which processes differ
+    added to its own (minor), the target's sharding so extended (`_even_dim`): each
+    replica holds a distinct 1/R of every region; else padded (`ReadLayout`) along the
     dimension with the most saved chunks (`chunk_shape`) in a target shard, each
     replica reading a contiguous run of whole chunks: every byte is read once, not
     once a replica.
@@ -409,27 +411,6 @@ def _padded(
     slot = -(-(size // chunk) // replicas) * chunk
     shape = (*stored_shape[:d], blocks * replicas * slot, *stored_shape[d + 1 :])
     return ReadLayout(_named(sharding, spec, d, across), shape, d, blocks, slot, size)
-
-
-def read_sharding(
-    sharding: jax.sharding.Sharding, stored_shape: Sequence[int]
-) -> jax.sharding.NamedSharding | None:
-    """A sharding under which the processes that all hold one region of `sharding` (its
-    replicas across processes) each hold a distinct 1/R of it; None where there is
-    none (no replication across processes, not a NamedSharding, sizes that do not
-    divide: see `read_layout`).
-
-    A restore reads each region once across the job this way and reshards onto
-    `sharding` over the replica axes (a collective: NCCL/ICI, gloo on CPU): the
-    mesh axes the spec leaves unused and along which processes differ are added,
-    minor, to the first dimension they divide with its own axes.
-    """
-    found = _spread(sharding, stored_shape)
-    if found is None:
-        return None
-    mesh, spec, across = found
-    d = _even_dim(mesh, spec, across, stored_shape)
-    return None if d is None else _named(sharding, spec, d, across)
 
 
 def _even_dim(
