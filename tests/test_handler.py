@@ -243,7 +243,7 @@ def test_persistence_does_not_block_the_next_save(memory_root, ckpt_dir, slow_pe
         assert not (ckpt_dir / "2/train/part_00000").exists()  # not durable yet
         # A pending step is kept in memory whatever the retention says.
         save(mngr, 4, state), save(mngr, 5, state), mngr.wait_until_finished()
-        h._background.retainer.wait()  # retention after step 5 has run
+        h._background.retainer.wait(30)  # retention after step 5 has run
         assert h._runs.memory.steps() == [2, 4, 5]  # 3 went; 4 waits to be persisted too
         slow_persistence.set()
     # close() drained the queue.

@@ -289,9 +289,20 @@ class MemoryRetainer:
             if self._last is not None:
                 self._pool.submit(self._retain, *self._last)
 
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Waits for the retention runs queued so far."""
-        self._pool.submit(lambda: None).result(timeout=timeout_s)
+    def wait(self, timeout_s: float) -> None:
+        """Waits for the retention runs queued so far.
+
+        Raises:
+          TimeoutError: if they have not ended within `timeout_s`.
+        """
+        try:
+            self._pool.submit(lambda: None).result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"[process {_multihost.process_index()}] Memory retention did not end within "
+                f"{timeout_s:.0f} s (each run waits up to TierOptions.timeout_s for its step "
+                "to be finalized); check that the checkpoint directory's storage answers."
+            ) from None
 
     def take_errors(self) -> list[BaseException]:
         errors, self._errors = self._errors, []

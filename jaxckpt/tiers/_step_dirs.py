@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-from jaxckpt.tiers import _storage
+from jaxckpt.tiers import _index, _storage
 
 # A persister's staging directory under the checkpoint directory (filesystems).
 STAGING_DIR = ".jaxckpt-staging"
@@ -79,6 +79,23 @@ def is_finalized(item_dir: Path, final_item_dir: Path) -> bool:
     return final_item_dir.is_dir()
 
 
+def _vanished(item_dir: Path, final_item_dir: Path) -> bool:
+    """Whether the step of `item_dir`, not finalized yet, is gone (its save failed, or
+    garbage collection removed it).
+
+    Written in place (object stores): its index is gone. The decider writes the index
+    before the commit ends, and the waits that ask this follow the commit; one bounded
+    request per look, where a directory's existence would be a listing through
+    gcsfs/s3fs, whose retries on a store that is down last half a minute.
+    Renamed at finalization (local directories): neither name exists; the final
+    name is looked at again last, closing the race with the manager's rename.
+    """
+    if item_dir == final_item_dir:
+        return not _index.has_index(final_item_dir)
+    final_step, tmp_step = final_item_dir.parent, item_dir.parent
+    return not final_step.exists() and not tmp_step.exists() and not final_step.exists()
+
+
 class StepNeverFinalized(OSError):
     """The manager finished without finalizing a step: its save failed."""
 
@@ -105,12 +122,10 @@ def wait_finalized(
       TimeoutError: if it is not finalized within `timeout_s`.
     """
     deadline = time.monotonic() + timeout_s
-    final_step, tmp_step = final_item_dir.parent, item_dir.parent
     while not is_finalized(item_dir, final_item_dir):
-        # Checking the final name again closes the race with the manager's rename.
-        if not final_step.exists() and not tmp_step.exists() and not final_step.exists():
+        if _vanished(item_dir, final_item_dir):
             raise FileNotFoundError(
-                f"Step {step} vanished from {final_step.parent} before it was finalized "
+                f"Step {step} vanished from {final_item_dir.parent.parent} before it was finalized "
                 "(the save failed or the step was garbage-collected)."
             )
         if (
