@@ -7,10 +7,10 @@ N processes on loopback hold a state of float32 leaves sharded `P('fsdp')` over 
 mesh ('dp', 'fsdp') whose dp axis spans processes (HSDP: every shard is held by
 R = dp processes). Each process, in lockstep:
 
-- runs a donating train step K times with no saves, with a jaxckpt save every
-  step, and with an Orbax save every step (same manager options), on the HSDP
-  mesh, and the first two again on the unreplicated mesh (dp = 1) of the same
-  bytes per host;
+- runs a donating train step K times with no saves and with a jaxckpt save every
+  step, on the HSDP mesh and on the unreplicated mesh (dp = 1) of the same bytes
+  per host, the two layouts alternating for `--repeats` rounds; then with an Orbax
+  save every step (same manager options) on the HSDP mesh;
 - records each save's bytes snapshotted, stall and bytes pushed (medians);
 - persists one step, forgets every memory tier and restores it from persistent
   storage, against Orbax restoring its own checkpoint of the same state (5c).
@@ -33,6 +33,8 @@ from typing import Any, Final
 from jaxckpt.bench._report import Figure
 
 LEAVES: Final = 4  # float32 leaves of (rows, 1024)
+# A save's phases (seconds from its start; `SaveMetrics`), recorded per layout.
+_PHASES: Final = ("memory_write_s", "safe_in_memory_s", "replicate_s", "safe_on_peers_s", "agree_s")
 COLUMNS: Final = 1024
 
 
@@ -86,20 +88,34 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
         return times[cfg["warmup"] :]
 
-    for name, dp in (("hsdp", cfg["dp"]), ("fsdp", 1)):
-        mesh = Mesh(devices.reshape(dp, fsdp_all // dp), ("dp", "fsdp"))
-        res: dict[str, Any] = {"dp": dp}
-        res["no_save_s"] = statistics.median(loop(mesh, None, f"{name}-none"))
-        j = _managers.Jaxckpt.every_step(work / f"{name}-jaxckpt", memory_root, cfg)
-        res["jaxckpt_s"] = statistics.median(loop(mesh, j.save, f"{name}-jaxckpt"))
-        j.mngr.wait_until_finished()
-        saves = j.metrics("save")[cfg["warmup"] :]
-        for key in ("bytes", "stall_s", "replicate_bytes"):
-            res[key] = statistics.median(float(m.get(key) or 0) for m in saves)
-        j.close()
-        multihost_utils.sync_global_devices(f"{name}-closed")
-        if j.memory_dir is not None:
-            shutil.rmtree(j.memory_dir, ignore_errors=True)
+    layouts = {"hsdp": cfg["dp"], "fsdp": 1}
+    meshes = {
+        n: Mesh(devices.reshape(dp, fsdp_all // dp), ("dp", "fsdp")) for n, dp in layouts.items()
+    }
+    times: dict[str, dict[str, list[float]]] = {
+        n: {"no_save_s": [], "jaxckpt_s": []} for n in layouts
+    }
+    saves: dict[str, list[dict[str, Any]]] = {n: [] for n in layouts}
+    # The layouts' loops alternate for `repeats` rounds: a load that drifts during the
+    # run weighs on both alike (h4 compares them).
+    for r in range(max(1, int(cfg.get("repeats") or 1))):
+        for name, mesh in meshes.items():
+            tag = f"{name}-{r}"
+            times[name]["no_save_s"] += loop(mesh, None, f"{tag}-none")
+            j = _managers.Jaxckpt.every_step(work / f"{tag}-jaxckpt", memory_root, cfg)
+            times[name]["jaxckpt_s"] += loop(mesh, j.save, f"{tag}-jaxckpt")
+            j.mngr.wait_until_finished()
+            saves[name] += j.metrics("save")[cfg["warmup"] :]
+            j.close()
+            multihost_utils.sync_global_devices(f"{tag}-closed")
+            if j.memory_dir is not None:
+                shutil.rmtree(j.memory_dir, ignore_errors=True)
+    for name, mesh in meshes.items():
+        res: dict[str, Any] = {"dp": layouts[name]}
+        res.update({k: statistics.median(v) for k, v in times[name].items()})
+        # Medians a save; the phases (where its background time goes) are in the JSON only.
+        for key in ("bytes", "stall_s", "replicate_bytes", *_PHASES):
+            res[key] = statistics.median(float(m.get(key) or 0) for m in saves[name])
         if name == "hsdp":
             orbax = _managers.orbax_manager(work / f"{name}-orbax", cfg, max_to_keep=2)
 
