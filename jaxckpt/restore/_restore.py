@@ -151,12 +151,21 @@ class Restorer:
         timeout_s: float = 120.0,
         on_damaged: OnDamaged | None = None,
         agree: Callable[[BaseException | None], None] | None = None,
+        from_persistent: bool = False,
     ):
         """`agree(error)`: the restore's agreement across processes (collective; raises on
         every process if one failed). Given, a leaf replicated across processes is read
         1/R a process and resharded by a collective, which `place` starts only once the
-        processes agreed that every read succeeded (see `array`)."""
+        processes agreed that every read succeeded (see `array`).
+
+        `from_persistent`: some part of the step is in no process's memory, so the job
+        reads from persistent storage (the same on every process: the inventories'
+        exchange). Its replicated leaves are then read in parts of whole saved chunks
+        where the target's split would have two processes read one chunk
+        (`_replicas.read_layout(whole_chunks=True)`); from memory and peers a chunk
+        read twice costs less than the padded layout's larger collective would."""
         self._plan = plan
+        self._whole_chunks = from_persistent
         self._on_damaged = on_damaged
         self._damaged: set[tuple[_plan.Source, int]] = set()  # told to `on_damaged` already
         self._agree = agree
@@ -383,7 +392,9 @@ class Restorer:
         # Replicated across processes: each of the R reads a distinct 1/R, and a collective
         # over the replica axes carries it to the others (`place`): no byte read twice.
         layout = (
-            _replicas.read_layout(data_sharding, record.stored_shape, record.chunk_shape)
+            _replicas.read_layout(
+                data_sharding, record.stored_shape, record.chunk_shape, self._whole_chunks
+            )
             if owner is None and self._agree is not None
             else None
         )
