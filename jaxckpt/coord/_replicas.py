@@ -378,8 +378,10 @@ def read_layout(
     parts cut a saved chunk between processes (restored onto another dp/fsdp split)
     has each of them read that chunk whole (a chunk is read and checked whole).
     There the first even dimension that cuts no chunk between processes
-    (`_shares_chunks`) is taken, else the padded layout where its slots are whole
-    chunks, else the first even dimension as without it. On the split the chunks
+    (`_shares_chunks`) is taken, else the target's mesh with the replica axes cut
+    into factors, each on a dimension it leaves in whole chunks (`_refined`: no
+    padding, the reshard a plain collective), else the padded layout where its
+    slots are whole chunks, else the layout as without it. On the split the chunks
     were saved from, the first even dimension is the one the save cut, its parts
     the saved chunks: the layout is the same either way.
 
@@ -396,13 +398,71 @@ def read_layout(
         for d in evens:
             if not _shares_chunks(mesh, procs, spec, across, d, stored_shape[d], chunk_shape[d]):
                 return ReadLayout(_named(sharding, spec, d, across), tuple(stored_shape))
-        if evens:
-            padded = _padded(sharding, found, stored_shape, chunk_shape)
-            if padded is not None and padded.size % chunk_shape[padded.dim or 0] == 0:
-                return padded  # its slots are runs of whole chunks
+        refined = _refined(sharding, found, stored_shape, chunk_shape)
+        if refined is not None:
+            return ReadLayout(refined, tuple(stored_shape))
+        padded = _padded(sharding, found, stored_shape, chunk_shape)
+        if padded is not None and padded.size % chunk_shape[padded.dim or 0] == 0:
+            return padded  # its slots are runs of whole chunks
     if evens:
         return ReadLayout(_named(sharding, spec, evens[0], across), tuple(stored_shape))
     return _padded(sharding, found, stored_shape, chunk_shape)
+
+
+def _refined(
+    sharding: jax.sharding.Sharding,
+    found: tuple[Any, list[Any], tuple[str, ...]],
+    stored_shape: Sequence[int],
+    chunk_shape: Sequence[int],
+) -> jax.sharding.NamedSharding | None:
+    """The target's sharding on its mesh with each axis of `across` cut into prime
+    factors (major first: the same devices, in the same order), each factor added to
+    the first dimension whose whole saved chunks in a target shard it still divides;
+    None where a factor divides none.
+
+    Every device then reads whole saved chunks, none read by two, and the array
+    read is the stored array: the reshard onto the target is a plain collective
+    (an all-gather), where a padded layout's would also move its padding and
+    permute its slots.
+    """
+    mesh, spec, across = found
+    room = []  # whole chunks in a target shard, per dimension, still to share
+    for d, entry in enumerate(spec):
+        size, rest = divmod(stored_shape[d], math.prod(mesh.shape[a] for a in _axes(entry)))
+        room.append(size // chunk_shape[d] if not rest and size % chunk_shape[d] == 0 else 1)
+    names: list[str] = []
+    sizes: list[int] = []
+    added: list[list[str]] = [[] for _ in spec]
+    for a in mesh.axis_names:
+        if a not in across:
+            names.append(a)
+            sizes.append(mesh.shape[a])
+            continue
+        for k, p in enumerate(_prime_factors(mesh.shape[a])):
+            dim = next((d for d, n in enumerate(room) if n % p == 0), None)
+            if dim is None:
+                return None
+            room[dim] //= p
+            names.append(f"{a}#{k}")
+            sizes.append(p)
+            added[dim].append(names[-1])
+    if len(set(names)) < len(names):
+        return None  # a factor's name is taken by an axis of the mesh
+    fine = jax.sharding.Mesh(mesh.devices.reshape(sizes), tuple(names))
+    entries = [(*_axes(e), *more) or None for e, more in zip(spec, added, strict=True)]
+    return jax.sharding.NamedSharding(
+        fine, jax.sharding.PartitionSpec(*entries), memory_kind=sharding.memory_kind
+    )
+
+
+def _prime_factors(n: int) -> list[int]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
 
 
 def _shares_chunks(
