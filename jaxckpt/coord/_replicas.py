@@ -24,6 +24,12 @@ without an exchange, and a single-replica leaf (R = 1) keeps the grid and the
 owners it always had: the shard is one chunk, saved by its only process.
 `partners` says which processes hold the same shards in other replicas, for
 the replica-aware placement (`_placement.place_replicas(preferred=...)`).
+
+On restore, `read_layout` says how the R processes that hold a target region
+share its read (each a distinct part, `reshard` carrying the parts to the
+others): an even split where a dimension divides, a padded one where none does,
+and, reading from persistent storage onto another split, parts of whole saved
+chunks, so that no chunk is read by two processes.
 """
 
 from __future__ import annotations
