@@ -497,8 +497,20 @@ def _shares_chunks(
 
 
 def _processes(mesh: Any) -> np.ndarray:
-    """The process of each device of `mesh`, shaped as the mesh."""
-    return np.vectorize(lambda dev: dev.process_index, otypes=[int])(mesh.devices)
+    """The process of each device of `mesh`, shaped as the mesh (read-only), kept for
+    the last few meshes: a restore asks once a leaf, and asking every device costs
+    ~10 us a device."""
+    found = _PROCESSES.get(mesh)
+    if found is None:
+        if len(_PROCESSES) >= 8:
+            _PROCESSES.pop(next(iter(_PROCESSES)), None)
+        found = np.vectorize(lambda dev: dev.process_index, otypes=[int])(mesh.devices)
+        found.flags.writeable = False
+        _PROCESSES[mesh] = found
+    return found
+
+
+_PROCESSES: dict[Any, np.ndarray] = _resources.SHARED.cache({})
 
 
 def _padded(
