@@ -357,13 +357,17 @@ def test_restore_from_persistent_reads_every_saved_chunk_once_onto_another_split
     grid = [-(-n // c) for n, c in zip(shape, split.chunk_shape, strict=True)]
     assert sorted(read) == sorted(itertools.product(*map(range, grid)))  # every chunk
     assert all(len(ps) == 1 for ps in read.values()), read  # by one process
-    if layout is not None and layout.dim is not None:  # padded: unpads to the stored array
+    if layout is not None:  # read as laid out, resharded onto the target: the stored array
         stored = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
-        padded = np.zeros(layout.shape, np.float32)
-        for _, index in layout.sharding.devices_indices_map(layout.shape).items():
+
+        def part(index):
             region = _chunking.normalize_region(index, layout.shape)
-            padded[region] = layout.pad(stored[layout.stored_region(region)], region)
-        np.testing.assert_array_equal(np.asarray(layout.unpad(jax.numpy.asarray(padded))), stored)
+            return layout.pad(stored[layout.stored_region(region)], region)
+
+        read = jax.make_array_from_callback(layout.shape, layout.sharding, part)
+        (whole,) = _replicas.reshard([read], [sharding], [layout])
+        assert whole.sharding == sharding
+        np.testing.assert_array_equal(np.asarray(whole), stored)
 
 
 def test_reads_from_memory_and_on_the_saved_split_keep_the_even_layout() -> None:

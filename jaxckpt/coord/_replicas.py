@@ -438,11 +438,13 @@ def _refined(
         room.append(size // chunk_shape[d] if not rest and size % chunk_shape[d] == 0 else 1)
     names: list[str] = []
     sizes: list[int] = []
+    types: list[Any] = []  # each factor of an axis keeps its type
     added: list[list[str]] = [[] for _ in spec]
-    for a in mesh.axis_names:
+    for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True):
         if a not in across:
             names.append(a)
             sizes.append(mesh.shape[a])
+            types.append(kind)
             continue
         for k, p in enumerate(_prime_factors(mesh.shape[a])):
             dim = next((d for d, n in enumerate(room) if n % p == 0), None)
@@ -451,10 +453,11 @@ def _refined(
             room[dim] //= p
             names.append(f"{a}#{k}")
             sizes.append(p)
+            types.append(kind)
             added[dim].append(names[-1])
     if len(set(names)) < len(names):
         return None  # a factor's name is taken by an axis of the mesh
-    fine = jax.sharding.Mesh(mesh.devices.reshape(sizes), tuple(names))
+    fine = jax.sharding.Mesh(mesh.devices.reshape(sizes), tuple(names), axis_types=tuple(types))
     entries = [(*_axes(e), *more) or None for e, more in zip(spec, added, strict=True)]
     return jax.sharding.NamedSharding(
         fine, jax.sharding.PartitionSpec(*entries), memory_kind=sharding.memory_kind
