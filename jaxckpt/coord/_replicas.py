@@ -465,6 +465,7 @@ def _refined(
 
 
 def _prime_factors(n: int) -> list[int]:
+    """`n`'s prime factors, smallest first, repeated (a mesh axis's size: small)."""
     out, p = [], 2
     while n > 1:
         while n % p == 0:
