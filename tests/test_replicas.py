@@ -291,3 +291,116 @@ def test_padded_read_layout_reads_each_chunk_once_and_unpads_to_the_stored_array
     plain = _replicas.ReadLayout(NamedSharding(mesh, P()), (12, 5))
     region = (slice(0, 6), slice(0, 5))
     assert plain.stored_region(region) == region and plain.unpad(stored) is stored
+
+
+def _processes(dp: int, fsdp: int, per_process: int) -> np.ndarray:
+    """The process of each device of a ('dp', 'fsdp') mesh of `dp` x `fsdp` devices,
+    `per_process` consecutive devices a process (dp across processes, as in HSDP)."""
+    return np.arange(dp * fsdp).reshape(dp, fsdp) // per_process
+
+
+def _chunks_read(
+    layout: _replicas.ReadLayout | None,
+    target: NamedSharding,
+    processes: np.ndarray,
+    shape: tuple[int, ...],
+    chunk_shape: tuple[int, ...],
+) -> dict[tuple[int, ...], set[int]]:
+    """Saved chunk -> the processes that read it, restoring onto `target` read as `layout`
+    (None: the target's own regions)."""
+    sharding = target if layout is None else layout.sharding
+    read_shape = shape if layout is None else layout.shape
+    flat = processes.reshape(-1)
+    position = {dev.id: k for k, dev in enumerate(sharding.mesh.devices.reshape(-1))}
+    out: dict[tuple[int, ...], set[int]] = {}
+    for dev, index in sharding.devices_indices_map(read_shape).items():
+        region = _chunking.normalize_region(index, read_shape)
+        stored = region if layout is None else layout.stored_region(region)
+        if not all(s.stop > s.start for s in stored):
+            continue  # a slot of padding alone
+        for chunk in _chunking.chunks_overlapping(stored, shape, chunk_shape):
+            out.setdefault(tuple(chunk), set()).add(int(flat[position[dev.id]]))
+    return out
+
+
+# (shape, spec, saved (dp, fsdp, devices a process), target (dp, fsdp, devices a process)):
+# saved on 4 processes x 2 devices, restored onto another dp/fsdp split, or fewer processes.
+OTHER_SPLITS = [
+    ((24, 8192), (None, "fsdp"), (2, 4, 2), (4, 2, 2)),  # parts of half a chunk
+    ((12, 32768), ("fsdp",), (2, 4, 2), (4, 2, 2)),  # cut along columns, 12 rows undivisible
+    ((64, 4096), ("fsdp",), (2, 4, 2), (4, 2, 2)),
+    ((12, 24003), ("fsdp",), (2, 4, 2), (4, 2, 2)),  # no dimension divides: padded
+    ((256, 1024), (), (2, 4, 2), (4, 2, 2)),  # fully replicated
+    ((24, 8192), (None, "fsdp"), (2, 4, 2), (2, 2, 2)),  # onto 2 processes
+    ((8, 3, 8192), (None, None, "fsdp"), (4, 2, 2), (2, 4, 2)),
+    ((24, 8192), (None, "fsdp"), (1, 8, 2), (4, 2, 2)),  # unreplicated before
+]
+
+
+@pytest.mark.parametrize(("shape", "spec", "saved", "target"), OTHER_SPLITS)
+def test_restore_from_persistent_reads_every_saved_chunk_once_onto_another_split(
+    shape, spec, saved, target
+) -> None:
+    dp, fsdp, per = saved
+    axes = {"dp": dp, "fsdp": fsdp}
+    regions = _mesh_regions(shape, spec, axes, _hsdp(dp, fsdp, per))
+    shard_shape = tuple(b - a for a, b in next(iter(regions)))
+    split = _replicas.split_regions(shape, shard_shape, regions, 4)
+    # (Not a small shard, saved whole by every holder: each holder reads its own copy.)
+    assert not _replicas.every_holder_saves(shard_shape, split.replicas, 4)
+    dp, fsdp, per = target
+    mesh = Mesh(np.array(jax.devices()[: dp * fsdp]).reshape(dp, fsdp), ("dp", "fsdp"))
+    sharding = NamedSharding(mesh, P(*spec))
+    procs = _processes(dp, fsdp, per)
+    layout = _replicas.read_layout(sharding, shape, split.chunk_shape, True, procs)
+    read = _chunks_read(layout, sharding, procs, shape, split.chunk_shape)
+    grid = [-(-n // c) for n, c in zip(shape, split.chunk_shape, strict=True)]
+    assert sorted(read) == sorted(itertools.product(*map(range, grid)))  # every chunk
+    assert all(len(ps) == 1 for ps in read.values()), read  # by one process
+    if layout is not None:  # read as laid out, resharded onto the target: the stored array
+        stored = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+
+        def part(index):
+            region = _chunking.normalize_region(index, layout.shape)
+            return layout.pad(stored[layout.stored_region(region)], region)
+
+        read = jax.make_array_from_callback(layout.shape, layout.sharding, part)
+        (whole,) = _replicas.reshard([read], [sharding], [layout])
+        assert whole.sharding == sharding
+        np.testing.assert_array_equal(np.asarray(whole), stored)
+
+
+def test_reads_from_memory_and_on_the_saved_split_keep_the_even_layout() -> None:
+    # From memory or peers a chunk read twice costs less than a padded collective: the
+    # even split stays, parts of half a chunk included.
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("dp", "fsdp"))
+    sharding = NamedSharding(mesh, P(None, "fsdp"))
+    procs = _processes(4, 2, 2)
+    memory = _replicas.read_layout(sharding, (24, 8192), (12, 2048), False, procs)
+    assert memory is not None and memory.shape == (24, 8192)
+    read = _chunks_read(memory, sharding, procs, (24, 8192), (12, 2048))
+    assert max(len(ps) for ps in read.values()) == 2  # what persistent reads avoid
+    # Restored onto the split it was saved from, persistent or not, the layout is the same.
+    for shape, spec, dp, fsdp in [
+        ((64, 4096), ("fsdp",), 2, 4),
+        ((24, 8192), (None, "fsdp"), 2, 4),
+        ((256, 1024), (), 2, 4),
+        ((16,), ("fsdp",), 2, 4),  # small shards: saved by every holder
+        ((64, 4096), ("fsdp",), 4, 2),
+    ]:
+        procs = _processes(dp, fsdp, 2)
+        regions = _mesh_regions(shape, spec, {"dp": dp, "fsdp": fsdp}, _hsdp(dp, fsdp, 2))
+        shard_shape = tuple(b - a for a, b in next(iter(regions)))
+        chunks = _replicas.split_regions(shape, shard_shape, regions, 4).chunk_shape
+        mesh = Mesh(np.array(jax.devices()[: dp * fsdp]).reshape(dp, fsdp), ("dp", "fsdp"))
+        sharding = NamedSharding(mesh, P(*spec))
+        layouts = [_replicas.read_layout(sharding, shape, chunks, w, procs) for w in (False, True)]
+        assert layouts[0] == layouts[1], (shape, spec, layouts)
+
+
+def test_zero_size_arrays_have_no_read_layout() -> None:
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("dp", "fsdp"))
+    procs = _processes(4, 2, 2)
+    for shape in [(0, 8), (8, 0)]:
+        sharding = NamedSharding(mesh, P(None, "fsdp"))
+        assert _replicas.read_layout(sharding, shape, (1, 4), True, procs) is None

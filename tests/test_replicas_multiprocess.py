@@ -135,14 +135,18 @@ def test_dp2_fsdp4_on_4_processes(tmp_path: Path, capsys) -> None:
 
     # Node loss: node1's memory is gone; its slices come from its partner's memory (node3).
     shutil.rmtree(roots[1])
-    loss, persisted = _per_request(
+    loss, persisted, onto_dp4 = _per_request(
         run(
             "restore",
             roots,
             domains,
             {
                 "ckpt": ckpt,
-                "restores": [{"step": 2, "dp": 2}, {"step": 2, "dp": 2, "forget": True}],
+                "restores": [
+                    {"step": 2, "dp": 2},
+                    {"step": 2, "dp": 2, "forget": True},
+                    {"step": 2, "dp": 4, "forget": True},
+                ],
             },
             worker=WORKER,
         )
@@ -161,6 +165,18 @@ def test_dp2_fsdp4_on_4_processes(tmp_path: Path, capsys) -> None:
     print("persistent restore, bytes by tier:", [r["bytes_by_tier"] for r in persisted])
     # (Small shards saved by each holder are read by each, from its own part: as saved.)
     assert read == saved_bytes, (read, saved_bytes)
+    print(
+        "seconds: restart", [r["seconds"] for r in full], "node loss", [r["seconds"] for r in loss]
+    )
+    # Onto dp=4 x fsdp=2 from persistent storage: another split, whose even parts of "cols"
+    # would be half a saved chunk each, read whole by two processes; read in whole chunks,
+    # every byte is read once across the job here too ("bias" and the keys, shards too
+    # small to cut, saved whole by both their holders, are read once a copy: as saved).
+    assert _ok(onto_dp4), onto_dp4
+    assert all(set(r["bytes_by_tier"]) == {"persistent"} for r in onto_dp4), onto_dp4
+    onto = sum(r["bytes_by_tier"]["persistent"] for r in onto_dp4)
+    print("onto dp=4 from persistent:", [(r["bytes_by_tier"], r["seconds"]) for r in onto_dp4])
+    assert onto == saved_bytes, (onto, saved_bytes)
 
 
 def test_dp2_fsdp2_on_2_processes_and_onto_fewer_processes(tmp_path: Path) -> None:

@@ -24,6 +24,12 @@ without an exchange, and a single-replica leaf (R = 1) keeps the grid and the
 owners it always had: the shard is one chunk, saved by its only process.
 `partners` says which processes hold the same shards in other replicas, for
 the replica-aware placement (`_placement.place_replicas(preferred=...)`).
+
+On restore, `read_layout` says how the R processes that hold a target region
+share its read (each a distinct part, `reshard` carrying the parts to the
+others): an even split where a dimension divides, a padded one where none does,
+and, reading from persistent storage onto another split, parts of whole saved
+chunks, so that no chunk is read by two processes.
 """
 
 from __future__ import annotations
@@ -299,7 +305,7 @@ class ReadLayout:
     processes) read it, each a distinct part, before `reshard` carries the parts to
     the others.
 
-    Where a dimension splits evenly (`_even_dim`) the read array is the stored
+    Where a dimension splits evenly (`_even_dims`) the read array is the stored
     array itself. Where none does, it is the stored array padded along `dim`: each
     of the `blocks` target shards along `dim` (`size` long) is cut into slots of
     `slot` (whole saved chunks where the chunks tile the shard), one a replica,
@@ -359,6 +365,8 @@ def read_layout(
     sharding: jax.sharding.Sharding,
     stored_shape: Sequence[int],
     chunk_shape: Sequence[int] | None = None,
+    whole_chunks: bool = False,
+    processes: np.ndarray | None = None,
 ) -> ReadLayout | None:
     """How a restore onto `sharding` reads each region once across its replicas (pure);
     None where they cannot share the read (no replication across processes, not a
@@ -366,20 +374,147 @@ def read_layout(
     that is one saved chunk where no dimension divides).
 
     Where a dimension divides with the unused mesh axes along which processes differ
-    added to its own (minor), the target's sharding so extended (`_even_dim`): each
+    added to its own (minor), the target's sharding so extended (`_even_dims`): each
     replica holds a distinct 1/R of every region; else padded (`ReadLayout`) along the
     dimension with the most saved chunks (`chunk_shape`) in a target shard, each
     replica reading a contiguous run of whole chunks: every byte is read once, not
     once a replica.
+
+    `whole_chunks` (the restore reads from persistent storage): an even split whose
+    parts cut a saved chunk between processes (restored onto another dp/fsdp split)
+    has each of them read that chunk whole (a chunk is read and checked whole).
+    There the first even dimension that cuts no chunk between processes
+    (`_shares_chunks`) is taken, else the target's mesh with the replica axes cut
+    into factors, each on a dimension it leaves in whole chunks (`_refined`: no
+    padding, the reshard a plain collective), else the padded layout where its
+    slots are whole chunks, else the layout as without it. On the split the chunks
+    were saved from, the first even dimension is the one the save cut, its parts
+    the saved chunks: the layout is the same either way.
+
+    `processes`: the process of each device of the mesh, shaped as it (None: the
+    devices' own), to ask about a job other than this one.
     """
-    found = _spread(sharding, stored_shape)
+    found = _spread(sharding, stored_shape, processes)
     if found is None:
         return None
     mesh, spec, across = found
-    even = _even_dim(mesh, spec, across, stored_shape)
-    if even is not None:
-        return ReadLayout(_named(sharding, spec, even, across), tuple(stored_shape))
+    evens = _even_dims(mesh, spec, across, stored_shape)
+    if whole_chunks and chunk_shape is not None:
+        procs = _processes(mesh) if processes is None else processes
+        for d in evens:
+            if not _shares_chunks(mesh, procs, spec, across, d, stored_shape[d], chunk_shape[d]):
+                return ReadLayout(_named(sharding, spec, d, across), tuple(stored_shape))
+        refined = _refined(sharding, found, stored_shape, chunk_shape)
+        if refined is not None:
+            return ReadLayout(refined, tuple(stored_shape))
+        padded = _padded(sharding, found, stored_shape, chunk_shape)
+        if padded is not None and padded.size % chunk_shape[padded.dim or 0] == 0:
+            return padded  # its slots are runs of whole chunks
+    if evens:
+        return ReadLayout(_named(sharding, spec, evens[0], across), tuple(stored_shape))
     return _padded(sharding, found, stored_shape, chunk_shape)
+
+
+def _refined(
+    sharding: jax.sharding.Sharding,
+    found: tuple[Any, list[Any], tuple[str, ...]],
+    stored_shape: Sequence[int],
+    chunk_shape: Sequence[int],
+) -> jax.sharding.NamedSharding | None:
+    """The target's sharding on its mesh with each axis of `across` cut into prime
+    factors (major first: the same devices, in the same order), each factor added to
+    the first dimension whose whole saved chunks in a target shard it still divides;
+    None where a factor divides none.
+
+    Every device then reads whole saved chunks, none read by two, and the array
+    read is the stored array: the reshard onto the target is a plain collective
+    (an all-gather), where a padded layout's would also move its padding and
+    permute its slots.
+    """
+    mesh, spec, across = found
+    room = []  # whole chunks in a target shard, per dimension, still to share
+    for d, entry in enumerate(spec):
+        size, rest = divmod(stored_shape[d], math.prod(mesh.shape[a] for a in _axes(entry)))
+        room.append(size // chunk_shape[d] if not rest and size % chunk_shape[d] == 0 else 1)
+    names: list[str] = []
+    sizes: list[int] = []
+    types: list[Any] = []  # each factor of an axis keeps its type
+    added: list[list[str]] = [[] for _ in spec]
+    for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True):
+        if a not in across:
+            names.append(a)
+            sizes.append(mesh.shape[a])
+            types.append(kind)
+            continue
+        for k, p in enumerate(_prime_factors(mesh.shape[a])):
+            dim = next((d for d, n in enumerate(room) if n % p == 0), None)
+            if dim is None:
+                return None
+            room[dim] //= p
+            names.append(f"{a}#{k}")
+            sizes.append(p)
+            types.append(kind)
+            added[dim].append(names[-1])
+    if len(set(names)) < len(names):
+        return None  # a factor's name is taken by an axis of the mesh
+    fine = jax.sharding.Mesh(mesh.devices.reshape(sizes), tuple(names), axis_types=tuple(types))
+    entries = [(*_axes(e), *more) or None for e, more in zip(spec, added, strict=True)]
+    return jax.sharding.NamedSharding(
+        fine, jax.sharding.PartitionSpec(*entries), memory_kind=sharding.memory_kind
+    )
+
+
+def _prime_factors(n: int) -> list[int]:
+    """`n`'s prime factors, smallest first, repeated (a mesh axis's size: small)."""
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
+def _shares_chunks(
+    mesh: Any,
+    processes: np.ndarray,
+    spec: list[Any],
+    across: tuple[str, ...],
+    d: int,
+    size: int,
+    chunk: int,
+) -> bool:
+    """Whether the even split of dimension `d` (`size` long, saved in chunks of `chunk`
+    along it) over its own axes and `across` cuts a saved chunk between two processes.
+
+    The split's parts along `d` follow its axes in row-major order; a boundary
+    between two parts inside a chunk is a chunk read by both their processes
+    (wherever they differ, at any coordinate of the other axes).
+    """
+    axes = [*_axes(spec[d]), *across]
+    rest = [a for a in mesh.axis_names if a not in axes]
+    order = [mesh.axis_names.index(a) for a in (*axes, *rest)]
+    procs = processes.transpose(order).reshape(math.prod(mesh.shape[a] for a in axes), -1)
+    part = size // procs.shape[0]
+    inside = np.arange(1, procs.shape[0]) * part % chunk != 0
+    return bool((inside[:, None] & (procs[1:] != procs[:-1])).any())
+
+
+def _processes(mesh: Any) -> np.ndarray:
+    """The process of each device of `mesh`, shaped as the mesh (read-only), kept for
+    the last few meshes: a restore asks once a leaf, and asking every device costs
+    ~10 us a device."""
+    found = _PROCESSES.get(mesh)
+    if found is None:
+        if len(_PROCESSES) >= 8:
+            _PROCESSES.pop(next(iter(_PROCESSES)), None)
+        found = np.vectorize(lambda dev: dev.process_index, otypes=[int])(mesh.devices)
+        found.flags.writeable = False
+        _PROCESSES[mesh] = found
+    return found
+
+
+_PROCESSES: dict[Any, np.ndarray] = _resources.SHARED.cache({})
 
 
 def _padded(
@@ -413,14 +548,15 @@ def _padded(
     return ReadLayout(_named(sharding, spec, d, across), shape, d, blocks, slot, size)
 
 
-def _even_dim(
+def _even_dims(
     mesh: Any, spec: list[Any], across: tuple[str, ...], stored_shape: Sequence[int]
-) -> int | None:
-    """The first dimension that `across`, added to its own axes, divides."""
-    for d, entry in enumerate(spec):
-        if stored_shape[d] % math.prod(mesh.shape[a] for a in _axes(entry) + across) == 0:
-            return d
-    return None
+) -> list[int]:
+    """The dimensions that `across`, added to their own axes, divides, in order."""
+    return [
+        d
+        for d, entry in enumerate(spec)
+        if stored_shape[d] % math.prod(mesh.shape[a] for a in _axes(entry) + across) == 0
+    ]
 
 
 def _named(
@@ -435,7 +571,9 @@ def _named(
 
 
 def _spread(
-    sharding: jax.sharding.Sharding, stored_shape: Sequence[int]
+    sharding: jax.sharding.Sharding,
+    stored_shape: Sequence[int],
+    processes: np.ndarray | None = None,
 ) -> tuple[Any, list[Any], tuple[str, ...]] | None:
     """(mesh, the spec padded to the stored rank, the unused mesh axes along which
     processes differ) of a NamedSharding that replicates across processes."""
@@ -444,7 +582,7 @@ def _spread(
     mesh = sharding.mesh
     spec = list(sharding.spec) + [None] * (len(stored_shape) - len(sharding.spec))
     used = {a for entry in spec if entry is not None for a in _axes(entry)}
-    procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    procs = _processes(mesh) if processes is None else processes
     across = tuple(
         a
         for k, a in enumerate(mesh.axis_names)

@@ -70,6 +70,8 @@ class RestoreOperation:
         plan = view.plan(step, item.path)
         if not plan.restorable:
             raise FileNotFoundError(view.not_restorable_message(item.path, plan))
+        # Agreed before the pin (which may drop this process's memory from its plan alone).
+        from_persistent = bool(plan.suspects)
         # IMPORTANT: the step's slabs are read in place (mapped) and lent to the restored
         # arrays; a pin keeps the step from being retired (by any process sharing the
         # memory root) before they are marked lent, which keeps them from being reused.
@@ -99,6 +101,7 @@ class RestoreOperation:
             timeout_s=timeout_s,
             on_damaged=_restore.quarantiner(memory, runs.peers, step, pi),
             agree=agree_on_reads if count > 1 else None,
+            from_persistent=from_persistent,
         )
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)

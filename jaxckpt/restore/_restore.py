@@ -151,12 +151,23 @@ class Restorer:
         timeout_s: float = 120.0,
         on_damaged: OnDamaged | None = None,
         agree: Callable[[BaseException | None], None] | None = None,
+        from_persistent: bool = False,
     ):
         """`agree(error)`: the restore's agreement across processes (collective; raises on
         every process if one failed). Given, a leaf replicated across processes is read
         1/R a process and resharded by a collective, which `place` starts only once the
-        processes agreed that every read succeeded (see `array`)."""
+        processes agreed that every read succeeded (see `array`).
+
+        `from_persistent`: some part of the step is in no process's memory, so the job
+        reads from persistent storage (the same on every process: the inventories'
+        exchange). Its replicated leaves of saved chunks of `_replicas.MIN_CHUNK_BYTES`
+        on are then read in whole saved chunks where the target's split would have two
+        processes read one chunk (`_replicas.read_layout(whole_chunks=True)`). From
+        memory and peers, and for smaller chunks, a chunk read twice costs less than a
+        read layout of its own (a program to compile, a reshard that moves more).
+        """
         self._plan = plan
+        self._whole_chunks = from_persistent
         self._on_damaged = on_damaged
         self._damaged: set[tuple[_plan.Source, int]] = set()  # told to `on_damaged` already
         self._agree = agree
@@ -382,8 +393,16 @@ class Restorer:
         )
         # Replicated across processes: each of the R reads a distinct 1/R, and a collective
         # over the replica axes carries it to the others (`place`): no byte read twice.
+        whole_chunks = (
+            self._whole_chunks
+            and record.chunk_shape is not None
+            and math.prod(record.chunk_shape) * np.dtype(record.stored_dtype).itemsize
+            >= _replicas.MIN_CHUNK_BYTES
+        )
         layout = (
-            _replicas.read_layout(data_sharding, record.stored_shape, record.chunk_shape)
+            _replicas.read_layout(
+                data_sharding, record.stored_shape, record.chunk_shape, whole_chunks
+            )
             if owner is None and self._agree is not None
             else None
         )
