@@ -475,6 +475,16 @@ _PARSED: dict[tuple[int, int], tuple[bytes, PartManifest]] = _resources.SHARED.c
 _PARSED_MAX: Final = 64
 
 
+def saved_process_count(manifests: Mapping[int, PartManifest]) -> int:
+    """How many processes saved the step whose index manifests are `manifests`: what a
+    step index read in part records in its header (`process_count`: no part's entry
+    parsed for it), else the most any part records."""
+    recorded = getattr(manifests, "process_count", None)
+    if isinstance(recorded, int):
+        return recorded
+    return max((m.process_count for m in manifests.values()), default=0)
+
+
 def with_checksum(body: str) -> str:
     """A JSON object's text with its CRC-32C (of the text before it) as the last member."""
     return f"{body[:-1]}{_CRC_MEMBER}{_checksum.crc32c(body.encode())}}}"
