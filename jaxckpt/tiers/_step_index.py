@@ -11,8 +11,10 @@ So the index (version 2) is laid out to be read in part, still as one object
 (a memory-only step costs the persistent store at most 4 writes whatever N is):
 
     jaxckpt-index 2 <header length, 12 digits>\\n          the prefix, 29 bytes
-    <header>\\n            checksummed JSON: the leaf records once, the process
-                          count, the owners (a count where they are 0..N-1)
+    <header>\\n            checksummed JSON: the leaf records once (each distinct
+                          sharding once, its device ids as runs: a mesh's ids are
+                          O(N)), the process count, the owners (a count where
+                          they are 0..N-1)
     <one row per part>    in owner order, 33 bytes each: the entry's offset (from
                           the first entry) and length, and its CRC-32C, in hex
     <entries>             each part's manifest without the leaf records: JSON
@@ -62,6 +64,8 @@ HEAD_BYTES: Final = 1 << 16
 # Leaf record fields that may differ between processes' records of one per-process leaf
 # (the rest is compared by the save's agreement): each part records its own.
 _OWN_LEAF_FIELDS: Final = ("scalar_type", "uncommitted", "sharding")
+# A header's leaf record: the position of its sharding in the header's `shardings`.
+_SHARDING_AT: Final = "sharding_at"
 # Manifest members that are the same in every part, written once in the step index.
 _SHARED_MEMBERS: Final = ("format", "version", "leaves", "jaxckpt_version")
 
@@ -113,7 +117,7 @@ def step_index_text(leaves: Sequence[_format.LeafRecord], entries: Mapping[int, 
                 "version": STEP_INDEX_VERSION,
                 "manifest_version": _format.FORMAT_VERSION,
                 "jaxckpt_version": _format.JAXCKPT_VERSION,
-                "leaves": [_shared_record(r) for r in leaves],
+                **_shared_records(leaves),
                 "process_count": count,
                 "owners": len(owners) if owners == list(range(len(owners))) else owners,
             },
@@ -131,6 +135,49 @@ def _process_count(text: bytes) -> int:
         return 0
     digits = text[at + len(b'"process_count":') :].split(b",", 1)[0].split(b"}", 1)[0]
     return int(digits) if digits.strip().isdigit() else 0
+
+
+def _shared_records(leaves: Sequence[_format.LeafRecord]) -> dict[str, Any]:
+    """The header's leaf records: each sharding (whose device ids list every device of
+    its mesh: O(N), and alike in every leaf on that mesh) once in `shardings`, a
+    record naming it by position; device ids as runs of consecutive ids."""
+    records: list[dict[str, Any]] = []
+    shardings: list[dict[str, Any]] = []
+    seen: dict[str, int] = {}
+    for r in leaves:
+        d = _shared_record(r)
+        sharding = d.pop("sharding", None)
+        if sharding is not None:
+            key = json.dumps(sharding, sort_keys=True)
+            if key not in seen:
+                seen[key] = len(shardings)
+                shardings.append(_with_id_runs(sharding))
+            d[_SHARDING_AT] = seen[key]
+        records.append(d)
+    return {"leaves": records, "shardings": shardings}
+
+
+def _with_id_runs(sharding: dict[str, Any]) -> dict[str, Any]:
+    ids = sharding.get("device_ids")
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        return sharding
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return {**sharding, "device_ids": {"runs": runs}}
+
+
+def _without_id_runs(sharding: dict[str, Any]) -> dict[str, Any]:
+    ids = sharding.get("device_ids")
+    if not isinstance(ids, dict):
+        return sharding
+    return {
+        **sharding,
+        "device_ids": [i for start, n in ids["runs"] for i in range(start, start + n)],
+    }
 
 
 def _shared_record(record: _format.LeafRecord) -> dict[str, Any]:
@@ -192,7 +239,14 @@ class _Parts:
     share it)."""
 
     def __init__(self, header: Mapping[str, Any]):
-        self.records = tuple(_format.LeafRecord.from_dict(x) for x in header["leaves"])
+        # A version-2 header's shardings, once each (records on one mesh share one).
+        shardings = [_without_id_runs(x) for x in header.get("shardings", ())]
+        self.records = tuple(
+            _format.LeafRecord.from_dict(
+                {**x, "sharding": shardings[x[_SHARDING_AT]]} if _SHARDING_AT in x else x
+            )
+            for x in header["leaves"]
+        )
         self._header = {
             "format": _format.FORMAT_NAME,
             "version": header["manifest_version"],
