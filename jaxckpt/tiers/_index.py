@@ -137,10 +137,11 @@ def part_count(item_dir: Path) -> int | None:
     return None if first is None else first.process_count
 
 
-def matches(copy: _format.PartManifest | None, index: _format.PartManifest) -> bool:
+def matches(copy: _format.PartManifest | None, index: _format.PartManifest | None) -> bool:
     """Whether a stored copy of a part is the one the index describes (same save)."""
     return (
         copy is not None
+        and index is not None
         and copy.save_id == index.save_id
         and copy.run_id == index.run_id
         and copy.step == index.step
@@ -150,14 +151,23 @@ def matches(copy: _format.PartManifest | None, index: _format.PartManifest) -> b
 
 def memory_parts(memory: _memory_tier.MemoryTier, step: int, index: Index) -> set[int]:
     """Owners whose part of `step` this memory tier holds, from this very save; none
-    from a tier `prepare` could not write (its steps cannot be pinned while read)."""
+    from a tier `prepare` could not write (its steps cannot be pinned while read), nor
+    a part whose entry of the step index is damaged (no copy can be checked against it)."""
     if memory.unwritable is not None:
         return set()
     return {
         o
         for o in memory.parts(step)
-        if o in index and matches(memory.read_manifest(step, o), index[o])
+        if o in index and matches(memory.read_manifest(step, o), _entry_or_none(index, o))
     }
+
+
+def _entry_or_none(index: Index, owner: int) -> _format.PartManifest | None:
+    try:
+        return index[owner]
+    except ValueError as e:
+        log.warning("jaxckpt: %s", e)
+        return None
 
 
 def persisted_parts(item_dir: Path, index: Index) -> set[int]:

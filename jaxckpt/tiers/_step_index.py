@@ -61,6 +61,9 @@ _ROW_BYTES: Final = 16 + 8 + 8 + 1
 # What a reader reads first: the prefix and the header (the leaf records: ~80 bytes
 # each), and for a step of few parts the whole index.
 HEAD_BYTES: Final = 1 << 16
+# Parts a reader may read one by one (two ranged reads each); asked for more, it reads
+# the whole index once (a tool's look at every part, a search of every holder's part).
+_PARTS_READ_ALONE: Final = 8
 # Leaf record fields that may differ between processes' records of one per-process leaf
 # (the rest is compared by the save's agreement): each part records its own.
 _OWN_LEAF_FIELDS: Final = ("scalar_type", "uncommitted", "sharding")
@@ -306,7 +309,9 @@ class StepIndex(Mapping[int, _format.PartManifest]):
         self._rows_at = header_stop
         self._entries_at = header_stop + _ROW_BYTES * len(self._owners)
         self._bytes = head  # the index's first bytes, read already
+        self._whole = len(head) < HEAD_BYTES  # whether they are all of it
         self._parsed: dict[int, _format.PartManifest] = {}
+        self._read_alone = 0  # parts whose row and entry were read on their own
         self._lock = threading.Lock()  # a restore's readers ask on several threads
 
     @property
@@ -356,12 +361,20 @@ class StepIndex(Mapping[int, _format.PartManifest]):
     def _read_whole(self) -> None:
         """Reads the rest of the index in one request (not one per entry)."""
         with self._lock:
-            if len(self._parsed) < len(self._owners) and len(self._bytes) >= HEAD_BYTES:
-                with contextlib.suppress(OSError):  # each entry is then read (and fails) alone
-                    self._bytes = self._read(0, None)
+            self._read_whole_locked()
+
+    def _read_whole_locked(self) -> None:
+        if not self._whole and len(self._parsed) < len(self._owners):
+            with contextlib.suppress(OSError):  # each entry is then read (and fails) alone
+                self._bytes = self._read(0, None)
+                self._whole = True
 
     def _entry(self, owner: int, i: int) -> _format.PartManifest:
         where = f"{self._where}: the entry of part {owner}"
+        if not self._whole:
+            self._read_alone += 1
+            if self._read_alone > _PARTS_READ_ALONE:
+                self._read_whole_locked()
         try:
             row = self._range(self._rows_at + i * _ROW_BYTES, self._rows_at + (i + 1) * _ROW_BYTES)
             offset, length, crc = int(row[:16], 16), int(row[16:24], 16), int(row[24:32], 16)
