@@ -55,7 +55,12 @@ class RestoreOperation:
         pi, count = _multihost.process_index(), _multihost.process_count()
         # 2. The step's index, read once: its parts, and the run its copies carry.
         index = _index.read_index(item.path)
-        recorded = _index.recorded(index, pi)
+        try:
+            recorded = _index.recorded(index, pi)
+        except ValueError as e:  # this process's part's entry of the index is damaged
+            raise FileNotFoundError(
+                f"[process {pi}] Step {step} cannot be restored: {runs.redact(str(e))}"
+            ) from e
         indexes = {step: index}  # read once: the recovery and the inventories reuse it
         # 3. Open the run: its memory tier, under the run id the index records.
         memory = op.open(recorded, indexes)
