@@ -195,7 +195,8 @@ def _nonfinite_steps(
             if step not in steps:
                 continue
             count = sum(
-                _finite.total(m.nonfinite) or 0 for m in _index.read_index(item_dir).values()
+                _finite.total(m.nonfinite) or 0
+                for m in _index.readable(_index.read_index(item_dir)).values()
             )
             if count:
                 out[step] = out.get(step, 0) + count

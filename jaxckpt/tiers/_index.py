@@ -101,6 +101,18 @@ def _step_index_of(item_dir: Path) -> Index | None:
         return {}
 
 
+def readable(index: Index) -> dict[int, _format.PartManifest]:
+    """Every part of `index` whose entry can be read (a damaged one warned about and
+    left out, as an unreadable index manifest always was): for a look at every part,
+    the tools' (a step index read in part reads the rest of itself at once)."""
+    out = {}
+    for owner in index:
+        manifest = _entry_or_none(index, owner)
+        if manifest is not None:
+            out[owner] = manifest
+    return out
+
+
 def recorded(index: Index, me: int) -> _format.PartManifest | None:
     """`me`'s index manifest, else the first part's (what every part records alike:
     the run id, the leaf records), or None for an empty index; one part's entry read.

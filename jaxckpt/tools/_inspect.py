@@ -320,11 +320,12 @@ def _raw_index(info: _catalog.StepInfo, owner: int) -> dict[str, Any]:
     (the step index names its parts'); empty where it cannot be read."""
     if info.item_dir is None:
         return {}
-    if isinstance(info.index, _step_index.StepIndex):  # its header records them
+    index = _index.read_index(info.item_dir)
+    if isinstance(index, _step_index.StepIndex):  # its header records them
         return {
             "format": _format.FORMAT_NAME,
-            "version": info.index.manifest_version,
-            "jaxckpt_version": info.index.jaxckpt_version,
+            "version": index.manifest_version,
+            "jaxckpt_version": index.jaxckpt_version,
         }
     try:
         raw = json.loads(_index.index_path(info.item_dir, owner).read_text())
