@@ -88,7 +88,7 @@ def index_file(owner: int) -> str:
     return f"index_{owner:05d}.json"
 
 
-# The step's combined index (`_index.step_index_text`): every part's index manifest in one
+# The step's combined index (`_step_index.step_index_text`): every part's index manifest in one
 # object, written by one process. Steps saved before it hold one `index_file` per part.
 STEP_INDEX_FILE: Final = "index.json"
 

@@ -13,6 +13,8 @@ A persisted part adds `part_<p>/manifest.json`, and the memory tiers hold their
 own copies. Everything here reads them through checked parsers, never raw JSON:
 
 - `read_index`: the index manifests of one step (any layout), a lazy mapping;
+  `recorded`: one process's manifest of it (else the first part's), `readable`:
+  every part whose entry can be read (the tools');
 - `memory_parts`, `persisted_parts`: which of a step's parts a memory tier holds,
   or persistent storage, from the very save the index describes;
 - `part_count`, `has_index`: how many parts a step has, whether a directory holds a
