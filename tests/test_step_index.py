@@ -1,4 +1,5 @@
-"""One combined index per step, written by one process inside the save's agreement.
+"""One combined index per step, written by one process inside the save's agreement,
+read in part (a part's entry when asked for); the previous versions' layouts still read.
 
 Threads play processes for the agreement (tests/test_multihost.py's `job`); the
 handler tests save and restore in this process. The object count per step on
@@ -254,6 +255,29 @@ def test_a_step_saved_with_one_index_per_part_still_restores(memory_root, ckpt_d
         assert_tree_equal(restore(mngr, 2, abstract(state)), state)
         assert h.last_restore_metrics["tier"] == "memory"
         assert mngr.item_metadata(2).train["w"].shape == state["w"].shape  # read there too
+
+
+def test_a_step_saved_with_a_version_1_index_still_restores(memory_root, ckpt_dir):
+    """Steps written by the previous version hold a version-1 `index.json`: still read,
+    by a restore, `latest_restorable_step`, the metadata and `jaxckpt` part counts."""
+    state = sharded_state(mesh_1d())
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        save_step(mngr, 1, state)
+        save_step(mngr, 2, state)
+        h.wait_for_persistence()
+    for step in (1, 2):
+        item = ckpt_dir / str(step) / "train"
+        index = dict(_index.read_index(item))
+        entries = {p: _index.entry(m) for p, m in index.items()}
+        (item / _format.STEP_INDEX_FILE).write_text(v1_step_index_text(index[0].leaves, entries))
+        assert _index.read_index(item) == index and _index.part_count(item) == 1
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        assert jaxckpt.latest_restorable_step(mngr, delete_newer=False) == 2
+        assert_tree_equal(restore(mngr, 2, abstract(state)), state)
+        assert h.last_restore_metrics["tier"] == "memory"
+        assert mngr.item_metadata(2).train["w"].shape == state["w"].shape
 
 
 def test_a_save_whose_index_cannot_be_written_fails_and_keeps_the_previous_step(
