@@ -188,6 +188,18 @@ def test_one_part_is_read_without_the_others(tmp_path):
         list(index.values())  # every part: the damaged one too
 
 
+def test_a_steps_nan_count_is_read_without_its_parts(tmp_path):
+    """`latest_restorable_step(finite=True)` asks every step for its NaN/Inf count: the
+    header records the parts' sum, so no part's entry is read (a damaged one included)."""
+    counted = {p: manifest(p, 3, nonfinite={0: p}) for p in range(3)}
+    text = _index.step_index_text(leaves(), {p: _index.entry(m) for p, m in counted.items()})
+    (tmp_path / _format.STEP_INDEX_FILE).write_text(damage(text, '"save-1"'))
+    index = _index.read_index(tmp_path)
+    assert _index.nonfinite_total(index) == 3 and index[2] == counted[2]
+    uncounted = _index.step_index_text(leaves(), {0: _index.entry(manifest(0, 1))})
+    assert _index.nonfinite_total(_index.parse_step_index(uncounted.encode())) == 0
+
+
 def test_a_restore_plan_reads_its_own_part_alone(tmp_path):
     """The plan of a process whose own part is in its memory tier: restorable, its
     own part's chunks found in its part, though every other part's entry is damaged."""

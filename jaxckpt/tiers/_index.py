@@ -14,7 +14,8 @@ own copies. Everything here reads them through checked parsers, never raw JSON:
 
 - `read_index`: the index manifests of one step (any layout), a lazy mapping;
   `recorded`: one process's manifest of it (else the first part's), `readable`:
-  every part whose entry can be read (the tools');
+  every part whose entry can be read (the tools'); `nonfinite_total`: the step's
+  NaN/Inf count;
 - `memory_parts`, `persisted_parts`: which of a step's parts a memory tier holds,
   or persistent storage, from the very save the index describes;
 - `part_count`, `has_index`: how many parts a step has, whether a directory holds a
@@ -32,7 +33,7 @@ from pathlib import Path
 from absl import logging as log
 
 from jaxckpt.coord import _holdings, _plan
-from jaxckpt.format import _format
+from jaxckpt.format import _finite, _format
 from jaxckpt.tiers import _memory_tier, _step_index, _storage
 
 Index = _step_index.Index  # owner -> index manifest
@@ -113,6 +114,14 @@ def readable(index: Index) -> dict[int, _format.PartManifest]:
         if manifest is not None:
             out[owner] = manifest
     return out
+
+
+def nonfinite_total(index: Index) -> int:
+    """How many NaN/Inf values the parts of a step counted (0 where none did): what a
+    version-2 index's header records (no part's entry read), else every part's sum."""
+    if isinstance(index, _step_index.StepIndex):
+        return index.nonfinite or 0
+    return sum(_finite.total(m.nonfinite) or 0 for m in readable(index).values())
 
 
 def recorded(index: Index, me: int) -> _format.PartManifest | None:

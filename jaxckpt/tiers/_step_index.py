@@ -53,7 +53,7 @@ from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, Va
 from typing import Any, Final
 
 from jaxckpt import _resources
-from jaxckpt.format import _checksum, _format
+from jaxckpt.format import _checksum, _finite, _format
 
 Index = Mapping[int, _format.PartManifest]  # owner -> index manifest
 
@@ -74,6 +74,8 @@ _PARTS_READ_ALONE: Final = 8
 _OWN_LEAF_FIELDS: Final = ("scalar_type", "uncommitted", "sharding")
 # A header's leaf record: the position of its sharding in the header's `shardings`.
 _SHARDING_AT: Final = "sharding_at"
+# An entry's first member: its part's NaN/Inf count (None: not counted).
+_NONFINITE_TOTAL: Final = "nonfinite_total"
 # Manifest members that are the same in every part, written once in the step index.
 _SHARED_MEMBERS: Final = ("format", "version", "leaves", "jaxckpt_version")
 
@@ -87,7 +89,8 @@ def entry(manifest: _format.PartManifest) -> str:
     the leaf records (the same in every part, which the agreement checks), but with
     its own values of the fields a per-process leaf's record may hold differently;
     compressed."""
-    d = manifest.to_dict()
+    # First, where the writer finds it without parsing the entry: the header sums it.
+    d = {_NONFINITE_TOTAL: _finite.total(manifest.nonfinite), **manifest.to_dict()}
     for name in _SHARED_MEMBERS:
         d.pop(name, None)
     d["own_leaves"] = _own_leaf_fields(manifest.leaves)
@@ -113,11 +116,14 @@ def step_index_text(leaves: Sequence[_format.LeafRecord], entries: Mapping[int, 
     # Each entry is written as the JSON text `entry` made (not parsed and dumped again:
     # at thousands of processes that was most of the deciding process's time).
     texts = [zlib.decompress(base64.b64decode(entries[p])) for p in owners]
-    rows, offset, count = [], 0, 0
+    rows, offset, count, nonfinite = [], 0, 0, None
     for text in texts:
         rows.append(f"{offset:016x}{len(text):08x}{_checksum.crc32c(text):08x}\n")
         offset += len(text)
         count = max(count, _process_count(text))
+        found = _nonfinite_total(text)
+        if found is not None:
+            nonfinite = (nonfinite or 0) + found
     header = _format.with_checksum(
         json.dumps(
             {
@@ -127,6 +133,7 @@ def step_index_text(leaves: Sequence[_format.LeafRecord], entries: Mapping[int, 
                 "jaxckpt_version": _format.JAXCKPT_VERSION,
                 **_shared_records(leaves),
                 "process_count": count,
+                "nonfinite": nonfinite,
                 "owners": len(owners) if owners == list(range(len(owners))) else owners,
             },
             separators=(",", ":"),
@@ -143,6 +150,15 @@ def _process_count(text: bytes) -> int:
         return 0
     digits = text[at + len(b'"process_count":') :].split(b",", 1)[0].split(b"}", 1)[0]
     return int(digits) if digits.strip().isdigit() else 0
+
+
+def _nonfinite_total(text: bytes) -> int | None:
+    """The NaN/Inf count an entry records first (`entry`), without parsing it."""
+    lead = b'{"' + _NONFINITE_TOTAL.encode() + b'":'
+    if not text.startswith(lead):
+        return None
+    value = text[len(lead) : text.find(b",", len(lead))]
+    return int(value) if value.isdigit() else None
 
 
 def _shared_records(leaves: Sequence[_format.LeafRecord]) -> dict[str, Any]:
@@ -264,6 +280,7 @@ class _Parts:
 
     def manifest(self, owner: int, part: dict[str, Any]) -> _format.PartManifest:
         own = part.pop("own_leaves", {})
+        part.pop(_NONFINITE_TOTAL, None)
         manifest = _format.PartManifest.from_dict({**part, **self._header})
         variant = json.dumps(own, sort_keys=True)
         leaves = self._variants.get(variant)
@@ -307,6 +324,8 @@ class StepIndex(Mapping[int, _format.PartManifest]):
         owners = header["owners"]
         self._owners: Sequence[int] = range(owners) if isinstance(owners, int) else owners
         self.process_count: int = header["process_count"]
+        # NaN/Inf values all parts counted (None: not counted), without reading them.
+        self.nonfinite: int | None = header.get("nonfinite")
         # What the part manifests' own header would say (the tools show it).
         self.manifest_version: int = header["manifest_version"]
         self.jaxckpt_version: str | None = header.get("jaxckpt_version")
