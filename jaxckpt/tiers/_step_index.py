@@ -14,8 +14,8 @@ So the index (version 2) is laid out to be read in part, still as one object
     jaxckpt-index 2 <header length, 12 digits>\\n          the prefix, 29 bytes
     <header>\\n            checksummed JSON: the leaf records once (each distinct
                           sharding once, its device ids as runs: a mesh's ids are
-                          O(N)), the process count, the owners (a count where
-                          they are 0..N-1)
+                          O(N)), the process count, the parts' NaN/Inf count,
+                          the owners (a count where they are 0..N-1)
     <one row per part>    in owner order, 33 bytes each: the entry's offset (from
                           the first entry) and length, and its CRC-32C, in hex
     <entries>             each part's manifest without the leaf records: JSON
