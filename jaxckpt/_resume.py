@@ -8,7 +8,6 @@ from typing import Any
 from jaxckpt import _internals
 from jaxckpt._handler import TieredCheckpointHandler
 from jaxckpt.coord import _multihost
-from jaxckpt.format import _finite
 from jaxckpt.tiers import _index, _paths, _storage, _store
 
 log = logging.getLogger(__name__)
@@ -194,9 +193,7 @@ def _nonfinite_steps(
         for step, item_dir in _paths.finalized_steps(root, item).items():
             if step not in steps:
                 continue
-            count = sum(
-                _finite.total(m.nonfinite) or 0 for m in _index.read_index(item_dir).values()
-            )
+            count = _index.nonfinite_total(_index.read_index(item_dir))
             if count:
                 out[step] = out.get(step, 0) + count
     return out

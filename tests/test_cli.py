@@ -137,6 +137,17 @@ def test_ls_marks_a_step_only_in_memory(capsys, copy):
     assert not step3["finalized"] and not step3["restorable"] and step3["memory"]
 
 
+def test_ls_shows_a_step_whose_index_entry_is_damaged_as_not_restorable(capsys, copy):
+    """A part's damaged entry of the step index is that part missing, not a failed `ls`."""
+    ckpt, memory = copy
+    path = ckpt / "2" / "train" / _format.STEP_INDEX_FILE
+    text = path.read_text()
+    at = text.rindex('"save_id":"') + len('"save_id":"')
+    path.write_text(text[:at] + chr(ord(text[at]) ^ 0x01) + text[at + 1 :])
+    steps = {s["step"]: s for s in as_json(capsys, "ls", ckpt, "--memory-root", memory)["steps"]}
+    assert not steps[2]["restorable"] and steps[3]["restorable_from"] == ["memory"]
+
+
 def test_errors_are_sentences_with_exit_status_2(capsys, tmp_path, saved):
     code, _, err = jaxckpt_cli(capsys, "ls", tmp_path / "nowhere")
     assert code == 2 and "does not exist" in err

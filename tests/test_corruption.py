@@ -219,7 +219,8 @@ def corrupt_index(item_dir: Path, how: str) -> None:
     elif how == "index_missing":
         index.unlink()
     elif how == "index_scalar_flip":  # {"step": 1} saved; one bit turns it into 0
-        leaf = [x["path"] for x in json.loads(text)["leaves"]].index("['step']")
+        header = json.loads(text.split("\n", 2)[1])  # after the step index's prefix line
+        leaf = [x["path"] for x in header["leaves"]].index("['step']")
         entry = f'"{leaf}":1'  # the value is in the part's "scalars", by leaf index
         i = text.index(entry, text.index('"scalars":')) + len(entry) - 1
         index.write_text(text[:i] + chr(ord(text[i]) ^ 0x01) + text[i + 1 :])

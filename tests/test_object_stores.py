@@ -282,3 +282,28 @@ def test_remote_paths_never_become_local(tmp_path):
         "path": "run/5/train/part_00000/",
     }
     assert not Path("gs:").exists()
+
+
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_a_step_index_on_an_object_store_is_read_in_ranges(kind, tmp_path, store_env):
+    """A process reads its own part of a large step index (ranged reads): another
+    part's damaged entry does not stop it; the damaged one is reported by name."""
+    from test_step_index import big_index, damage
+
+    from jaxckpt.format import _format
+    from jaxckpt.tiers import _index
+
+    parts, text = big_index(2000)  # larger than a reader's first read
+    text = damage(text, '"save-1500"')
+    with running(kind, tmp_path) as emulator:
+        store_env(emulator)
+        item_dir = _storage.as_path(emulator.url("run/5/train"))
+        _storage.write_object(item_dir / _format.STEP_INDEX_FILE, text)
+        index = _index.read_index(item_dir)
+        assert len(index) == 2000 and _index.part_count(item_dir) == 2000
+        assert index[1700] == parts[1700] and index[1999] == parts[1999]
+        with pytest.raises(ValueError, match="the entry of part 1500 does not match"):
+            index[1500]
+        small = _index.step_index_text(parts[0].leaves, {0: _index.entry(parts[0])})
+        _storage.write_object(item_dir / _format.STEP_INDEX_FILE, small)  # under a first read
+        assert _index.read_index(item_dir)[0].save_id == "save-0"

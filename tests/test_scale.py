@@ -60,6 +60,18 @@ def test_a_restore_after_a_node_loss_costs_four_calls_a_process():
     assert row["rpcs"] <= 4 * 64 + 16, row
 
 
+def test_a_restoring_process_reads_as_much_of_the_step_index_at_any_n():
+    """Each process reads the index's first bytes, its row and its own entry of the real
+    step index (not the whole of it, O(N)): about the same bytes at 64 and 2,048 processes
+    (an entry's numbers grow a digit or two)."""
+    small, large = _scale.Restore(64), _scale.Restore(2048)
+    assert large.index_bytes < 1.01 * small.index_bytes, (small.index_bytes, large.index_bytes)
+    assert large.index_bytes < 80_000, large.index_bytes
+    row = _scale.measure(64, "restore")
+    assert row["index_bytes"] == small.index_bytes and row["index_cpu_s"] > 0, row
+    assert row["process_cpu_s"] >= row["index_cpu_s"], row
+
+
 def test_a_restore_at_many_processes_plans_on_a_sample_and_charges_the_rest(monkeypatch):
     """Beyond `EVERY_PROCESS_PLANS` only a sample plans for real (the lost process and its
     holder among them); the others are charged one plan's CPU and still take part."""

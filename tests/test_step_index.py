@@ -1,4 +1,5 @@
-"""One combined index per step, written by one process inside the save's agreement.
+"""One combined index per step, written by one process inside the save's agreement,
+read in part (a part's entry when asked for); the previous versions' layouts still read.
 
 Threads play processes for the agreement (tests/test_multihost.py's `job`); the
 handler tests save and restore in this process. The object count per step on
@@ -122,17 +123,129 @@ def test_each_part_keeps_its_own_fields_of_a_per_process_leaf():
     assert index[0].leaves is index[2].leaves  # parsed once and shared
 
 
-def test_a_damaged_step_index_is_not_believed(tmp_path):
+def test_a_damaged_step_index_header_is_not_believed(tmp_path):
     text = _index.step_index_text(leaves(), {0: _index.entry(manifest(0, 1))})
-    flipped = text.replace('"save-0"', '"save-1"')
+    flipped = text.replace("\"['b']\"", "\"['c']\"")  # a leaf record: in the header
     (tmp_path / _format.STEP_INDEX_FILE).write_text(flipped)
     assert _index.read_index(tmp_path) == {}
     with pytest.raises(ValueError, match="damaged"):
         _index.parse_step_index(flipped.encode())
-    other = json.loads(text[: text.rindex(',"crc32c"')] + "}")
-    other["version"] = 99
+
+
+def test_an_index_of_a_newer_version_asks_for_an_upgrade():
+    text = _index.step_index_text(leaves(), {0: _index.entry(manifest(0, 1))})
     with pytest.raises(ValueError, match="upgrade jaxckpt"):
-        _index.parse_step_index(_format.with_checksum(json.dumps(other)).encode())
+        _index.parse_step_index(text.replace("jaxckpt-index 2 ", "jaxckpt-index 3 ", 1).encode())
+    v1 = json.loads(v1_step_index_text(leaves(), {0: _index.entry(manifest(0, 1))}))
+    v1["version"] = 99
+    del v1["crc32c"]
+    with pytest.raises(ValueError, match="upgrade jaxckpt"):
+        _index.parse_step_index(_format.with_checksum(json.dumps(v1)).encode())
+
+
+def test_a_version_1_step_index_still_parses(tmp_path):
+    """Steps saved by the previous version hold one JSON object with every part."""
+    own = {0: manifest(0), 1: manifest(1, leaves=leaves(scalar_type="float")), 2: manifest(2)}
+    text = v1_step_index_text(own[0].leaves, {p: _index.entry(m) for p, m in own.items()})
+    assert _index.parse_step_index(text.encode()) == own
+    (tmp_path / _format.STEP_INDEX_FILE).write_text(text)
+    assert _index.read_index(tmp_path) == own
+    assert _index.part_count(tmp_path) == 3
+    flipped = text.replace('"save-0"', '"save-1"')
+    (tmp_path / _format.STEP_INDEX_FILE).write_text(flipped)
+    assert _index.read_index(tmp_path) == {}  # damaged: read whole, so believed not at all
+
+
+def big_index(count: int) -> tuple[dict[int, _format.PartManifest], str]:
+    parts = {p: manifest(p, count) for p in range(count)}
+    return parts, _index.step_index_text(leaves(), {p: _index.entry(m) for p, m in parts.items()})
+
+
+def damage(text: str, needle: str) -> str:
+    at = text.index(needle)
+    return text[:at] + needle.replace("save", "savX") + text[at + len(needle) :]
+
+
+def test_one_part_is_read_without_the_others(tmp_path):
+    """A process asks for its own part: another part's damaged entry does not stop it,
+    and its own damaged entry is reported, naming the part and the index."""
+    parts, text = big_index(2000)  # larger than what a reader reads first
+    text = damage(text, '"save-1500"')
+    path = tmp_path / _format.STEP_INDEX_FILE
+    path.write_text(text)
+    index = _index.read_index(tmp_path)
+    assert len(index) == 2000 and 1999 in index and 2000 not in index
+    assert _format.saved_process_count(index) == 2000
+    assert _index.part_count(tmp_path) == 2000
+    assert index[1700] == parts[1700] and index[3] == parts[3]
+    many = [p for p in range(0, 2000, 50) if p != 1500]  # past a few: the rest read at once
+    assert [index[p] for p in many] == [parts[p] for p in many]
+    with pytest.raises(ValueError, match=r"the entry of part 1500 does not match its checksum"):
+        index[1500]
+    with pytest.raises(ValueError, match=str(path)):
+        index.get(1500)
+    with pytest.raises(ValueError, match="part 1500"):
+        list(index.values())  # every part: the damaged one too
+
+
+def test_a_steps_nan_count_is_read_without_its_parts(tmp_path):
+    """`latest_restorable_step(finite=True)` asks every step for its NaN/Inf count: the
+    header records the parts' sum, so no part's entry is read (a damaged one included)."""
+    counted = {p: manifest(p, 3, nonfinite={0: p}) for p in range(3)}
+    text = _index.step_index_text(leaves(), {p: _index.entry(m) for p, m in counted.items()})
+    (tmp_path / _format.STEP_INDEX_FILE).write_text(damage(text, '"save-1"'))
+    index = _index.read_index(tmp_path)
+    assert _index.nonfinite_total(index) == 3 and index[2] == counted[2]
+    uncounted = _index.step_index_text(leaves(), {0: _index.entry(manifest(0, 1))})
+    assert _index.nonfinite_total(_index.parse_step_index(uncounted.encode())) == 0
+
+
+def test_a_restore_plan_reads_its_own_part_alone(tmp_path):
+    """The plan of a process whose own part is in its memory tier: restorable, its
+    own part's chunks found in its part, though every other part's entry is damaged."""
+    from jaxckpt.coord import _plan
+
+    count = 300
+    parts, text = big_index(count)
+    for p in range(count):
+        if p != 7:
+            text = damage(text, f'"save-{p}"')
+    (tmp_path / _format.STEP_INDEX_FILE).write_text(text)
+    index = _index.read_index(tmp_path)
+    held = {p: {p} for p in range(count)}
+    plan = _plan.plan_step(5, index, 7, held, set())
+    assert plan.restorable and plan.sources[7][0].tier == _plan.MEMORY
+    assert plan.chunk_owner(7)((0, (7,)), False) == (7,)
+    assert plan.manifests[7] == parts[7]
+
+
+def v1_step_index_text(records: tuple[_format.LeafRecord, ...], entries: dict[int, str]) -> str:
+    """The version-1 step index, as the previous version wrote it (one JSON object)."""
+    import base64
+    import zlib
+
+    def shared(record: _format.LeafRecord) -> dict:
+        d = record.to_dict()
+        if record.per_process:
+            for k in ("scalar_type", "uncommitted", "sharding"):
+                d.pop(k, None)
+        return d
+
+    head = json.dumps(
+        {
+            "format": "jaxckpt-index",
+            "version": 1,
+            "manifest_version": _format.FORMAT_VERSION,
+            "jaxckpt_version": _format.JAXCKPT_VERSION,
+            "leaves": [shared(r) for r in records],
+        },
+        separators=(",", ":"),
+    )
+    parts = ",".join(
+        f'"{int(p)}":{zlib.decompress(base64.b64decode(e)).decode()}'
+        for p, e in sorted(entries.items())
+    )
+    return _format.with_checksum(f'{head[:-1]},"parts":{{{parts}}}}}')
 
 
 def test_a_step_saved_with_one_index_per_part_still_restores(memory_root, ckpt_dir):
@@ -154,6 +267,29 @@ def test_a_step_saved_with_one_index_per_part_still_restores(memory_root, ckpt_d
         assert_tree_equal(restore(mngr, 2, abstract(state)), state)
         assert h.last_restore_metrics["tier"] == "memory"
         assert mngr.item_metadata(2).train["w"].shape == state["w"].shape  # read there too
+
+
+def test_a_step_saved_with_a_version_1_index_still_restores(memory_root, ckpt_dir):
+    """Steps written by the previous version hold a version-1 `index.json`: still read,
+    by a restore, `latest_restorable_step`, the metadata and `jaxckpt` part counts."""
+    state = sharded_state(mesh_1d())
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        save_step(mngr, 1, state)
+        save_step(mngr, 2, state)
+        h.wait_for_persistence()
+    for step in (1, 2):
+        item = ckpt_dir / str(step) / "train"
+        index = dict(_index.read_index(item))
+        entries = {p: _index.entry(m) for p, m in index.items()}
+        (item / _format.STEP_INDEX_FILE).write_text(v1_step_index_text(index[0].leaves, entries))
+        assert _index.read_index(item) == index and _index.part_count(item) == 1
+    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
+    with manager(ckpt_dir, h, use_async=False) as mngr:
+        assert jaxckpt.latest_restorable_step(mngr, delete_newer=False) == 2
+        assert_tree_equal(restore(mngr, 2, abstract(state)), state)
+        assert h.last_restore_metrics["tier"] == "memory"
+        assert mngr.item_metadata(2).train["w"].shape == state["w"].shape
 
 
 def test_a_save_whose_index_cannot_be_written_fails_and_keeps_the_previous_step(

@@ -13,10 +13,15 @@ queue, a per-call latency, a bandwidth; no JAX devices) for three operations:
 - save: one save's agreement (`_agreement.agree_on_save`: verdict, tree digest
   and each part's index entry; the decider builds the step's one index, not
   written anywhere here);
-- restore: one restore after a node loss: the inventories
-  (`Peers.exchange_inventories`; the lost process holds nothing, its part
-  lives on its peer), every process's plan (`_plan.plan_step` and the chunk
-  owners), which must find every part, and the verdict (`_agreement.agree`).
+- restore: one restore after a node loss: each process's read of the step's
+  index (`index_read`: the step index the save's decider builds, held in
+  memory, read as `_index.read_index` reads it from storage: its first bytes,
+  the process's own part's row and entry; the bytes and CPU of that are the
+  row's `index_bytes` and `index_cpu_s`, charged to every process and included
+  in its CPU figures), the inventories (`Peers.exchange_inventories`; the lost
+  process holds nothing, its part lives on its peer), every process's plan
+  (`_plan.plan_step` over that lazily read index, and the chunk owners), which
+  must find every part, and the verdict (`_agreement.agree`).
 
 It prints one JSON object a line per N and operation, then a table and the
 fitted growth of every figure in N (1, N, N log N or N^2).
@@ -41,7 +46,7 @@ from jaxckpt.coord import _agreement, _holdings, _multihost, _placement, _plan
 from jaxckpt.format import _format
 from jaxckpt.peer._peers import Addresses, Peers
 from jaxckpt.peer._wire import PeerAddress
-from jaxckpt.tiers import _index
+from jaxckpt.tiers import _index, _step_index
 
 OPS: Final = ("setup", "save", "restore")
 DEFAULT_PROCESSES: Final = (8, 64, 512, 4096)
@@ -54,6 +59,7 @@ TIMEOUT_S: Final = 120.0  # TierOptions' default: every wait is bounded by it
 EVERY_PROCESS_PLANS: Final = 16384  # up to this N every simulated process plans a restore
 SAMPLED_PLANNERS: Final = 512  # beyond, about this many do (see `Restore`)
 FIGURES: Final = ("rpcs", "coordinator_bytes", "modeled_s", "plan_cpu_s", "peak_rss_bytes")
+INDEX_READERS: Final = 3  # processes whose index read is measured (the median is charged)
 
 
 class _Service:
@@ -135,6 +141,26 @@ class Setup:
             raise RuntimeError(f"process {p} was told holders {peers.holders}")
 
 
+def index_read(raw: bytes, p: int) -> tuple[int, float]:
+    """(bytes read, CPU seconds) of process `p`'s read of the step index `raw`, as a
+    restore reads it (`_index.read_index`): its first bytes, then its own part's row
+    and entry, checked and parsed."""
+    read_bytes = 0
+
+    def read(start: int, stop: int | None) -> bytes:
+        nonlocal read_bytes
+        data = raw[start:stop]
+        read_bytes += len(data)
+        return data
+
+    with _resources.SHARED.gc_paused():
+        start = time.thread_time()
+        index = _step_index.read_step_index(read, "the step index", read(0, _step_index.HEAD_BYTES))
+        if index[p].owner != p:
+            raise RuntimeError(f"process {p} read the index of part {index[p].owner}")
+        return read_bytes, time.thread_time() - start
+
+
 class Restore:
     """One restore after the loss of process `lost`: its memory tier is empty.
 
@@ -149,7 +175,20 @@ class Restore:
     def __init__(self, count: int):
         self.count = count
         self.lost = count // 2
-        self.manifests = manifests(count, leaves(count))
+        tree = leaves(count)
+        parts = manifests(count, tree)
+        # The step index as the save's decider writes it; every process reads its part.
+        raw = _index.step_index_text(tree, {p: _index.entry(m) for p, m in parts.items()}).encode()
+        del parts
+        readers = sorted({0, self.lost, count - 1})[:INDEX_READERS]
+        reads = sorted(index_read(raw, p) for p in readers)
+        self.index_bytes = max(b for b, _ in reads)
+        self.index_cpu_s = sorted(c for _, c in reads)[len(reads) // 2]
+        # The planners plan over the index read lazily (one object for the simulation:
+        # a part's entry parsed by the first planner that asks for it).
+        self.manifests = _step_index.read_step_index(
+            lambda start, stop: raw[start:stop], "the step index", raw[: _step_index.HEAD_BYTES]
+        )
         self.holders = _placement.place_replicas([_domain(p, count) for p in range(count)], 1)
         self.inventory: dict[int, set[int]] = {p: {p} for p in range(count)}
         for owner, hs in enumerate(self.holders):
@@ -181,6 +220,7 @@ class Restore:
             return self._restore(p)
 
     def _restore(self, p: int) -> bool:
+        self.charge(p, self.index_cpu_s)  # its read of the step's index, measured before
         addresses = Addresses(RUN_ID, {}, TIMEOUT_S)
         peers = Peers(_Service(p), "t" * 64, RUN_ID, addresses, self.holders[p], 1, TIMEOUT_S)
         held = peers.exchange_inventories({STEP: self.inventory[p]})
@@ -246,6 +286,12 @@ def measure(
         fn.charge = lambda p, seconds: sim.charge(sim.processes[p], seconds)
     results = sim.run(fn)
     planned = dict(fn.planned) if isinstance(fn, Restore) else {}
+    index_cpu_s = fn.index_cpu_s if isinstance(fn, Restore) else 0.0
+    index_figures = (
+        {"index_bytes": fn.index_bytes, "index_cpu_s": round(fn.index_cpu_s, 6)}
+        if isinstance(fn, Restore)
+        else {}
+    )
     if isinstance(fn, Restore):
         fn.clock, fn.charge = (lambda p: 0.0), (lambda p, seconds: None)
     failed = [(p, r) for p, (ok, r) in enumerate(results) if not ok or r is False]
@@ -272,8 +318,8 @@ def measure(
         "rpcs": sim.coordinator.total.calls,
         "coordinator_bytes": sim.coordinator.total.bytes,
         "modeled_s": round(max(proc.clock for proc in sim.processes), 6),
-        "plan_cpu_s": round(cpu, 6),
-        "process_cpu_s": round(ordinary, 6),
+        "plan_cpu_s": round(cpu + index_cpu_s, 6),
+        "process_cpu_s": round(ordinary + index_cpu_s, 6),
         "peak_rss_bytes": peak,
         "max_process_bytes": max(proc.counts.bytes for proc in sim.processes),
         "max_process_rpcs": max(proc.counts.calls for proc in sim.processes),
@@ -281,6 +327,7 @@ def measure(
         "queue_calls_s": round(sim.coordinator.total.calls * latency_s, 6),
         "queue_bytes_s": round(sim.coordinator.total.bytes / bandwidth, 6),
         **({"planned_s": round(max(planned.values()), 6)} if planned else {}),
+        **index_figures,
     }
 
 
@@ -378,6 +425,11 @@ def where_time_goes(rows: list[dict[str, Any]]) -> str:
         )
         if "planned_s" in r:
             line += f"; every process planned by {r['planned_s'] * 1000:.0f} ms"
+        if "index_bytes" in r:
+            line += (
+                f"; each process read {_bytes(r['index_bytes'])} of the step index in "
+                f"{r['index_cpu_s'] * 1000:.1f} ms CPU (included in its CPU)"
+            )
         lines.append(
             line + f"; CPU {r['plan_cpu_s'] * 1000:.0f} ms the decider, "
             f"{r['process_cpu_s'] * 1000:.0f} ms another process; modeled "

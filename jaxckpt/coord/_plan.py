@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import operator
 import threading
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence, Set
 
@@ -46,6 +45,8 @@ class StepPlan:
     sources: Mapping[int, tuple[Source, ...]]  # owner -> fastest first
     # The owners that may have no source: those no process holds (None: any owner).
     suspects: Sequence[int] | None = None
+    # The planning process: its own part's leaf records are the plan's (`leaves`).
+    reader: int | None = None
 
     @property
     def missing(self) -> list[int]:
@@ -62,7 +63,11 @@ class StepPlan:
 
     @property
     def leaves(self) -> tuple[_format.LeafRecord, ...]:
-        return next(iter(self.manifests.values())).leaves
+        """The leaf records of the reader's own part, else of the first part: one part's
+        manifest (a step index parses no other part's entry for them)."""
+        if self.reader is not None and self.reader in self.manifests:
+            return self.manifests[self.reader].leaves
+        return self.manifests[next(iter(self.manifests))].leaves
 
     def without(self, tier: str) -> StepPlan:
         """This plan with no source of `tier` (a tier the reader cannot use after all)."""
@@ -86,7 +91,11 @@ class StepPlan:
         """
         per_process = self._per_process()
         found: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        for owner, m in self.manifests.items():
+        for owner in self.manifests:
+            try:
+                m = self.manifests[owner]
+            except ValueError:  # a damaged entry of the step index: no copy to read there
+                continue
             for key in _chunks(m, per_process):
                 found.setdefault(key, []).append(owner)
         count = max(1, len(self.manifests))
@@ -180,7 +189,7 @@ def expected_owners(manifests: Mapping[int, _format.PartManifest]) -> set[int]:
 
 
 def _part_count(manifests: Mapping[int, _format.PartManifest]) -> int:
-    return max(map(operator.attrgetter("process_count"), manifests.values()), default=0)
+    return _format.saved_process_count(manifests)
 
 
 def _owners(manifests: Mapping[int, _format.PartManifest]) -> list[int]:
@@ -236,4 +245,6 @@ def plan_step(
         return tuple(found)
 
     sources = LazySources(owners, plan)
-    return StepPlan(step, tuple(owners), dict(manifests), sources, holdings.uncovered(owners))
+    # The manifests as handed in (a step index parses each part's entry when asked for:
+    # a copy would parse them all).
+    return StepPlan(step, tuple(owners), manifests, sources, holdings.uncovered(owners), me)

@@ -88,7 +88,7 @@ def index_file(owner: int) -> str:
     return f"index_{owner:05d}.json"
 
 
-# The step's combined index (`_index.step_index_text`): every part's index manifest in one
+# The step's combined index (`_step_index.step_index_text`): every part's index manifest in one
 # object, written by one process. Steps saved before it hold one `index_file` per part.
 STEP_INDEX_FILE: Final = "index.json"
 
@@ -473,6 +473,16 @@ _CRC_MEMBER: Final = ',"crc32c":'
 # copies) several times, and a 4000-leaf one takes ~0.1 s to parse.
 _PARSED: dict[tuple[int, int], tuple[bytes, PartManifest]] = _resources.SHARED.cache({})
 _PARSED_MAX: Final = 64
+
+
+def saved_process_count(manifests: Mapping[int, PartManifest]) -> int:
+    """How many processes saved the step whose index manifests are `manifests`: what a
+    step index read in part records in its header (`process_count`: no part's entry
+    parsed for it), else the most any part records."""
+    recorded = getattr(manifests, "process_count", None)
+    if isinstance(recorded, int):
+        return recorded
+    return max((m.process_count for m in manifests.values()), default=0)
 
 
 def with_checksum(body: str) -> str:

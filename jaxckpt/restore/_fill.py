@@ -58,15 +58,14 @@ def _leaf(restorer: Restorer, i: int, record: _format.LeafRecord, leaf: Any, ctx
         return state
     owner = source(i, record, ctx) if record.per_process else None
     mapper = per_process_mapper(record, ctx) if record.per_process and owner is None else None
-    owners = sorted(ctx.manifests)
     if record.kind == _format.SCALAR:
         if mapper is not None:
-            return mapper([scalar(i, record, ctx.manifests[o]) for o in owners])
-        manifest = ctx.manifests[owner] if owner is not None else next(iter(ctx.manifests.values()))
-        return scalar(i, record, manifest)
+            return mapper([scalar(i, record, ctx.manifests[o]) for o in sorted(ctx.manifests)])
+        first = owner if owner is not None else next(iter(ctx.manifests))
+        return scalar(i, record, ctx.manifests[first])
     placement = leaf_placement(i, record, leaf, ctx, owner)
     if mapper is not None:
-        saved = [_with_key_impl(restorer.host_array(i, o), record) for o in owners]
+        saved = [_with_key_impl(restorer.host_array(i, o), record) for o in sorted(ctx.manifests)]
         return _place(_mapped_data(mapper(saved), record, ctx), record, placement)
     if placement == HOST:
         return _with_key_impl(restorer.host_array(i, owner), record)

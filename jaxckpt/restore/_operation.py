@@ -55,7 +55,12 @@ class RestoreOperation:
         pi, count = _multihost.process_index(), _multihost.process_count()
         # 2. The step's index, read once: its parts, and the run its copies carry.
         index = _index.read_index(item.path)
-        recorded = index.get(pi) or next(iter(index.values()), None)
+        try:
+            recorded = _index.recorded(index, pi)
+        except ValueError as e:  # this process's part's entry of the index is damaged
+            raise FileNotFoundError(
+                f"[process {pi}] Step {step} cannot be restored: {runs.redact(str(e))}"
+            ) from e
         indexes = {step: index}  # read once: the recovery and the inventories reuse it
         # 3. Open the run: its memory tier, under the run id the index records.
         memory = op.open(recorded, indexes)
@@ -63,7 +68,8 @@ class RestoreOperation:
         fns = (args.iterator_state_fn, args.per_process_fn)
         if index:
             ctx = _target.Context(index, pi, count, step, *fns)
-            _target.check(next(iter(index.values())).leaves, args.abstract_state, ctx)
+            assert recorded is not None  # the index has parts
+            _target.check(recorded.leaves, args.abstract_state, ctx)
         # 5. Exchanges `meet` (once per run) and `inventories`; the plan: a source per part.
         op.meet()
         view = op.inventories(indexes)
@@ -136,7 +142,7 @@ class RestoreOperation:
             index = _index.read_index(finalized[newest]) if newest is not None else {}
             indexes = {newest: index} if newest is not None else {}
             pi = _multihost.process_index()
-            memory = op.open(index.get(pi) or next(iter(index.values()), None), indexes)
+            memory = op.open(_index.recorded(index, pi), indexes)
             if verify:
                 runs.verify_held(memory, finalized)
             op.meet()

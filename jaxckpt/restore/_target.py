@@ -85,7 +85,7 @@ class Context:
     @functools.cached_property  # asked for every per-process leaf
     def saved_count(self) -> int:
         """How many processes saved the step."""
-        return max((m.process_count for m in self.manifests.values()), default=0)
+        return _format.saved_process_count(self.manifests)
 
     @functools.cached_property
     def complete(self) -> bool:
@@ -109,7 +109,7 @@ class IteratorState:
 def metadata(index: Mapping[int, _format.PartManifest], pi: int, count: int) -> Any:
     """What the handler's `metadata()` shows of a step whose index manifests are `index`
     (see there), for process `pi` of `count`."""
-    same_count = {m.process_count for m in index.values()} == {count}
+    same_count = _format.saved_process_count(index) == count
     # Per-process leaves show this process's own value, which only exists on the same count.
     manifest = index[pi] if same_count and pi in index else index[min(index)]
     entries = [(r.keys, leaf_metadata(i, r, manifest)) for i, r in enumerate(manifest.leaves)]

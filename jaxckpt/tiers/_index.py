@@ -4,12 +4,18 @@ A step's item directory holds its index: one object, `index.json`, with every
 part's index manifest (the leaf records once), written by one process at the
 end of the save's agreement (`entry` is what each process hands to it,
 `write_step_index` what the agreement's decider writes), so that a step costs
-the persistent store one object whatever the process count. Steps saved by
-earlier versions hold one `index_<p>.json` per part instead, and are still read.
+the persistent store one object whatever the process count. It is laid out to
+be read in part (`_step_index`): a process reads the shared header and the
+entries of the parts it asks for, not every part's. Steps saved by earlier
+versions hold a version-1 index (read whole) or one `index_<p>.json` per part,
+and are still read.
 A persisted part adds `part_<p>/manifest.json`, and the memory tiers hold their
 own copies. Everything here reads them through checked parsers, never raw JSON:
 
-- `read_index`: the index manifests of one step (either layout);
+- `read_index`: the index manifests of one step (any layout), a lazy mapping;
+  `recorded`: one process's manifest of it (else the first part's), `readable`:
+  every part whose entry can be read (the tools'); `nonfinite_total`: the step's
+  NaN/Inf count;
 - `memory_parts`, `persisted_parts`: which of a step's parts a memory tier holds,
   or persistent storage, from the very save the index describes;
 - `part_count`, `has_index`: how many parts a step has, whether a directory holds a
@@ -21,84 +27,20 @@ own copies. Everything here reads them through checked parsers, never raw JSON:
 
 from __future__ import annotations
 
-import base64
-import dataclasses
-import json
-import zlib
 from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
 
 from absl import logging as log
 
-from jaxckpt import _resources
 from jaxckpt.coord import _holdings, _plan
-from jaxckpt.format import _checksum, _format
-from jaxckpt.tiers import _memory_tier, _storage
+from jaxckpt.format import _finite, _format
+from jaxckpt.tiers import _memory_tier, _step_index, _storage
 
-Index = dict[int, _format.PartManifest]  # owner -> index manifest
-
-STEP_INDEX_FORMAT: Final = "jaxckpt-index"
-STEP_INDEX_VERSION: Final = 1
-# Leaf record fields that may differ between processes' records of one per-process leaf
-# (the rest is compared by the save's agreement): each part records its own.
-_OWN_LEAF_FIELDS: Final = ("scalar_type", "uncommitted", "sharding")
-# Manifest members that are the same in every part, written once in the step index.
-_SHARED_MEMBERS: Final = ("format", "version", "leaves", "jaxckpt_version")
-
-
-def entry(manifest: _format.PartManifest) -> str:
-    """What this process hands to the step index's writer: its index manifest without
-    the leaf records (the same in every part, which the agreement checks), but with
-    its own values of the fields a per-process leaf's record may hold differently;
-    compressed."""
-    d = manifest.to_dict()
-    for name in _SHARED_MEMBERS:
-        d.pop(name, None)
-    d["own_leaves"] = _own_leaf_fields(manifest.leaves)
-    return base64.b64encode(zlib.compress(json.dumps(d, separators=(",", ":")).encode())).decode()
-
-
-def _own_leaf_fields(leaves: Sequence[_format.LeafRecord]) -> dict[str, dict[str, Any]]:
-    out = {}
-    for i, r in enumerate(leaves):
-        if r.per_process:
-            fields = {
-                k: getattr(r, k) for k in _OWN_LEAF_FIELDS if getattr(r, k) not in (None, False)
-            }
-            if fields:
-                out[str(i)] = fields
-    return out
-
-
-def step_index_text(leaves: Sequence[_format.LeafRecord], entries: Mapping[int, str]) -> str:
-    """The step index (checksummed JSON) from the writer's leaf records and every
-    process's `entry`."""
-    head = json.dumps(
-        {
-            "format": STEP_INDEX_FORMAT,
-            "version": STEP_INDEX_VERSION,
-            "manifest_version": _format.FORMAT_VERSION,
-            "jaxckpt_version": _format.JAXCKPT_VERSION,
-            "leaves": [_shared_record(r) for r in leaves],
-        },
-        separators=(",", ":"),
-    )
-    # Each entry is spliced in as the JSON text `entry` made (not parsed and dumped again:
-    # at thousands of processes that was most of the deciding process's time).
-    parts = ",".join(
-        f'"{int(p)}":{zlib.decompress(base64.b64decode(e)).decode()}'
-        for p, e in sorted(entries.items())
-    )
-    return _format.with_checksum(f'{head[:-1]},"parts":{{{parts}}}}}')
-
-
-def _shared_record(record: _format.LeafRecord) -> dict[str, Any]:
-    d = record.to_dict()
-    if record.per_process:
-        for k in _OWN_LEAF_FIELDS:
-            d.pop(k, None)
-    return d
+Index = _step_index.Index  # owner -> index manifest
+# What the save's agreement and its tests use: the step index's text (`_step_index`).
+entry = _step_index.entry
+step_index_text = _step_index.step_index_text
+parse_step_index = _step_index.parse_step_index
 
 
 def write_step_index(
@@ -107,56 +49,6 @@ def write_step_index(
     """Writes the step index of `item_dir` (one file, or one object): by one process,
     once every process has handed its `entry` and the save is agreed on."""
     _storage.write_file(item_dir / _format.STEP_INDEX_FILE, step_index_text(leaves, entries))
-
-
-def parse_step_index(raw: bytes) -> Index:
-    """owner -> index manifest, from a step index's text (parsed once per text).
-
-    Raises:
-      ValueError: if the text is damaged or is no readable step index.
-    """
-    key = (len(raw), _checksum.crc32c(raw))
-    cached = _PARSED.get(key)
-    if cached is not None and cached[0] == raw:
-        return dict(cached[1])
-    d = _format.checked(raw)
-    if d.get("format") != STEP_INDEX_FORMAT or d.get("version") != STEP_INDEX_VERSION:
-        raise ValueError(
-            f"Not a jaxckpt step index of a readable version (format={d.get('format')!r}, "
-            f"version={d.get('version')!r}); upgrade jaxckpt."
-        )
-    shared = d["leaves"]
-    records = tuple(_format.LeafRecord.from_dict(x) for x in shared)
-    header = {"format": _format.FORMAT_NAME, "version": d["manifest_version"], "leaves": []}
-    out: Index = {}
-    variants: dict[str, tuple[_format.LeafRecord, ...]] = {}  # parts' own fields -> records
-    for owner, part in d["parts"].items():
-        own = part.pop("own_leaves", {})
-        manifest = _format.PartManifest.from_dict({**part, **header})
-        variant = json.dumps(own, sort_keys=True)
-        leaves = variants.get(variant)
-        if leaves is None:  # built once per variant: parts alike share one tuple
-            leaves = variants[variant] = tuple(
-                _with_own(r, own.get(str(i), {})) if r.per_process else r
-                for i, r in enumerate(records)
-            )
-        if manifest.owner != int(owner):
-            raise ValueError(f"The step index's part {owner} records owner {manifest.owner}.")
-        out[manifest.owner] = dataclasses.replace(manifest, leaves=leaves)
-    if len(_PARSED) >= 4:
-        _PARSED.pop(next(iter(_PARSED), (-1, -1)), None)
-    _PARSED[key] = (raw, out)
-    return dict(out)
-
-
-def _with_own(record: _format.LeafRecord, own: Mapping[str, Any]) -> _format.LeafRecord:
-    return dataclasses.replace(
-        record, **{k: own.get(k, False if k == "uncommitted" else None) for k in _OWN_LEAF_FIELDS}
-    )
-
-
-# Parsed step indexes by text: a restore and retention read the same one several times.
-_PARSED: dict[tuple[int, int], tuple[bytes, Index]] = _resources.SHARED.cache({})
 
 
 def has_index(item_dir: Path) -> bool:
@@ -175,20 +67,12 @@ def index_path(item_dir: Path, owner: int) -> Path:
 
 def read_index(item_dir: Path) -> Index:
     """owner -> index manifest, for every part recorded in an item directory: its step
-    index, or in a step saved before it, every `index_<p>.json`."""
-    try:
-        raw = _storage.read_bytes(item_dir / _format.STEP_INDEX_FILE)
-    except FileNotFoundError:
-        raw = None
-    except OSError as e:
-        log.warning("jaxckpt: cannot read the step index in %s: %s", item_dir, e)
-        return {}
-    if raw is not None:
-        try:
-            return parse_step_index(raw)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            log.warning("jaxckpt: ignoring unreadable step index %s: %s", item_dir, e)
-            return {}
+    index (a version-2 one read in part: each part's entry when asked for,
+    `_step_index.StepIndex`), or in a step saved before it, every `index_<p>.json`.
+    A missing or damaged index (or header): empty."""
+    combined = _step_index_of(item_dir)
+    if combined is not None:
+        return combined
     out = {}
     if item_dir.is_dir():
         for p in sorted(item_dir.glob("index_*.json")):
@@ -201,33 +85,86 @@ def read_index(item_dir: Path) -> Index:
     return out
 
 
+def _step_index_of(item_dir: Path) -> Index | None:
+    """The step index of `item_dir` (empty if unreadable), or None if it has none."""
+    path = item_dir / _format.STEP_INDEX_FILE
+    try:
+        head = _storage.read_range(path, 0, _step_index.HEAD_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("jaxckpt: cannot read the step index in %s: %s", item_dir, e)
+        return {}
+    try:
+        return _step_index.read_step_index(
+            lambda start, stop: _storage.read_range(path, start, stop), str(path), head
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("jaxckpt: ignoring unreadable step index %s: %s", item_dir, e)
+        return {}
+
+
+def readable(index: Index) -> dict[int, _format.PartManifest]:
+    """Every part of `index` whose entry can be read (a damaged one warned about and
+    left out, as an unreadable index manifest always was): for a look at every part,
+    the tools' (a step index read in part reads the rest of itself at once)."""
+    out = {}
+    for owner in index:
+        manifest = _entry_or_none(index, owner)
+        if manifest is not None:
+            out[owner] = manifest
+    return out
+
+
+def nonfinite_total(index: Index) -> int:
+    """How many NaN/Inf values the parts of a step counted (0 where none did): what a
+    version-2 index's header records (no part's entry read), else every part's sum."""
+    if isinstance(index, _step_index.StepIndex):
+        return index.nonfinite or 0
+    return sum(_finite.total(m.nonfinite) or 0 for m in readable(index).values())
+
+
+def recorded(index: Index, me: int) -> _format.PartManifest | None:
+    """`me`'s index manifest, else the first part's (what every part records alike:
+    the run id, the leaf records), or None for an empty index; one part's entry read.
+
+    Raises:
+      ValueError: if that part's entry of the step index is damaged.
+    """
+    if me in index:
+        return index[me]
+    first = next(iter(index), None)
+    return None if first is None else index[first]
+
+
 def first_index(item_dir: Path) -> _format.PartManifest | None:
     """Process 0's index manifest of the step in `item_dir` (what every part of a step
-    records alike: the process count, whether the step is to be persisted), or None if
-    it is missing or damaged."""
+    records alike: whether the step is to be persisted), or None if it is missing or
+    damaged."""
     try:
-        raw = _storage.read_bytes(item_dir / _format.STEP_INDEX_FILE)
-    except OSError:
-        raw = None
-    try:
-        if raw is not None:
-            return parse_step_index(raw).get(0)
+        combined = _step_index_of(item_dir)
+        if combined is not None:
+            return combined.get(0)
         return _format.PartManifest.from_json((item_dir / _format.index_file(0)).read_text())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def part_count(item_dir: Path) -> int | None:
-    """How many processes saved the step in `item_dir`, or None if its index is
-    missing or damaged."""
+    """How many processes saved the step in `item_dir` (a version-2 index records it
+    in its header: no part's entry read), or None if its index is missing or damaged."""
+    combined = _step_index_of(item_dir)
+    if combined is not None:
+        return _format.saved_process_count(combined) if combined else None
     first = first_index(item_dir)
     return None if first is None else first.process_count
 
 
-def matches(copy: _format.PartManifest | None, index: _format.PartManifest) -> bool:
+def matches(copy: _format.PartManifest | None, index: _format.PartManifest | None) -> bool:
     """Whether a stored copy of a part is the one the index describes (same save)."""
     return (
         copy is not None
+        and index is not None
         and copy.save_id == index.save_id
         and copy.run_id == index.run_id
         and copy.step == index.step
@@ -237,23 +174,35 @@ def matches(copy: _format.PartManifest | None, index: _format.PartManifest) -> b
 
 def memory_parts(memory: _memory_tier.MemoryTier, step: int, index: Index) -> set[int]:
     """Owners whose part of `step` this memory tier holds, from this very save; none
-    from a tier `prepare` could not write (its steps cannot be pinned while read)."""
+    from a tier `prepare` could not write (its steps cannot be pinned while read), nor
+    a part whose entry of the step index is damaged (no copy can be checked against it)."""
     if memory.unwritable is not None:
         return set()
     return {
         o
         for o in memory.parts(step)
-        if o in index and matches(memory.read_manifest(step, o), index[o])
+        if o in index and matches(memory.read_manifest(step, o), _entry_or_none(index, o))
     }
+
+
+def _entry_or_none(index: Index, owner: int) -> _format.PartManifest | None:
+    try:
+        return index[owner]
+    except ValueError as e:
+        log.warning("jaxckpt: %s", e)
+        return None
 
 
 def persisted_parts(item_dir: Path, index: Index) -> set[int]:
     """Owners whose part of the step is durable in the item directory."""
-    return {owner for owner, m in index.items() if _is_persisted(item_dir, m)}
+    return {owner for owner in index if _is_persisted(item_dir, index, owner)}
 
 
-def _is_persisted(item_dir: Path, m: _format.PartManifest) -> bool:
+def _is_persisted(item_dir: Path, index: Index, owner: int) -> bool:
+    """Whether `owner`'s part is durable in the item directory: not where its entry of
+    the index is damaged (every process reads the same entry, so all agree)."""
     try:
+        m = index[owner]
         path = item_dir / _format.part_dir_name(m.owner) / _format.MANIFEST_FILE
         return matches(_format.PartManifest.from_json(_storage.read_bytes(path)), m)
     except (OSError, ValueError, KeyError, TypeError):
@@ -273,7 +222,7 @@ class PersistedParts(Container[int]):
         if not isinstance(owner, int) or owner not in self._index:
             return False
         if owner not in self._known:
-            self._known[owner] = _is_persisted(self._item_dir, self._index[owner])
+            self._known[owner] = _is_persisted(self._item_dir, self._index, owner)
         return self._known[owner]
 
 

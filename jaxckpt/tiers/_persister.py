@@ -41,7 +41,7 @@ def part_job(
     `persist_every`) the step is due; else None. `index` is the step's index when read
     already (not read again)."""
     index = _index.read_index(item_dir) if index is None else index
-    recorded = {o: m for o, m in index.items() if o == owner}
+    recorded = {owner: index[owner]} if owner in index else {}
     if persist_every is not None and not any(m.is_due(persist_every) for m in recorded.values()):
         return None
     if not _index.memory_parts(memory, step, recorded) - _index.persisted_parts(item_dir, recorded):

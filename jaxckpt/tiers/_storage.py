@@ -19,8 +19,8 @@ path alone:
   standard AWS variables (any S3-compatible store: MinIO, R2, ...).
 - `write_file`: a file that appears whole or not at all: a rename on a local
   filesystem (`_fs.write_atomic`), one PUT on an object store (an object is
-  never visible half-written). `read_bytes`, `exists`: one read or look, never
-  answered from a cached listing; `write_object`, `delete_objects`: bounded
+  never visible half-written). `read_bytes`, `read_range`, `exists`: one read (of
+  all or part of a file) or look, never answered from a cached listing; `write_object`, `delete_objects`: bounded
   object-store requests.
 """
 
@@ -162,6 +162,30 @@ def read_bytes(path: Path) -> bytes:
         return path.read_bytes()
     store = _result(ts.KvStore.open(kvstore(path.parent), context=_context()), path)
     got = _result(store.read(path.name), f"Reading {path}")
+    if got.state != "value":
+        raise FileNotFoundError(f"{path} does not exist.")
+    return bytes(got.value)
+
+
+def read_range(path: Path, start: int, stop: int | None) -> bytes:
+    """Bytes `start` to `stop` (None: its end) of the file `path`, fewer where the file
+    ends before `stop` (a seek and a read; on an object store one ranged request).
+
+    Raises:
+      FileNotFoundError: if there is no such file.
+    """
+    if not is_remote(path):
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(-1 if stop is None else stop - start)
+    store = _result(ts.KvStore.open(kvstore(path.parent), context=_context()), path)
+    try:
+        got = _result(store.read(path.name, byte_range=slice(start, stop)), f"Reading {path}")
+    except OSError as e:
+        if "OUT_OF_RANGE" not in str(e):
+            raise
+        # The object ends before `stop`: what it holds from `start` on.
+        got = _result(store.read(path.name, byte_range=slice(start, None)), f"Reading {path}")
     if got.state != "value":
         raise FileNotFoundError(f"{path} does not exist.")
     return bytes(got.value)

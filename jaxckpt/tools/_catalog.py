@@ -161,7 +161,7 @@ class Catalog:
         self.item = item or _single_item(self.directory)
         self.step_dirs = _paths.finalized_steps(self.directory, self.item)
         self.unfinalized = self._unfinalized()
-        self._index = {s: _index.read_index(d) for s, d in self.step_dirs.items()}
+        self._index = {s: _index.readable(_index.read_index(d)) for s, d in self.step_dirs.items()}
         self.run_id = run_id or self._run_id()
         memory_roots = list(dict.fromkeys(os.fspath(r) for r in memory_roots))  # each once
         tiers = [_memory_tier.MemoryTier(os.fspath(r), self.run_id) for r in memory_roots]

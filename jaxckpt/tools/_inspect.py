@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt.format import _format
-from jaxckpt.tiers import _index, _store
+from jaxckpt.tiers import _index, _step_index, _store
 from jaxckpt.tools import _catalog, _table
 
 # Save metrics shown as columns by `inspect`, in this order (others only in --json).
@@ -320,9 +320,16 @@ def _raw_index(info: _catalog.StepInfo, owner: int) -> dict[str, Any]:
     (the step index names its parts'); empty where it cannot be read."""
     if info.item_dir is None:
         return {}
+    index = _index.read_index(info.item_dir)
+    if isinstance(index, _step_index.StepIndex):  # its header records them
+        return {
+            "format": _format.FORMAT_NAME,
+            "version": index.manifest_version,
+            "jaxckpt_version": index.jaxckpt_version,
+        }
     try:
         raw = json.loads(_index.index_path(info.item_dir, owner).read_text())
-        if raw.get("format") == _index.STEP_INDEX_FORMAT:  # the step index: its parts'
+        if raw.get("format") == _step_index.STEP_INDEX_FORMAT:  # a version-1 step index
             raw = {**raw, "format": _format.FORMAT_NAME, "version": raw["manifest_version"]}
     except (OSError, ValueError):
         return {}
