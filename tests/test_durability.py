@@ -192,8 +192,15 @@ def test_persist_must_be_a_bool():
 
 
 def _slabs(memory_root: str) -> list[Path]:
-    """Every slab file in a memory root: the steps' parts and the spare slabs."""
-    return [p for p in Path(memory_root).rglob("*") if p.is_file() and "slab" in p.name]
+    """Every slab file in a memory root: the steps' parts and the spare slabs. Memory
+    retention may be deleting an older step meanwhile (it runs in the background):
+    `os.walk` passes over a directory that is gone, where `rglob` raises."""
+    return [
+        Path(top, name)
+        for top, _, files in os.walk(memory_root)
+        for name in files
+        if "slab" in name
+    ]
 
 
 def test_release_memory_frees_the_tier_once_the_newest_step_is_durable(memory_root, ckpt_dir):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -92,27 +93,9 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
     meshes = {
         n: Mesh(devices.reshape(dp, fsdp_all // dp), ("dp", "fsdp")) for n, dp in layouts.items()
     }
-    times: dict[str, dict[str, list[float]]] = {
-        n: {"no_save_s": [], "jaxckpt_s": []} for n in layouts
-    }
-    saves: dict[str, list[dict[str, Any]]] = {n: [] for n in layouts}
-    # The layouts' loops alternate for `repeats` rounds: a load that drifts during the
-    # run weighs on both alike (h4 compares them).
-    for r in range(max(1, int(cfg.get("repeats") or 1))):
-        for name, mesh in meshes.items():
-            tag = f"{name}-{r}"
-            times[name]["no_save_s"] += loop(mesh, None, f"{tag}-none")
-            j = _managers.Jaxckpt.every_step(work / f"{tag}-jaxckpt", memory_root, cfg)
-            times[name]["jaxckpt_s"] += loop(mesh, j.save, f"{tag}-jaxckpt")
-            j.mngr.wait_until_finished()
-            saves[name] += j.metrics("save")[cfg["warmup"] :]
-            j.close()
-            multihost_utils.sync_global_devices(f"{tag}-closed")
-            if j.memory_dir is not None:
-                shutil.rmtree(j.memory_dir, ignore_errors=True)
+    times, saves = _alternating(cfg, meshes, loop, work, memory_root)
     for name, mesh in meshes.items():
-        res: dict[str, Any] = {"dp": layouts[name]}
-        res.update({k: statistics.median(v) for k, v in times[name].items()})
+        res: dict[str, Any] = {"dp": layouts[name], **times[name]}
         # Medians a save; the phases (where its background time goes) are in the JSON only.
         for key in ("bytes", "stall_s", "replicate_bytes", *_PHASES):
             res[key] = statistics.median(float(m.get(key) or 0) for m in saves[name])
@@ -128,6 +111,40 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
             res.update(_restores(cfg, mesh, state_on(mesh), work, memory_root))
         out[name] = res
     return out
+
+
+def _alternating(
+    cfg: dict[str, Any],
+    meshes: dict[str, Any],
+    loop: Callable[[Any, Any, str], list[float]],
+    work: Path,
+    memory_root: Path,
+) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, Any]]]]:
+    """Each layout's loop without saves and with a jaxckpt save every step (median step
+    times), and its saves' metrics. The layouts alternate for `repeats` rounds: a load
+    that drifts during the run weighs on both alike (h4 compares them)."""
+    from jax.experimental import multihost_utils
+
+    from jaxckpt.bench import _managers
+
+    times: dict[str, dict[str, list[float]]] = {
+        n: {"no_save_s": [], "jaxckpt_s": []} for n in meshes
+    }
+    saves: dict[str, list[dict[str, Any]]] = {n: [] for n in meshes}
+    for r in range(max(1, int(cfg.get("repeats") or 1))):
+        for name, mesh in meshes.items():
+            tag = f"{name}-{r}"
+            times[name]["no_save_s"] += loop(mesh, None, f"{tag}-none")
+            j = _managers.Jaxckpt.every_step(work / f"{tag}-jaxckpt", memory_root, cfg)
+            times[name]["jaxckpt_s"] += loop(mesh, j.save, f"{tag}-jaxckpt")
+            j.mngr.wait_until_finished()
+            saves[name] += j.metrics("save")[cfg["warmup"] :]
+            j.close()
+            multihost_utils.sync_global_devices(f"{tag}-closed")
+            if j.memory_dir is not None:
+                shutil.rmtree(j.memory_dir, ignore_errors=True)
+    medians = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
+    return medians, saves
 
 
 def _restores(

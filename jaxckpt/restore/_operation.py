@@ -15,6 +15,7 @@ from etils import epath
 
 from jaxckpt import _metrics, _resources
 from jaxckpt.coord import _multihost
+from jaxckpt.format import _format
 from jaxckpt.restore import _fill, _restore, _target
 from jaxckpt.run import _choreography, _session
 from jaxckpt.tiers import _index, _paths, _slab, _storage
@@ -54,13 +55,7 @@ class RestoreOperation:
         step = item.require_step()
         pi, count = _multihost.process_index(), _multihost.process_count()
         # 2. The step's index, read once: its parts, and the run its copies carry.
-        index = _index.read_index(item.path)
-        try:
-            recorded = _index.recorded(index, pi)
-        except ValueError as e:  # this process's part's entry of the index is damaged
-            raise FileNotFoundError(
-                f"[process {pi}] Step {step} cannot be restored: {runs.redact(str(e))}"
-            ) from e
+        index, recorded = self._index(item, step, pi)
         indexes = {step: index}  # read once: the recovery and the inventories reuse it
         # 3. Open the run: its memory tier, under the run id the index records.
         memory = op.open(recorded, indexes)
@@ -123,6 +118,24 @@ class RestoreOperation:
         # 7. Exchange `agree` (the verdict): when the choreography's block ends, unless
         # held before the reshard of data-parallel replicas (`agree_on_reads`).
         return result
+
+    def _index(
+        self, item: _paths.ItemDir, step: int, pi: int
+    ) -> tuple[_index.Index, _format.PartManifest | None]:
+        """The step's index (read in part) and this process's manifest in it (else the
+        first part's, which records the run and the leaves alike; None: no part).
+
+        Raises:
+          FileNotFoundError: if this process's entry of the index is damaged.
+        """
+        index = _index.read_index(item.path)
+        try:
+            return index, _index.recorded(index, pi)
+        except ValueError as e:
+            raise FileNotFoundError(
+                f"[process {pi}] Step {step} cannot be restored: "
+                f"{self._session.runs.redact(str(e))}"
+            ) from e
 
     def metadata(self, directory: epath.Path) -> Any:
         """`TieredCheckpointHandler.metadata`: the saved tree, from the step's index."""
