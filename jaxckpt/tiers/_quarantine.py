@@ -6,9 +6,11 @@ stray write) cannot be restored. A restore that reads it falls back to another
 copy of the same chunk; so that a *resumed* job does not pick the same step and
 fail again, the part is quarantined where it lies: an empty marker file in the
 part directory, which `MemoryTier.parts` (and so every inventory, every restore
-plan and `latest_restorable_step`) honours. The marker needs no page of the
-tier (a full tmpfs can still be marked), survives the process (tmpfs outlives
-it) and goes with the step when retention removes it.
+plan and `latest_restorable_step`) honours. The marker is made empty first, so it
+needs no page of the tier (a full tmpfs can still be marked); the reason and the
+marking process are then written into it where they fit (`recorded`, which the
+`jaxckpt ls`/`verify` tools show). It survives the process (tmpfs outlives it) and
+goes with the step when retention removes it.
 
 Who marks: the process that read the bad bytes from its own tier; the holder of
 a peer copy, told by the process that read the bad bytes from it (which marks
@@ -19,6 +21,8 @@ every part it holds, on `latest_restorable_step(mngr, verify=True)`.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -35,6 +39,28 @@ MARKER: Final = ".corrupt"
 def is_quarantined(part_dir: Path) -> bool:
     """Whether the part at `part_dir` was found damaged."""
     return (part_dir / MARKER).exists()
+
+
+def recorded(part_dir: Path) -> tuple[str | None, int | None]:
+    """(why, the process that marked it) as the marker of the quarantined part at
+    `part_dir` records them; None for what it does not record (a marker written by an
+    older jaxckpt, or on a tier too full for its text).
+
+    Raises:
+      OSError: if the marker cannot be read (it is gone: the step was removed).
+    """
+    text = (part_dir / MARKER).read_text(errors="replace")
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return text.strip() or None, None
+    if not isinstance(record, dict):
+        return None, None
+    why, process = record.get("why"), record.get("process")
+    return (
+        why if isinstance(why, str) and why else None,
+        process if isinstance(process, int) else None,
+    )
 
 
 def damage(part_dir: Path) -> str | None:
@@ -86,6 +112,8 @@ def quarantine(part_dir: Path, why: str, process_index: int) -> bool:
             e,
         )
         return False
+    with contextlib.suppress(OSError):  # the reason, for the tools; marked already
+        (part_dir / MARKER).write_text(json.dumps({"why": why, "process": process_index}))
     log.warning(
         "jaxckpt: [process %d] quarantined the memory-tier copy %s: %s. It is not offered "
         "again (latest_restorable_step and restores use other copies or older steps).",

@@ -21,13 +21,14 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
 from jaxckpt.coord import _placement, _plan
 from jaxckpt.format import _format
 from jaxckpt.tiers import _index, _memory_tier, _paths, _step_dirs, _storage, _store
+from jaxckpt.tools import _trust
 
 UNREADABLE: Final = "unreadable manifest"
 OTHER_SAVE: Final = "another save of the step"
@@ -76,6 +77,8 @@ class StepInfo:
         copy of this save (no manifest of it): on a filesystem a damaged part (a
         persisted part appears whole, by a rename), on an object store an upload
         not finished, abandoned, or being retired (or a manifest of another save).
+      quarantined: memory copies found damaged and marked (`_quarantine`): never
+        offered to a restore, so not in `memory`.
     """
 
     step: int
@@ -87,6 +90,7 @@ class StepInfo:
     persisted: frozenset[int]
     missing: tuple[int, ...]
     incomplete: tuple[int, ...] = ()
+    quarantined: tuple[_trust.Quarantined, ...] = ()
 
     @property
     def finalized(self) -> bool:
@@ -170,6 +174,7 @@ class Catalog:
             MemoryRoot(Path(os.fspath(r)), t, self._domain_of(t, i))
             for i, (r, t) in enumerate(zip(memory_roots, tiers, strict=True))
         ]
+        self.quarantined = [q for r in self.roots for q in _trust.quarantined(r.path, r.tier)]
 
     def steps(self) -> list[int]:
         """Every step in the directory or in a memory root, oldest first."""
@@ -217,7 +222,15 @@ class Catalog:
             persisted=frozenset(persisted),
             missing=tuple(plan.missing) if item_dir else plan.owners,
             incomplete=incomplete,
+            quarantined=tuple(q for q in self.quarantined if q.step == step),
         )
+
+    def kept(self, durable: Collection[int]) -> list[_trust.KeptStep]:
+        """The item's steps in the kept area (`_kept`; none on an object store, which has
+        no kept area); `durable` are the steps durable in the directory."""
+        if self.remote:
+            return []
+        return _trust.kept_steps(self.directory, self.item, durable)
 
     # ---- discovery ----------------------------------------------------------
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt.format import _format
-from jaxckpt.tiers import _index, _step_index, _store
-from jaxckpt.tools import _catalog, _table
+from jaxckpt.tiers import _index, _kept, _step_index, _store
+from jaxckpt.tools import _catalog, _table, _trust
 
 # Save metrics shown as columns by `inspect`, in this order (others only in --json).
 METRIC_COLUMNS = (
@@ -55,6 +55,8 @@ def step_summary(info: _catalog.StepInfo, now: float) -> dict[str, Any]:
         "missing": list(info.missing),
         "stale": [{"root": str(r), "part": o, "why": why} for r, o, why in info.stale],
         "incomplete": list(info.incomplete),
+        # Memory copies found damaged and marked: no copy (not in "memory").
+        "quarantined": [q.to_dict() for q in info.quarantined],
         # NaN/Inf values the saves counted (None: not counted).
         "nonfinite": None if info.nonfinite is None else sum(info.nonfinite.values()),
         # Data-parallel replicas: R, and how many slices (chunks of shards held by R
@@ -81,8 +83,10 @@ def listing(catalog: _catalog.Catalog) -> dict[str, Any]:
                 "run_dir_exists": root.tier.run_dir.is_dir(),
                 "domain": root.domain,
                 "steps": held,
+                "quarantined": [q.to_dict() for q in catalog.quarantined if q.root == root.path],
             }
         )
+    kept = catalog.kept({i.step for i in infos if i.durable})
     return {
         "directory": str(catalog.directory),
         "remote": catalog.remote,
@@ -92,16 +96,21 @@ def listing(catalog: _catalog.Catalog) -> dict[str, Any]:
         "memory_roots": roots,
         "steps": [step_summary(i, now) for i in infos],
         "unfinalized": catalog.unfinalized,
+        "quarantined": [q.to_dict() for q in catalog.quarantined],
+        "kept_area": None if catalog.remote else str(_kept.kept_dir(catalog.directory)),
+        "kept": [k.to_dict() for k in kept],
     }
 
 
 def _in_memory_cell(s: dict[str, Any]) -> str:
+    bad = f"{len(s['quarantined'])} quarantined" if s.get("quarantined") else ""
     if not s["memory"]:
-        return "-"
+        return bad or "-"
     copies = s["memory_copies"]
-    return (
+    cell = (
         f"{len(s['memory'])}/{len(s['parts'])} parts, {copies} cop{'y' if copies == 1 else 'ies'}"
     )
+    return f"{cell}, {bad}" if bad else cell
 
 
 def _persistent_cell(s: dict[str, Any]) -> str:
@@ -151,6 +160,31 @@ def _slices_cell(s: dict[str, Any]) -> str:
     counts = sorted(set(s["slices"].values()))
     each = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     return f"R={s['replicas']}: {each} a part"
+
+
+def _listing_notes(report: dict[str, Any]) -> list[str]:
+    """The lines below `ls`'s tables: copies not used, quarantined copies, the kept
+    area, saves in progress, memory roots that hold nothing of the run."""
+    steps, roots = report["steps"], report["memory_roots"]
+    notes = [
+        f"step {s['step']}: copy of part {x['part']} in {x['root']} is not used ({x['why']})"
+        for s in steps
+        for x in s["stale"]
+    ]
+    notes += [
+        f"step {s['step']}: {_incomplete_note(report, s['incomplete'])}"
+        for s in steps
+        if s.get("incomplete")
+    ]
+    notes += _trust.quarantine_notes(report.get("quarantined", ()))
+    notes += _trust.kept_notes(report.get("kept", ()), _kept.KEPT_DIR)
+    notes += [f"save in progress or abandoned: {name}" for name in report["unfinalized"]]
+    notes += [
+        f"memory root {r['path']} holds nothing of run {report['run_id']} (lost, or another run)"
+        for r in roots
+        if not r["run_dir_exists"]
+    ]
+    return notes
 
 
 def render_listing(report: dict[str, Any]) -> str:
@@ -214,22 +248,7 @@ def render_listing(report: dict[str, Any]) -> str:
         ]
     else:
         out += ["", "No --memory-root given: only persistent copies were looked for."]
-    notes = [
-        f"step {s['step']}: copy of part {x['part']} in {x['root']} is not used ({x['why']})"
-        for s in steps
-        for x in s["stale"]
-    ]
-    notes += [
-        f"step {s['step']}: {_incomplete_note(report, s['incomplete'])}"
-        for s in steps
-        if s.get("incomplete")
-    ]
-    notes += [f"save in progress or abandoned: {name}" for name in report["unfinalized"]]
-    notes += [
-        f"memory root {r['path']} holds nothing of run {report['run_id']} (lost, or another run)"
-        for r in roots
-        if not r["run_dir_exists"]
-    ]
+    notes = _listing_notes(report)
     if notes:
         out += ["", *notes]
     return "\n".join(out)

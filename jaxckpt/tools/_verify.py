@@ -5,6 +5,10 @@ given on the command line, or the checkpoint directory (local, or on an object
 store: `gs://`, `s3://`). Every chunk is read with tensorstore, exactly as a
 restore reads it, and compared with the checksum in the step's index manifest.
 
+A memory copy quarantined earlier (`_quarantine`: its slab failed its CRC-32Cs) is
+known damage: not read again, no copy, and listed apart (`quarantined`) from the
+bad copies this run finds; it does not change the exit status.
+
 A part in place that its store does not count as persisted (on an object store:
 one without its `manifest.json`, an upload that has not finished: `_object_store`)
 is no copy, is not read, and the report says so (`not_checked`), as it says which
@@ -23,7 +27,7 @@ from typing import Any
 from jaxckpt.coord import _plan
 from jaxckpt.format import _checksum, _format
 from jaxckpt.tiers import _readers, _slab, _storage, _store
-from jaxckpt.tools import _catalog, _table
+from jaxckpt.tools import _catalog, _table, _trust
 
 # (chunks done, chunks in all, bytes done, bytes in all)
 Progress = Callable[[int, int, int, int], None]
@@ -207,6 +211,8 @@ def verify(
         "bad_copies": sum(not r.ok for r in reports),
         "parts_without_good_copy": no_good_copy,
         "not_checked": not_checked,
+        # Known damage: copies quarantined earlier, not read again and no copy.
+        "quarantined": [_trust.checked_now(q) for q in info.quarantined],
         "ok": all(r.ok for r in reports) and not no_good_copy,
     }
 
@@ -239,6 +245,11 @@ def render(report: dict[str, Any], limit: int = 5) -> str:
             out.append(f"  ... and {len(c['problems']) - limit} more")
     good = len(report["copies"]) - report["bad_copies"]
     out += ["", f"{good} good cop{'y' if good == 1 else 'ies'}, {report['bad_copies']} bad."]
+    out += [
+        f"Quarantined earlier (known damage, not read, never offered to a restore): part "
+        f"{q['part']} in {q['root']}: {_trust.why_text(q)}."
+        for q in report.get("quarantined", ())
+    ]
     out += [f"Not checked: {what}." for what in report.get("not_checked", ())]
     if report["parts_without_good_copy"]:
         out.append(
