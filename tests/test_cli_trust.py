@@ -11,6 +11,7 @@ from helpers import flip_slab_byte, manager, mesh_1d, save, sharded_state
 import jaxckpt
 from jaxckpt import cli
 from jaxckpt.tiers import _memory_tier
+from jaxckpt.tools import _trust
 
 
 def jaxckpt_cli(capsys, *argv) -> tuple[int, str]:
@@ -150,3 +151,18 @@ def test_ls_shows_the_kept_step_and_that_it_is_put_back(capsys, memory_root, ckp
         "kept: step 2 in .jaxckpt-kept (complete: parts 0 of 1): hard links of its step "
         "directory's files (no extra space)" in text
     )
+
+
+def test_the_kept_notes_say_why_a_kept_step_is_not_put_back():
+    """The two cases a single-process save does not leave behind: a kept step some
+    process's part is missing from, and one a newer durable step makes unneeded."""
+    kept = {"step": 10, "name": "10", "parts": [0, 2, 3], "part_count": 4}
+    incomplete = {**kept, "complete": False, "step_dir_exists": False, "newer_durable": None}
+    superseded = {**kept, "parts": [0, 1, 2, 3], "complete": True}
+    superseded |= {"step_dir_exists": False, "newer_durable": 12}
+    assert _trust.kept_notes([incomplete, superseded], ".jaxckpt-kept") == [
+        "kept: step 10 in .jaxckpt-kept (incomplete: parts 0,2-3 of 4): its step directory is "
+        "gone; not put back until every part is there",
+        "kept: step 10 in .jaxckpt-kept (complete: parts 0-3 of 4): its step directory is "
+        "gone; not put back: step 12 is newer and durable",
+    ]
