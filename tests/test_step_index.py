@@ -9,6 +9,7 @@ an object store is in tests/test_index_objects.py.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import (
@@ -248,14 +249,20 @@ def v1_step_index_text(records: tuple[_format.LeafRecord, ...], entries: dict[in
     return _format.with_checksum(f'{head[:-1]},"parts":{{{parts}}}}}')
 
 
-def test_a_step_saved_with_one_index_per_part_still_restores(memory_root, ckpt_dir):
-    """Steps written by earlier versions hold `index_<p>.json` per part: still read."""
+def _persisted_steps_1_and_2(memory_root: str, ckpt_dir: Path) -> dict:
+    """Saves a state as steps 1 and 2, both persisted (this version's index); the state."""
     state = sharded_state(mesh_1d())
     h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
     with manager(ckpt_dir, h, use_async=False) as mngr:
         save_step(mngr, 1, state)
         save_step(mngr, 2, state)
         h.wait_for_persistence()
+    return state
+
+
+def test_a_step_saved_with_one_index_per_part_still_restores(memory_root, ckpt_dir):
+    """Steps written by earlier versions hold `index_<p>.json` per part: still read."""
+    state = _persisted_steps_1_and_2(memory_root, ckpt_dir)
     for step in (1, 2):
         item = ckpt_dir / str(step) / "train"
         files = as_per_part_index(item)
@@ -272,12 +279,7 @@ def test_a_step_saved_with_one_index_per_part_still_restores(memory_root, ckpt_d
 def test_a_step_saved_with_a_version_1_index_still_restores(memory_root, ckpt_dir):
     """Steps written by the previous version hold a version-1 `index.json`: still read,
     by a restore, `latest_restorable_step`, the metadata and `jaxckpt` part counts."""
-    state = sharded_state(mesh_1d())
-    h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root, persist_every=2))
-    with manager(ckpt_dir, h, use_async=False) as mngr:
-        save_step(mngr, 1, state)
-        save_step(mngr, 2, state)
-        h.wait_for_persistence()
+    state = _persisted_steps_1_and_2(memory_root, ckpt_dir)
     for step in (1, 2):
         item = ckpt_dir / str(step) / "train"
         index = dict(_index.read_index(item))
