@@ -20,6 +20,7 @@ from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save
 from object_stores import reset_clients, running
 
 import jaxckpt
+from jaxckpt.format import _format
 from jaxckpt.tiers import (
     _file_store,
     _index,
@@ -201,3 +202,27 @@ def test_an_object_store_keeps_no_step_itself():
     assert not store.keeps_durable_step and _store.at(os.fspath("/tmp")).keeps_durable_step
     assert store.kept_step(root, [ITEM]) is None
     assert store.reinstate(root, [ITEM]) is None
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_step_that_vanishes_before_its_finalization_ends_the_wait(tmp_path, in_place):
+    """A step written in place (as on object stores) has vanished when its index is gone;
+    a step renamed at finalization, when neither of its names exists. Either ends the
+    wait for its finalization at once, where a step still there waits for it."""
+    final = tmp_path / "ckpt" / "7" / "train"
+    item = final if in_place else tmp_path / "ckpt" / "7.orbax-checkpoint-tmp" / "train"
+    item.mkdir(parents=True)
+    (item / _format.STEP_INDEX_FILE).write_text("{}")
+    with pytest.raises(TimeoutError, match="Step 7 was not finalized"):
+        _step_dirs.wait_finalized(item, final, 7, 0.2, None, 0.02)
+    if in_place:
+        (item / _format.STEP_INDEX_FILE).unlink()  # the step's objects deleted
+    else:
+        shutil.rmtree(item.parent)
+    with pytest.raises(FileNotFoundError, match="Step 7 vanished"):
+        _step_dirs.wait_finalized(item, final, 7, 30, None, 0.02)
+    if in_place:
+        (final.parent / _step_dirs.COMMIT_FILE).write_text("")
+    else:
+        final.mkdir(parents=True)
+    _step_dirs.wait_finalized(item, final, 7, 0.2, None, 0.02)  # finalized: returns
