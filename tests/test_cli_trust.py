@@ -156,7 +156,7 @@ def test_ls_shows_the_kept_step_and_that_it_is_put_back(capsys, memory_root, ckp
 def test_the_kept_notes_say_why_a_kept_step_is_not_put_back():
     """The two cases a single-process save does not leave behind: a kept step some
     process's part is missing from, and one a newer durable step makes unneeded."""
-    kept = {"step": 10, "name": "10", "parts": [0, 2, 3], "part_count": 4}
+    kept = {"step": 10, "name": "10", "parts": [0, 2, 3], "part_count": 4, "reinstated_next": False}
     incomplete = {**kept, "complete": False, "step_dir_exists": False, "newer_durable": None}
     superseded = {**kept, "parts": [0, 1, 2, 3], "complete": True}
     superseded |= {"step_dir_exists": False, "newer_durable": 12}

@@ -164,7 +164,7 @@ def is_complete(item_dir: Path) -> bool:
     )
 
 
-def _kept_steps(root: Path) -> dict[int, str]:
+def kept_steps(root: Path) -> dict[int, str]:
     """step -> step directory name, for every step in the kept area."""
     try:
         names = os.listdir(kept_dir(root))
@@ -180,7 +180,7 @@ def _kept_steps(root: Path) -> dict[int, str]:
 
 def newest_complete(root: Path, items: list[str]) -> tuple[int, str] | None:
     """(step, step directory name) of the newest kept step complete for every item."""
-    for step, name in sorted(_kept_steps(root).items(), reverse=True):
+    for step, name in sorted(kept_steps(root).items(), reverse=True):
         if all(is_complete(kept_dir(root) / name / item) for item in items):
             return step, name
     return None
@@ -194,7 +194,7 @@ def prune(root: Path, item: str) -> list[int]:
     if newest is None:
         return []
     removed = []
-    for step, name in _kept_steps(root).items():
+    for step, name in kept_steps(root).items():
         if step >= newest[0]:
             continue
         step_dir = kept_dir(root) / name
@@ -210,17 +210,10 @@ def prune(root: Path, item: str) -> list[int]:
     return removed
 
 
-def reinstate(root: Path, items: list[str]) -> int | None:
-    """Puts the newest complete kept step of `items` back as a step directory of
-    `root` if the manager deleted it and no newer step is durable for every item.
-
-    Every process may call it at once: each builds the step directory under a
-    staging name, and the first rename wins (the others' find the name taken).
-    A filesystem's only (`_file_store.FileStore.reinstate`).
-
-    Returns:
-      The step put back, or None if none was needed.
-    """
+def to_reinstate(root: Path, items: list[str]) -> tuple[int, str] | None:
+    """(step, step directory name) that `reinstate` would put back now: the newest
+    complete kept step of `items`, if the manager deleted it and no newer step is
+    durable for every item; else None. Reads only (`jaxckpt ls` shows it)."""
     if not items:
         return None
     newest = newest_complete(root, items)
@@ -234,6 +227,24 @@ def reinstate(root: Path, items: list[str]) -> int | None:
     newer = set.intersection(*(set(f) for f in finalized))
     if any(s > step and all(is_complete(f[s]) for f in finalized) for s in newer):
         return None
+    return newest
+
+
+def reinstate(root: Path, items: list[str]) -> int | None:
+    """Puts the newest complete kept step of `items` back as a step directory of
+    `root` if the manager deleted it and no newer step is durable for every item.
+
+    Every process may call it at once: each builds the step directory under a
+    staging name, and the first rename wins (the others' find the name taken).
+    A filesystem's only (`_file_store.FileStore.reinstate`).
+
+    Returns:
+      The step put back, or None if none was needed.
+    """
+    chosen = to_reinstate(root, items)
+    if chosen is None:
+        return None
+    step, name = chosen
     staging = root / _step_dirs.STAGING_DIR / f"reinstate.{name}.{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir(parents=True)

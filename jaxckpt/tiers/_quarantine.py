@@ -52,8 +52,8 @@ def recorded(part_dir: Path) -> tuple[str | None, int | None]:
     text = (part_dir / MARKER).read_text(errors="replace")
     try:
         record = json.loads(text)
-    except ValueError:
-        return text.strip() or None, None
+    except ValueError:  # empty (an older jaxckpt's, a full tier's) or half-written
+        return None, None
     if not isinstance(record, dict):
         return None, None
     why, process = record.get("why"), record.get("process")

@@ -23,7 +23,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt.tiers import _index, _kept, _memory_tier, _quarantine, _step_dirs
+from jaxckpt.tiers import _index, _kept, _memory_tier, _quarantine
 from jaxckpt.tools import _table
 
 _PART_RE = re.compile(r"^part_(\d+)$")
@@ -112,29 +112,23 @@ class KeptStep:
     complete: bool  # every part of the item is there
     step_dir_exists: bool  # the manager still lists the step (the same files)
     newer_durable: int | None  # the newest step after it durable in the directory
-
-    @property
-    def reinstated_next(self) -> bool:
-        """Whether the next `latest_restorable_step` puts the step directory back."""
-        return self.complete and not self.step_dir_exists and self.newer_durable is None
+    # Whether the next `latest_restorable_step` puts the step directory back
+    # (`_kept.to_reinstate`, the decision `_kept.reinstate` acts on).
+    reinstated_next: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            **dataclasses.asdict(self),
-            "parts": list(self.parts),
-            "reinstated_next": self.reinstated_next,
-        }
+        return {**dataclasses.asdict(self), "parts": list(self.parts)}
 
 
 def kept_steps(directory: Path, item: str, durable: Collection[int]) -> list[KeptStep]:
     """The steps of `item` in the kept area of the local checkpoint `directory`, oldest
     first; `durable` are the steps durable in the directory itself."""
     area = _kept.kept_dir(directory)
+    back = _kept.to_reinstate(directory, [item])
     out = []
-    for name in _names(area):
-        step = _step_dirs.step_of_name(name)
+    for step, name in _kept.kept_steps(directory).items():
         item_dir = area / name / item
-        if step is None or name.startswith(".") or not item_dir.is_dir():
+        if not item_dir.is_dir():
             continue
         parts = tuple(
             int(m.group(1)) for n in _names(item_dir) if (m := _PART_RE.match(n)) is not None
@@ -149,6 +143,7 @@ def kept_steps(directory: Path, item: str, durable: Collection[int]) -> list[Kep
                 complete=_kept.is_complete(item_dir),
                 step_dir_exists=(directory / name / item).is_dir(),
                 newer_durable=max(newer) if newer else None,
+                reinstated_next=back == (step, name),
             )
         )
     return sorted(out, key=lambda k: k.step)
@@ -163,6 +158,11 @@ def kept_notes(entries: Sequence[dict[str, Any]], area: str) -> list[str]:
         head = f"kept: step {k['step']} in {area} ({'complete' if k['complete'] else 'incomplete'}: {have})"
         if k["step_dir_exists"]:
             tail = "hard links of its step directory's files (no extra space)"
+        elif k["reinstated_next"]:
+            tail = (
+                "its step directory was deleted by the manager; the next "
+                "latest_restorable_step puts it back"
+            )
         elif not k["complete"]:
             tail = "its step directory is gone; not put back until every part is there"
         elif k["newer_durable"] is not None:
@@ -171,9 +171,6 @@ def kept_notes(entries: Sequence[dict[str, Any]], area: str) -> list[str]:
                 "newer and durable"
             )
         else:
-            tail = (
-                "its step directory was deleted by the manager; the next "
-                "latest_restorable_step puts it back"
-            )
+            tail = "its step directory is gone; not put back: a newer kept step is complete"
         out.append(f"{head}: {tail}")
     return out
