@@ -69,7 +69,6 @@ def test_a_restoring_process_reads_as_much_of_the_step_index_at_any_n():
     assert large.index_bytes < 80_000, large.index_bytes
     row = _scale.measure(64, "restore")
     assert row["index_bytes"] == small.index_bytes and row["index_cpu_s"] > 0, row
-    assert row["process_cpu_s"] >= row["index_cpu_s"], row
 
 
 def test_a_restore_at_many_processes_plans_on_a_sample_and_charges_the_rest(monkeypatch):

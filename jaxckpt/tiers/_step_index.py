@@ -338,12 +338,6 @@ class StepIndex(Mapping[int, _format.PartManifest]):
         self._read_alone = 0  # parts whose row and entry were read on their own
         self._lock = threading.Lock()  # a restore's readers ask on several threads
 
-    @property
-    def leaves(self) -> tuple[_format.LeafRecord, ...]:
-        """The leaf records every part shares (a per-process leaf's own fields: each
-        part's manifest)."""
-        return self._parts.records
-
     def __len__(self) -> int:
         return len(self._owners)
 
