@@ -58,12 +58,13 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import jax
 from absl import logging as log
 
 from jaxckpt import _internals
+from jaxckpt.coord import _kv, _relay
 
 _PREFIX: Final = "jaxckpt"
 _GRACE_S: Final = 5.0  # how long a process waits for a value it knows is set or being set
@@ -81,13 +82,7 @@ _RETIRING: Final = "r:"  # prefix of a posted value that carries the retiring ex
 Combine = Callable[[dict[int, str]], Any]  # every process's posted text -> the JSON outcome
 
 
-class KeyValueClient(Protocol):
-    """The part of jax's `DistributedRuntimeClient` an exchange uses."""
-
-    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None: ...
-    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
-    def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...
-    def key_value_delete(self, key: str) -> None: ...
+KeyValueClient = _kv.KeyValueClient
 
 
 @dataclasses.dataclass
@@ -101,8 +96,10 @@ class Member:
     clock: Callable[[], float] = time.monotonic
     rounds: dict[str, int] = dataclasses.field(default_factory=dict)
     retiring: list[str] = dataclasses.field(default_factory=list)
+    relay: _relay.Relay | None = None  # its relay group, once the peers have met
 
 
+_relay_bound: _relay.Relay | None = None  # this process's relay group (`use_relay`)
 _member: contextvars.ContextVar[Member | None] = contextvars.ContextVar(
     "jaxckpt_member", default=None
 )
@@ -116,6 +113,28 @@ def bound(member: Member) -> Iterator[Member]:
         yield member
     finally:
         _member.reset(token)
+
+
+def use_relay(relay: _relay.Relay | None, *, replacing: _relay.Relay | None = None) -> None:
+    """Routes this process's later exchanges through `relay` (None: straight to the
+    coordinator). Every process of the job binds its group at the same point (the end
+    of the peers' set-up), so that a leader never waits for a member that posts
+    elsewhere. With `replacing`, changes nothing unless that relay is the one bound."""
+    global _relay_bound
+    member = _member.get()
+    if member is not None:
+        if replacing is None or member.relay is replacing:
+            member.relay = relay
+        return
+    with _lock:
+        if replacing is None or _relay_bound is replacing:
+            _relay_bound = relay
+
+
+def bound_relay() -> _relay.Relay | None:
+    """This process's relay group, if its exchanges go through one."""
+    member = _member.get()
+    return member.relay if member is not None else _relay_bound
 
 
 def is_agreed(error: BaseException) -> bool:
