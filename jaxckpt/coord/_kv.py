@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Final, Protocol
 
 DEADLINE_EXCEEDED: Final = "DEADLINE_EXCEEDED"  # in a blocking get's error when it timed out
@@ -51,7 +52,9 @@ class RelayStore:
             while key not in self._data:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RuntimeError(f"{DEADLINE_EXCEEDED}: GetKeyValue() timed out with key: {key}")
+                    raise RuntimeError(
+                        f"{DEADLINE_EXCEEDED}: GetKeyValue() timed out with key: {key}"
+                    )
                 self._changed.wait(left)
             return self._data[key]
 
@@ -69,3 +72,16 @@ class RelayStore:
     def __len__(self) -> int:
         with self._changed:
             return len(self._data)
+
+
+def get(
+    client: KeyValueClient, key: str, deadline: float, clock: Callable[[], float]
+) -> str | None:
+    """The value of `key` once it is set, or None if `deadline` (on `clock`) passes first."""
+    ms = max(1, int((deadline - clock()) * 1000))
+    try:
+        return client.blocking_key_value_get(key, ms)
+    except Exception as e:  # the runtime raises its own error types
+        if DEADLINE_EXCEEDED in str(e) or "timed out" in str(e):
+            return None
+        raise

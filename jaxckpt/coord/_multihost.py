@@ -79,6 +79,8 @@ _rounds: dict[str, int] = {}  # tag -> next round; every process calls a tag's r
 _retiring: list[str] = []  # exchanges this process is done with, left to a later one to delete
 _RETIRING: Final = "r:"  # prefix of a posted value that carries the retiring exchanges
 
+_get = _kv.get  # a bounded blocking get (None once the deadline passes)
+
 Combine = Callable[[dict[int, str]], Any]  # every process's posted text -> the JSON outcome
 
 
@@ -320,17 +322,37 @@ def exchange(
     with _lock:
         done_with = list(retiring)
     posted_text = f"{_RETIRING}{json.dumps(done_with)}\n{text}" if done_with else text
+    relay = bound_relay()
     try:
-        client.key_value_set(f"{key}/v/{me}", posted_text)
-        if me == DECIDER:
-            outcome = _decide(client, key, count, combine, each, deadline, clock)
-        else:
-            outcome = _get(client, f"{key}/all", deadline, clock) or _give_up(
-                client, key, me, count, timeout_s, clock
+        if relay is not None and len(relay.members) > 1 and me != relay.leader:
+            outcome, share = _as_member(
+                relay, client, me, count, key, posted_text, each, timeout_s, deadline, clock
             )
+        else:
+            leads = relay is not None and relay.relays_for(me)
+            posted = posted_text
+            if leads:
+                assert relay is not None
+                # IMPORTANT: half the timeout, so that the decider still has the bundle in
+                # time to name any member that did not post (dead, or later than that).
+                texts = _relay.collect(relay, me, key, posted_text, clock() + timeout_s / 2, clock)
+                posted = _relay.bundle(texts)
+            client.key_value_set(f"{key}/v/{me}", posted)
+            if me == DECIDER:
+                leaders = relay.leaders if relay is not None else ()
+                outcome = _decide(client, key, count, combine, each, deadline, clock, leaders)
+            else:
+                outcome = _get(client, f"{key}/all", deadline, clock) or _give_up(
+                    client, key, me, count, timeout_s, clock
+                )
+            if outcome.startswith(_OK) and each:  # set before the outcome: there already
+                share = _get(client, f"{key}/to/{me}", clock() + _GRACE_S, clock)
+            if leads:
+                assert relay is not None
+                shares = _relay.unbundle(me, share) if share is not None else None
+                share = shares.pop(me, None) if shares is not None else None
+                _relay.relay_down(relay, key, outcome, shares)
         ok = outcome.startswith(_OK)
-        if ok and each:  # set before the outcome: there already
-            share = _get(client, f"{key}/to/{me}", clock() + _GRACE_S, clock)
     except Exception as e:  # the runtime raises its own error types
         raise mark_agreed(
             ConnectionError(
@@ -360,6 +382,55 @@ def exchange(
     raise mark_agreed(_timeout(me, what, timeout_s, count, missing, decided.get("gave_up")))
 
 
+def _as_member(
+    relay: _relay.Relay,
+    client: KeyValueClient,
+    me: int,
+    count: int,
+    key: str,
+    posted_text: str,
+    each: bool,
+    timeout_s: float,
+    deadline: float,
+    clock: Callable[[], float],
+) -> tuple[str, str | None]:
+    """A relay group member's part of an exchange: through its leader (see `_relay`);
+    straight through the coordinator if the leader cannot be reached. Returns
+    (outcome, this process's share)."""
+    try:
+        outcome, share = _relay.through_leader(
+            relay, me, key, posted_text, each=each, ok_prefix=_OK, deadline=deadline, clock=clock
+        )
+    except _relay.Unreachable as e:
+        log.warning(
+            "jaxckpt: [process %d] exchange %s: %s; exchanging through the coordinator instead",
+            me,
+            key,
+            e,
+        )
+        with contextlib.suppress(Exception):  # already there: the same value
+            client.key_value_set(f"{key}/v/{me}", posted_text)
+        outcome = _get(client, f"{key}/all", deadline, clock) or _give_up(
+            client, key, me, count, timeout_s, clock
+        )
+    else:
+        if outcome is not None:
+            return outcome, share
+        # The leader relayed nothing in time: the coordinator's outcome, or a give-up.
+        outcome = _get(client, f"{key}/all", clock(), clock) or _give_up(
+            client, key, me, count, timeout_s, clock
+        )
+    share = None
+    if outcome.startswith(_OK) and each:
+        # Set before the outcome: under this process's key if its value came alone, else
+        # in its leader's bundle.
+        share = _get(client, f"{key}/to/{me}", clock(), clock)
+        if share is None:
+            bundled = _get(client, f"{key}/to/{relay.leader}", clock() + _GRACE_S, clock)
+            share = _relay.unbundle(relay.leader, bundled).get(me) if bundled else None
+    return outcome, share
+
+
 def _decoded(outcome: str, share: str | None, each: bool, retiring: list[str]) -> Any:
     """An "ok" outcome's value (with `each`, and this process's `share`), the exchanges
     its decider deleted taken off this process's `retiring` list."""
@@ -382,12 +453,14 @@ def _decide(
     each: bool,
     deadline: float,
     clock: Callable[[], float],
+    leaders: tuple[int, ...] = (),
 ) -> str:
     """The decider's part: waits for every value (until `deadline`), claims the outcome,
     combines the values and publishes it; with `each`, every process's own share first
-    (see `converge_each`). Returns the outcome, or the one a process that gave up first
-    published."""
-    texts = _gather(client, key, count, deadline, clock)
+    (see `converge_each`: a relay leader's bundle gets its group's shares as one bundle).
+    Returns the outcome, or the one a process that gave up first published."""
+    posted = _gather(client, key, count, deadline, clock, leaders)
+    texts = posted.texts
     # IMPORTANT: claimed before `combine` runs (it may write the step's index): once the
     # decider holds the claim, no process can give up, so its outcome is every process's.
     if not _claim(client, key, DECIDER, clock):
@@ -404,10 +477,7 @@ def _decide(
     try:
         combined = combine(texts)
         if each:
-            for p, share in combined["each"].items():
-                client.key_value_set(
-                    f"{key}/to/{p}", _pack(json.dumps(share, separators=(",", ":")))
-                )
+            _hand_out(client, key, combined["each"], posted)
             combined = combined["all"]
         outcome = _OK + prefix + _pack(json.dumps(combined, separators=(",", ":")))
     except Exception as e:  # every process raises it (see `exchange`)
@@ -417,6 +487,20 @@ def _decide(
     # exchange retires it: a few bytes, not N values).
     _delete(client, f"{key}/v")
     return outcome
+
+
+def _hand_out(client: KeyValueClient, key: str, shares: dict[Any, Any], posted: _Posted) -> None:
+    """Sets each process's share where it reads it: under the key its value came under,
+    one bundle for a relay leader's group."""
+    by_source: dict[int, dict[int, str]] = {}
+    for p, share in shares.items():
+        p = int(p)
+        by_source.setdefault(posted.via.get(p, p), {})[p] = _pack(
+            json.dumps(share, separators=(",", ":"))
+        )
+    for source, group in by_source.items():
+        value = _relay.bundle(group) if source in posted.bundles else group[source]
+        client.key_value_set(f"{key}/to/{source}", value)
 
 
 def _retired(texts: dict[int, str]) -> list[str]:
@@ -445,32 +529,69 @@ def _delete(client: KeyValueClient, key: str) -> None:
         log.warning("jaxckpt: could not clean up %s in the coordinator's store: %s", key, e)
 
 
+@dataclasses.dataclass
+class _Posted:
+    """The values posted to one exchange so far, a relay leader's bundle taken apart."""
+
+    texts: dict[int, str] = dataclasses.field(default_factory=dict)  # process -> its value
+    via: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> key it came under
+    keys: set[int] = dataclasses.field(default_factory=set)  # the keys read (v/<p>)
+    bundles: set[int] = dataclasses.field(default_factory=set)  # those that held bundles
+    nbytes: int = 0
+
+    def add(self, source: int, value: str) -> None:
+        self.keys.add(source)
+        self.nbytes += len(value)
+        if value.startswith(_relay.BUNDLE):
+            self.bundles.add(source)
+        for p, text in _relay.unbundle(source, value).items():
+            if p not in self.texts:
+                self.texts[p] = text
+                self.via[p] = source
+
+
 def _gather(
-    client: KeyValueClient, key: str, count: int, deadline: float, clock: Callable[[], float]
-) -> dict[int, str]:
+    client: KeyValueClient,
+    key: str,
+    count: int,
+    deadline: float,
+    clock: Callable[[], float],
+    leaders: tuple[int, ...] = (),
+) -> _Posted:
     """Every value posted under `key` once all `count` are there, or those posted by the
     deadline. Reads all values posted so far (one call, every value's bytes); while a call
-    for each process still missing would cost more than reading them all again
+    for each key still missing would cost more than reading them all again
     (`_CALL_BYTES`), waits for the lowest one missing and reads them all again (each read
-    finds every value posted meanwhile: a few rounds); then waits for each missing one."""
-    texts = _posted_values(client, key)
-    while len(texts) < count:
-        missing = [p for p in range(count) if p not in texts]
-        if len(missing) * _CALL_BYTES > sum(map(len, texts.values())):
-            if _get(client, f"{key}/v/{missing[0]}", deadline, clock) is None:
-                return texts
-            texts = _posted_values(client, key)
+    finds every value posted meanwhile: a few rounds); then waits for each missing key.
+    A missing process's key is its relay leader's (`leaders`), until that leader's
+    bundle came without it: then its own (a member that exchanged alone)."""
+    posted = _posted_values(client, key)
+    while len(posted.texts) < count:
+        waits = sorted(
+            {
+                leaders[p] if p < len(leaders) and leaders[p] not in posted.keys else p
+                for p in range(count)
+                if p not in posted.texts
+            }
+        )
+        if len(waits) * _CALL_BYTES > posted.nbytes:
+            if _get(client, f"{key}/v/{waits[0]}", deadline, clock) is None:
+                return posted
+            posted = _posted_values(client, key)
             continue
-        for p in missing:
-            value = _get(client, f"{key}/v/{p}", deadline, clock)
+        for w in waits:
+            value = _get(client, f"{key}/v/{w}", deadline, clock)
             if value is None:
-                return texts
-            texts[p] = value
-    return texts
+                return posted
+            posted.add(w, value)
+    return posted
 
 
-def _posted_values(client: KeyValueClient, key: str) -> dict[int, str]:
-    return {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{key}/v")}
+def _posted_values(client: KeyValueClient, key: str) -> _Posted:
+    posted = _Posted()
+    for k, v in client.key_value_dir_get(f"{key}/v"):
+        posted.add(int(k.rsplit("/", 1)[1]), v)
+    return posted
 
 
 def _claim(client: KeyValueClient, key: str, me: int, clock: Callable[[], float]) -> bool:
@@ -514,19 +635,6 @@ def _failure(outcome: str | None) -> dict[str, Any]:
     return decided if isinstance(decided, dict) else {"gave_up": None}
 
 
-def _get(
-    client: KeyValueClient, key: str, deadline: float, clock: Callable[[], float]
-) -> str | None:
-    """The value of `key` once it is set, or None if the deadline passes first."""
-    ms = max(1, int((deadline - clock()) * 1000))
-    try:
-        return client.blocking_key_value_get(key, ms)
-    except Exception as e:
-        if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e):
-            return None
-        raise
-
-
 def _give_up(
     client: KeyValueClient,
     key: str,
@@ -547,7 +655,7 @@ def _give_up(
 
 
 def _posted(client: KeyValueClient, key: str) -> set[int]:
-    return {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(f"{key}/v")}
+    return set(_posted_values(client, key).texts)
 
 
 def _timeout(

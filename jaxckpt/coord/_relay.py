@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from jaxckpt.coord import _kv
 
 MAX_MEMBERS: Final = 32  # a group's processes, its leader included
 BUNDLE: Final = "b:"  # prefix of a leader's posted value: its group's values
+_SHARE_WAIT_S: Final = 5.0  # a member waits this long for a share it knows is set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,11 @@ class Relay:
     members: tuple[int, ...]
     store: _kv.KeyValueClient
     leaders: tuple[int, ...] = ()
+    # The leader's exchanges, oldest first: their outcomes stay in its store for `KEPT`.
+    relayed: list[str] = dataclasses.field(default_factory=list, compare=False, repr=False)
+    lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, compare=False, repr=False
+    )
 
     def relays_for(self, me: int) -> bool:
         """Whether `me` leads a group with other processes in it."""
@@ -97,3 +104,77 @@ def unbundle(key_process: int, value: str) -> dict[int, str]:
     if not value.startswith(BUNDLE):
         return {key_process: value}
     return {int(p): t for p, t in json.loads(value[len(BUNDLE) :]).items()}
+
+
+class Unreachable(ConnectionError):
+    """The group's leader could not be reached: the member exchanges by itself."""
+
+
+KEPT: Final = 64  # exchanges whose outcome a leader's store keeps for its members
+
+
+def through_leader(
+    relay: Relay,
+    me: int,
+    key: str,
+    text: str,
+    *,
+    each: bool,
+    ok_prefix: str,
+    deadline: float,
+    clock: Callable[[], float],
+) -> tuple[str | None, str | None]:
+    """A member's part: posts `text` to its leader's store and waits there for the
+    outcome (and, with `each`, its share) until `deadline`. Returns (outcome, share),
+    (None, None) if the leader relayed nothing in time.
+
+    Raises:
+      Unreachable: if the leader's store failed (dead, closed, reset).
+    """
+    try:
+        relay.store.key_value_set(f"{key}/v/{me}", text)
+        outcome = _kv.get(relay.store, f"{key}/all", deadline, clock)
+        share = None
+        if outcome is not None and outcome.startswith(ok_prefix) and each:
+            # Set before the outcome: there already, unless this process's value came late.
+            share = _kv.get(relay.store, f"{key}/to/{me}", clock() + _SHARE_WAIT_S, clock)
+    except Exception as e:  # the peer client and the store raise their own types
+        raise Unreachable(f"process {relay.leader}, the relay of this process's group: {e}") from e
+    return outcome, share
+
+
+def collect(
+    relay: Relay, me: int, key: str, text: str, deadline: float, clock: Callable[[], float]
+) -> dict[int, str]:
+    """A leader's part before it posts: its members' values in its store, waited for in
+    process order until every member posted or `deadline` passes (then those there)."""
+    store = relay.store
+    texts = {me: text}
+    for p in relay.members:
+        if p == me:
+            continue
+        value = _kv.get(store, f"{key}/v/{p}", deadline, clock)
+        if value is None:  # late or dead: those posted meanwhile still count
+            prefix = f"{key}/v/"
+            texts.update({int(k[len(prefix) :]): v for k, v in store.key_value_dir_get(f"{key}/v")})
+            break
+        texts[p] = value
+    store.key_value_delete(f"{key}/v")
+    return texts
+
+
+def relay_down(relay: Relay, key: str, outcome: str, shares: dict[int, str] | None) -> None:
+    """A leader's part after the outcome: hands its members their shares, then the
+    outcome, in its store; forgets the oldest exchanges beyond the `KEPT` last ones
+    (a member reads an outcome as soon as it is set, and takes part in no later
+    exchange of the group before it has)."""
+    store = relay.store
+    for p, share in (shares or {}).items():
+        store.key_value_set(f"{key}/to/{p}", share, allow_overwrite=True)
+    store.key_value_set(f"{key}/all", outcome, allow_overwrite=True)
+    with relay.lock:
+        relay.relayed.append(key)
+        forgotten = relay.relayed[:-KEPT]
+        del relay.relayed[:-KEPT]
+    for old in forgotten:
+        store.key_value_delete(old)
