@@ -18,7 +18,9 @@ TIMEOUT_S = 20  # TierOptions.timeout_s: nothing below may take that long
 
 def test_disagreeing_processes_all_raise_without_waiting(tmp_path):
     roots = [str(tmp_path / "hosts" / f"node{i}") for i in range(3)]
-    domains = [f"node{i}" for i in range(3)]
+    # One rack: after the peers' set-up every exchange goes through its relay group
+    # (process 0 leads; 1 and 2 post to it over the peer data service).
+    domains = [f"rack0/host{i}" for i in range(3)]
     args = {
         "ckpt": str(tmp_path / "ckpt"),
         "roots": roots,

@@ -102,6 +102,7 @@ class Member:
 
 
 _relay_bound: _relay.Relay | None = None  # this process's relay group (`use_relay`)
+_direct: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxckpt_direct", default=False)
 _member: contextvars.ContextVar[Member | None] = contextvars.ContextVar(
     "jaxckpt_member", default=None
 )
@@ -135,8 +136,22 @@ def use_relay(relay: _relay.Relay | None, *, replacing: _relay.Relay | None = No
 
 def bound_relay() -> _relay.Relay | None:
     """This process's relay group, if its exchanges go through one."""
+    if _direct.get():
+        return None
     member = _member.get()
     return member.relay if member is not None else _relay_bound
+
+
+@contextlib.contextmanager
+def direct() -> Iterator[None]:
+    """Exchanges below go straight to the coordinator, whatever relay is bound (the
+    peers' set-up, which forms the groups: a relay left bound by an earlier run is not
+    this run's)."""
+    token = _direct.set(True)
+    try:
+        yield
+    finally:
+        _direct.reset(token)
 
 
 def is_agreed(error: BaseException) -> bool:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from absl import logging as log
 
 from jaxckpt import _faults, _options
-from jaxckpt.coord import _agreement, _holdings, _multihost, _placement, _published
+from jaxckpt.coord import _agreement, _holdings, _kv, _multihost, _placement, _published, _relay
 from jaxckpt.format import _format
 from jaxckpt.peer import _client, _server, _wire
 from jaxckpt.tiers import _memory_tier, _slab
@@ -40,6 +40,8 @@ class Service(Protocol):
 
     @property
     def address(self) -> _wire.PeerAddress: ...
+    @property
+    def relay_store(self) -> _kv.RelayStore: ...
     def set_token(self, token: str) -> None: ...
     def close(self) -> None: ...
 
@@ -108,6 +110,7 @@ class Peers:
         # agreement after its push or restore in time: the others wait there for at most
         # the whole timeout from their own arrival.
         self._peer_timeout_s = timeout_s / 2
+        self._relay: _relay.Relay | None = None  # its relay group (`meet`)
 
     @classmethod
     def connect(cls, memory: _memory_tier.MemoryTier, options: _options.TierOptions) -> Peers:
@@ -185,14 +188,15 @@ class Peers:
         try:
             # IMPORTANT: a process that cannot serve still takes part, with its error, so
             # the others raise it at once instead of timing out.
-            common, told = _agreement.agree_each(
-                error,
-                tag=f"peers/{run_id}/hello",
-                what=f"Starting the peer data service of run {run_id}",
-                timeout_s=options.timeout_s,
-                payload=hello,
-                share=lambda everyone: placement_shares(everyone, options.replicas),
-            )
+            with _multihost.direct():  # the groups are formed by this exchange
+                common, told = _agreement.agree_each(
+                    error,
+                    tag=f"peers/{run_id}/hello",
+                    what=f"Starting the peer data service of run {run_id}",
+                    timeout_s=options.timeout_s,
+                    payload=hello,
+                    share=lambda everyone: placement_shares(everyone, options.replicas),
+                )
             assert server is not None  # no process failed, this one included
             token = str(common["token"])
             server.set_token(token)
@@ -209,7 +213,7 @@ class Peers:
             holders = tuple(int(h) for h, _ in told["holders"])
             known.update({int(h): _wire.PeerAddress.from_dict(a) for h, a in told["holders"]})
         addresses = Addresses(run_id, known, options.timeout_s)
-        return cls(
+        peers = cls(
             server,
             token,
             run_id,
@@ -218,6 +222,32 @@ class Peers:
             options.replicas,
             options.timeout_s,
             options.resolved_failure_domain,
+        )
+        # IMPORTANT: every process binds its relay group here, right after the same
+        # exchange, so that no leader waits for a member that posts elsewhere.
+        peers._relay = peers._relay_of(told.get("relay"), server)
+        _multihost.use_relay(peers._relay)
+        return peers
+
+    def _relay_of(self, told: dict[str, Any] | None, server: Service) -> _relay.Relay | None:
+        """This process's relay group, as the set-up's decider told it (None: alone)."""
+        if not told:
+            return None
+        me = _multihost.process_index()
+        leader = int(told.get("leader", me))  # the decider alone in its group: no leader
+        store: _kv.KeyValueClient
+        if leader == me:
+            store = server.relay_store
+        else:
+            address = _wire.PeerAddress.from_dict(told["address"])
+            store = _client.RelayClient(
+                address, token=self._token, run_id=self.run_id, timeout=self._peer_timeout_s
+            )
+        return _relay.Relay(
+            leader,
+            tuple(sorted({int(p) for p in told.get("members", (me, leader))})),
+            store,
+            tuple(int(p) for p in told.get("leaders", ())),
         )
 
     @property
@@ -254,6 +284,7 @@ class Peers:
         return self._partnered[1]
 
     def close(self) -> None:
+        _multihost.use_relay(None, replacing=self._relay)
         self._server.close()
         _published.unpublish(address_name(self.run_id, _multihost.process_index()))
 
@@ -411,8 +442,30 @@ def placement_shares(everyone: list[Any], replicas: int) -> dict[str, Any]:
             "all": common,
             "each": {p: {"placement_error": str(e)} for p in range(len(everyone))},
         }
-    each = {
+    each: dict[int, dict[str, Any]] = {
         p: {"holders": [[h, everyone[h]["address"]] for h in holders]}
         for p, holders in enumerate(placed)
     }
+    for p, relay in relay_shares(domains, [e["address"] for e in everyone]).items():
+        each[p]["relay"] = relay
     return {"all": common, "each": each}
+
+
+def relay_shares(domains: list[str], addresses: list[Any]) -> dict[int, dict[str, Any]]:
+    """What each process of a relay group of more than one is told of it (`_relay`): its
+    leader and the leader's address; a leader its members; the decider every process's
+    leader."""
+    leader_of = _relay.leaders(domains)
+    groups: dict[int, list[int]] = {}
+    for p, leader in enumerate(leader_of):
+        groups.setdefault(leader, []).append(p)
+    told: dict[int, dict[str, Any]] = {}
+    for leader, group in groups.items():
+        if len(group) < 2:
+            continue
+        for p in group:
+            told[p] = {"leader": leader, "address": addresses[leader]}
+        told[leader]["members"] = group
+    if told:
+        told.setdefault(_multihost.DECIDER, {})["leaders"] = leader_of
+    return told
