@@ -246,3 +246,107 @@ def test_setup_moves_under_a_kilobyte_a_process_and_tells_each_its_holders():
     # Replicas that cannot be placed: every process is told why, and only a save raises it.
     sim, results = simulate(count, lambda p: meet(p, 9))
     assert all(ok and "replicas=9 needs at least 9 processes" in r[0] for ok, r in results)
+
+
+# ---- relay groups ------------------------------------------------------------------------
+
+EXCHANGES = {"save": 1, "restore": 2}  # a save's agreement; a restore's inventories, verdict
+DECIDER_CALLS = 8  # the decider's own calls an exchange: its reads, claim, outcome, deletes
+
+
+@pytest.mark.parametrize("count", [64, 256])
+@pytest.mark.parametrize("op", ["save", "restore"])
+def test_through_relay_groups_the_coordinator_sees_two_calls_a_group(op, count):
+    """Every process gets its result (`measure` raises otherwise) and each group's leader
+    alone talks to the coordinator: two calls a group an exchange (its bundle, the
+    outcome), and the decider's share (its own calls, and at worst a wait for each
+    group's bundle), far fewer than every process's two calls without relays."""
+    flat = _scale.measure(count, op, relay=False)
+    row = _scale.measure(count, op)
+    groups = row["groups"]
+    assert groups == count // (_scale.PROCESSES_PER_HOST * _scale.HOSTS_PER_RACK), row
+    assert flat["groups"] == 0 and flat["relay_rpcs"] == 0, flat
+    exchanges = EXCHANGES[op]
+    bound = exchanges * (2 * groups + DECIDER_CALLS + groups)
+    assert row["rpcs"] <= bound, (
+        f"{row['rpcs']} coordinator calls through {groups} relay groups, over {bound} "
+        f"({flat['rpcs']} without relays): do the exchanges go through Member.relay?"
+    )
+    assert row["rpcs"] * 4 < flat["rpcs"], (row, flat)
+    assert row["process_rpcs"] == 0, row  # a member calls its leader's store only
+    assert row["relay_rpcs"] >= exchanges * 2 * (count - groups), row  # each member's two
+
+
+def _one_rack(count: int) -> list[str]:
+    return [f"rack0/host{p}" for p in range(count)]
+
+
+def test_relay_stores_queue_apart_from_the_coordinator():
+    """A relay call occupies its group's store (`relay_latency_s` a call), never the
+    coordinator's queue, and a blocking get waits on, and is woken by, its own store."""
+    count, latency, relay_latency = 8, 1e-3, 5e-3
+    sim = _coordinator.Simulation(
+        count,
+        _coordinator.Coordinator(latency_s=latency),
+        relay_domains=_one_rack(count),
+        relay_latency_s=relay_latency,
+    )
+
+    def member(p: int) -> str:
+        relay = _multihost.bound_relay()
+        assert relay is not None and relay.leader == 0 and relay.members == tuple(range(count))
+        assert relay.leaders == ((0,) * count if p == 0 else ())
+        if p == 0:  # the leader: the same key in the coordinator first, then in its store
+            _multihost_sleep(0.1)
+            client = _multihost.session()[0]
+            client.key_value_set("k", "coordinator's")
+            _multihost_sleep(0.1)
+            relay.store.key_value_set("k", "relay's")
+            return "leader"
+        relay.store.key_value_set(f"v/{p}", str(p))
+        return relay.store.blocking_key_value_get("k", 10_000)
+
+    results = sim.run(member)
+    assert [r for _, r in results] == ["leader"] + ["relay's"] * (count - 1), results
+    store = sim.relay_stores[0]
+    assert sim.groups == 1 and store.latency_s == relay_latency
+    # The coordinator: the leader's two sleeps (blocking gets) and one set, nothing else.
+    assert sim.coordinator.total.calls == 3 and sim.relay_total().calls == 2 * (count - 1) + 1
+    assert sim.processes[1].counts.calls == 0 and sim.processes[1].relay_counts.calls == 2
+    # Members' sets queue one after another on the relay store at time 0 (the leader's own
+    # call is local), not behind the coordinator's latency.
+    member_done = max(proc.clock for proc in sim.processes[1:])
+    assert member_done >= 0.2, member_done  # woken by the relay's set, not the coordinator's
+    assert store.busy_until >= 2 * (count - 1) * relay_latency
+    assert sim.coordinator.busy_until < 3 * latency + 0.2 + 0.01
+    assert sim.relay_left_over() == {0: count}  # v/1..7 and k
+    assert sim.left_over() == ["k"]
+    # A replay answers the relay's calls from the relay's recorded replies.
+    calls = sim.processes[3].calls
+    assert [m for m, _, _ in calls] == ["relay_set", "relay_blocking_get"], calls
+    replay = _coordinator.ReplayClient(calls)
+    relay = replay.for_relay()
+    relay.key_value_set("v/3", "3")
+    assert relay.blocking_key_value_get("k", 1) == "relay's"
+    with pytest.raises(RuntimeError, match="replay called set where the simulation"):
+        _coordinator.ReplayClient(calls).key_value_set("v/3", "3")
+
+
+def test_relay_groups_are_a_rack_of_at_most_32():
+    count = 80  # 20 hosts of 4: racks of 32, 32 and 16
+    sim = _coordinator.Simulation(count, relay_domains=_scale.domains(count))
+    relays = [proc.relay for proc in sim.processes]
+    assert all(r is not None for r in relays)
+    assert sorted(sim.relay_stores) == [0, 32, 64]
+    assert [r.leader for r in relays if r] == [p // 32 * 32 for p in range(count)]
+    assert relays[0] and relays[0].leaders == tuple(p // 32 * 32 for p in range(count))
+    assert all(r and r.leaders == () for r in relays[1:])
+    # One process a host below two hosts' worth, in one rack: one group.
+    assert _scale.domains(4) == [f"rack0/host{h}" for h in range(4)]
+    # Groups of one still get their relay.
+    alone = _coordinator.Simulation(3, relay_domains=["a", "b", "c"])
+    assert [(p.relay.leader, p.relay.members) for p in alone.processes if p.relay] == [
+        (0, (0,)),
+        (1, (1,)),
+        (2, (2,)),
+    ]

@@ -17,6 +17,16 @@ deadline is virtual time. The key-value semantics are jax's
 atomic `increment` returns the new value, `blocking_key_value_get` waits for a
 key or fails with DEADLINE_EXCEEDED, `dir_get(k)` returns every key under
 `k/`, and `delete(k)` removes `k` and everything under `k/`.
+
+With `relay_domains`, the processes also form relay groups (`_relay`: the
+processes of one rack, at most 32 a group, led by the lowest), and each group's
+leader keeps a store of its own (`_kv.RelayStore` in a real job): here one
+more `Coordinator` a group, with its own queue and data, `relay_latency_s`
+a call (a Python HTTP request over the peer network) and the coordinator's
+bandwidth; the leader's own calls to it are local (`LOCAL_LATENCY_S`, no
+bytes on the wire). Every process's `Member.relay` is its group's, with a
+client of that store. Calls and bytes are counted per store: the
+coordinator's figures stay the coordinator's.
 """
 
 from __future__ import annotations
@@ -31,9 +41,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-from jaxckpt.coord import _multihost, _published
+from jaxckpt.coord import _multihost, _published, _relay
 
 LATENCY_S: Final = 50e-6  # the coordinator's time per call
+RELAY_LATENCY_S: Final = 200e-6  # a relay store's per call: an HTTP request on the peer network
+LOCAL_LATENCY_S: Final = 5e-6  # a leader's call to its own store (in its memory, one lock)
+RELAY: Final = "relay_"  # prefix of a relay store's calls in a process's recorded calls
 BANDWIDTH: Final = 1e9  # bytes per second through the coordinator
 _INT_BYTES: Final = 8  # an increment's operand and result on the wire
 _STACK_BYTES: Final = 512 << 10  # per simulated process thread
@@ -66,10 +79,14 @@ class Coordinator:
         self.total = Counts()
         self.peak_keys = 0
 
-    def serve(self, arrival: float, nbytes: int, calls: int = 1) -> float:
-        """Queues work that arrives at `arrival`; returns when it is done."""
+    def serve(
+        self, arrival: float, nbytes: int, calls: int = 1, latency_s: float | None = None
+    ) -> float:
+        """Queues work that arrives at `arrival` (`calls` of `latency_s` each, the store's
+        own by default, and `nbytes` over its bandwidth); returns when it is done."""
         start = max(arrival, self.busy_until)
-        self.busy_until = start + calls * self.latency_s + nbytes / self.bandwidth
+        latency_s = self.latency_s if latency_s is None else latency_s
+        self.busy_until = start + calls * latency_s + nbytes / self.bandwidth
         return self.busy_until
 
     def delete(self, key: str) -> None:
@@ -88,27 +105,71 @@ class _Process:
         self.clock = 0.0  # virtual time this process has reached
         self.cpu_mark = 0.0  # its thread CPU time when it last got the baton
         self.cpu_s = 0.0  # thread CPU time used by its own code
-        self.counts = Counts()
+        self.counts = Counts()  # its calls to the coordinator
+        self.relay_counts = Counts()  # its calls to relay stores (its group's leader's)
+        self.relay: _relay.Relay | None = None  # its relay group when it started
         self.wake = threading.Semaphore(0)
         self.reply: tuple[bool, Any] = (True, None)
         self.result: tuple[bool, Any] | None = None
-        self.calls: list[tuple[str, bool, Any]] = []  # (method, ok, result): for replays
+        # (method, ok, result), for replays: a relay store's methods are named "relay_..."
+        self.calls: list[tuple[str, bool, Any]] = []
         self.member: _multihost.Member | None = None  # once it runs
 
 
 class Simulation:
-    """N processes of one job against one `Coordinator` (see the module docstring)."""
+    """N processes of one job against one `Coordinator`, and with `relay_domains` (every
+    process's failure domain) one relay store a group (see the module docstring)."""
 
-    def __init__(self, count: int, coordinator: Coordinator | None = None):
+    def __init__(
+        self,
+        count: int,
+        coordinator: Coordinator | None = None,
+        relay_domains: list[str] | None = None,
+        relay_latency_s: float = RELAY_LATENCY_S,
+    ):
         self.count = count
         self.coordinator = coordinator or Coordinator()
         self.processes = [_Process(p) for p in range(count)]
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._baton = threading.Semaphore(0)  # released when the running thread yields
-        self._waiters: dict[str, list[tuple[_Process, int, int]]] = {}  # key -> (proc, bytes, id)
+        # (store, key) -> [(proc, id, local)]: blocking gets waiting for a key of that store
+        self._waiters: dict[tuple[Coordinator, str], list[tuple[_Process, int, bool]]] = {}
         self._pending: set[int] = set()  # blocking gets still waiting, by id
         self.now = 0.0
+        self.relay_stores: dict[int, Coordinator] = {}  # leader -> its group's store
+        if relay_domains is not None:
+            if len(relay_domains) != count:
+                raise ValueError(f"{len(relay_domains)} relay domains for {count} processes.")
+            leaders = tuple(_relay.leaders(relay_domains))
+            for leader in sorted(set(leaders)):
+                self.relay_stores[leader] = Coordinator(relay_latency_s, self.coordinator.bandwidth)
+            for leader in self.relay_stores:
+                members = _relay.members(leaders, leader)
+                store = self.relay_stores[leader]
+                for p in members:
+                    proc = self.processes[p]
+                    client = SimulatedClient(self, proc, store, local=p == leader)
+                    proc.relay = _relay.Relay(
+                        leader, members, client, leaders if p == _multihost.DECIDER else ()
+                    )
+
+    @property
+    def groups(self) -> int:
+        """The relay groups (0 without relays)."""
+        return len(self.relay_stores)
+
+    def relay_total(self) -> Counts:
+        """Calls and bytes of every relay store together."""
+        total = Counts()
+        for store in self.relay_stores.values():
+            total.calls += store.total.calls
+            total.bytes += store.total.bytes
+        return total
+
+    def counts_of(self, proc: _Process, store: Coordinator) -> Counts:
+        """`proc`'s counts of its calls to `store`."""
+        return proc.counts if store is self.coordinator else proc.relay_counts
 
     # ---- the event loop ------------------------------------------------------------------
 
@@ -163,6 +224,12 @@ class Simulation:
             and not any(k.startswith(f"{d}/") for d in done)
         )
 
+    def relay_left_over(self) -> dict[int, int]:
+        """The keys each relay store still holds, by its group's leader. The relay's design
+        keeps a leader's last few exchanges' outcomes (and shares) there: a count that
+        must stay small at any N, not zero (the bench reports the most as a figure)."""
+        return {leader: len(store.data) for leader, store in self.relay_stores.items()}
+
     def _at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action))
 
@@ -177,7 +244,11 @@ class Simulation:
         proc.wake.acquire()
         proc.cpu_mark = time.thread_time()
         member = _multihost.Member(
-            SimulatedClient(self, proc), proc.index, self.count, clock=lambda: self.clock(proc)
+            SimulatedClient(self, proc),
+            proc.index,
+            self.count,
+            clock=lambda: self.clock(proc),
+            relay=proc.relay,
         )
         proc.member = member
         try:
@@ -205,12 +276,19 @@ class Simulation:
 
     # ---- calls ---------------------------------------------------------------------------
 
-    def call(self, proc: _Process, method: str, nbytes: int, apply: Callable[[float], None]) -> Any:
-        """Runs in `proc`'s thread: the request reaches the queue at `proc`'s clock, where
-        `apply(arrival)` acts on the store and schedules the reply; waits for it."""
+    def call(
+        self,
+        proc: _Process,
+        store: Coordinator,
+        method: str,
+        nbytes: int,
+        apply: Callable[[float], None],
+    ) -> Any:
+        """Runs in `proc`'s thread: the request reaches `store`'s queue at `proc`'s clock,
+        where `apply(arrival)` acts on the store and schedules the reply; waits for it."""
         self._spend(proc)
-        proc.counts.add(nbytes)
-        self.coordinator.total.add(nbytes)
+        self.counts_of(proc, store).add(nbytes)
+        store.total.add(nbytes)
         self._at(proc.clock, lambda: apply(proc.clock))
         self._baton.release()
         proc.wake.acquire()
@@ -224,46 +302,81 @@ class Simulation:
     def reply_at(self, proc: _Process, when: float, ok: bool, value: Any) -> None:
         self._at(when, lambda: self._resume(proc, ok, value))
 
-    def wait_for(self, proc: _Process, key: str, arrival: float, timeout_s: float) -> None:
+    def wait_for(
+        self,
+        proc: _Process,
+        store: Coordinator,
+        key: str,
+        arrival: float,
+        timeout_s: float,
+        local: bool = False,
+    ) -> None:
+        """`proc` waits for `key` of `store` from `arrival` on, for at most `timeout_s`;
+        `local`: the store is in `proc` (the value is not sent over the wire)."""
         waiter = next(self._seq)
         self._pending.add(waiter)
-        self._waiters.setdefault(key, []).append((proc, len(key), waiter))
+        self._waiters.setdefault((store, key), []).append((proc, waiter, local))
 
         def expire() -> None:
             if waiter in self._pending:
                 self._pending.discard(waiter)
-                self._waiters[key] = [w for w in self._waiters[key] if w[2] != waiter]
+                waiting = [w for w in self._waiters[store, key] if w[1] != waiter]
+                if waiting:
+                    self._waiters[store, key] = waiting
+                else:
+                    del self._waiters[store, key]
                 error = RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
                 self.reply_at(proc, self.now, False, error)
 
         self._at(arrival + timeout_s, expire)
 
-    def wake(self, key: str, done: float) -> None:
-        """A set of `key` served at `done` answers everyone waiting for it."""
-        value = self.coordinator.data[key]
-        for proc, _, waiter in self._waiters.pop(key, []):
+    def wake(self, store: Coordinator, key: str, done: float) -> None:
+        """A set of `key` in `store` served at `done` answers everyone waiting for it."""
+        value = store.data[key]
+        for proc, waiter, local in self._waiters.pop((store, key), []):
             self._pending.discard(waiter)
-            proc.counts.bytes += len(value)
-            self.coordinator.total.bytes += len(value)
-            self.reply_at(proc, self.coordinator.serve(done, len(value), calls=0), True, value)
+            self.counts_of(proc, store).bytes += len(value)
+            store.total.bytes += len(value)
+            sent = 0 if local else len(value)
+            self.reply_at(proc, store.serve(done, sent, calls=0), True, value)
 
 
 class SimulatedClient:
-    """`_multihost.KeyValueClient` of one simulated process."""
+    """`_multihost.KeyValueClient` of one simulated process, on the coordinator or (`store`)
+    on a relay store; `local`: the store is in this process (a leader's own)."""
 
-    def __init__(self, sim: Simulation, proc: _Process):
+    def __init__(
+        self, sim: Simulation, proc: _Process, store: Coordinator | None = None, local: bool = False
+    ):
         self._sim = sim
         self._proc = proc
+        self._store_ = store
+        self._local = local
+        # Recorded as "relay_<method>" on a relay store (`ReplayClient.for_relay`).
+        self._prefix = "" if store is None or store is sim.coordinator else RELAY
 
     @property
     def _store(self) -> Coordinator:
-        return self._sim.coordinator
+        return self._sim.coordinator if self._store_ is None else self._store_
+
+    def _serve(self, arrival: float, nbytes: int) -> float:
+        if self._local:  # no bytes on the wire
+            return self._store.serve(arrival, 0, latency_s=LOCAL_LATENCY_S)
+        return self._store.serve(arrival, nbytes)
 
     def _served(self, arrival: float, nbytes: int, ok: bool, value: Any) -> float:
-        done = self._store.serve(arrival, nbytes)
+        done = self._serve(arrival, nbytes)
         self._sim.reply_at(self._proc, done, ok, value)
         self._store.peak_keys = max(self._store.peak_keys, len(self._store.data))
         return done
+
+    def _call(self, method: str, nbytes: int, apply: Callable[[float], None]) -> Any:
+        return self._sim.call(self._proc, self._store, self._prefix + method, nbytes, apply)
+
+    def _response(self, nbytes: int) -> None:
+        """Counts `nbytes` of a response to this process."""
+        self._sim.counts_of(self._proc, self._store).bytes += nbytes
+        self._store.total.bytes += nbytes
 
     def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
         def apply(arrival: float) -> None:
@@ -273,58 +386,67 @@ class SimulatedClient:
                 return
             self._store.data[key] = value
             done = self._served(arrival, len(key) + len(value), True, None)
-            self._sim.wake(key, done)
+            self._sim.wake(self._store, key, done)
 
-        self._sim.call(self._proc, "set", len(key) + len(value), apply)
+        self._call("set", len(key) + len(value), apply)
 
     def key_value_increment(self, key: str, increment: int) -> int:
         def apply(arrival: float) -> None:
             value = int(self._store.data.get(key, "0")) + increment
             self._store.data[key] = str(value)
             done = self._served(arrival, len(key) + 2 * _INT_BYTES, True, value)
-            self._sim.wake(key, done)
+            self._sim.wake(self._store, key, done)
 
-        return int(self._sim.call(self._proc, "increment", len(key) + 2 * _INT_BYTES, apply))
+        return int(self._call("increment", len(key) + 2 * _INT_BYTES, apply))
 
     def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
         def apply(arrival: float) -> None:
             if key in self._store.data:
                 value = self._store.data[key]
-                self._proc.counts.bytes += len(value)
-                self._store.total.bytes += len(value)
+                self._response(len(value))
                 self._served(arrival, len(key) + len(value), True, value)
             else:
-                done = self._store.serve(arrival, len(key))
-                self._sim.wait_for(self._proc, key, done, timeout_in_ms / 1000)
+                done = self._serve(arrival, len(key))
+                self._sim.wait_for(
+                    self._proc, self._store, key, done, timeout_in_ms / 1000, local=self._local
+                )
 
-        return str(self._sim.call(self._proc, "blocking_get", len(key), apply))
+        return str(self._call("blocking_get", len(key), apply))
 
     def key_value_dir_get(self, key: str) -> list[tuple[str, str]]:
         def apply(arrival: float) -> None:
             found = self._store.dir_get(key)
             nbytes = sum(len(k) + len(v) for k, v in found)
-            self._proc.counts.bytes += nbytes
-            self._store.total.bytes += nbytes
+            self._response(nbytes)
             self._served(arrival, len(key) + nbytes, True, found)
 
-        return list(self._sim.call(self._proc, "dir_get", len(key), apply))
+        return list(self._call("dir_get", len(key), apply))
 
     def key_value_delete(self, key: str) -> None:
         def apply(arrival: float) -> None:
             self._store.delete(key)
             self._served(arrival, len(key), True, None)
 
-        self._sim.call(self._proc, "delete", len(key), apply)
+        self._call("delete", len(key), apply)
 
 
 class ReplayClient:
     """Answers one process's calls as its simulation did, so that its code can run again
-    alone (to measure its CPU time and memory without the other threads)."""
+    alone (to measure its CPU time and memory without the other threads). `for_relay()`
+    is its client of its relay store: both answer from the one recorded list, in order."""
 
-    def __init__(self, calls: list[tuple[str, bool, Any]]):
+    def __init__(self, calls: list[tuple[str, bool, Any]], prefix: str = ""):
         self._calls = iter(calls)
+        self._prefix = prefix
+
+    def for_relay(self) -> ReplayClient:
+        """The same process's client of its relay store (its recorded "relay_" calls)."""
+        relay = ReplayClient([], RELAY)
+        relay._calls = self._calls
+        return relay
 
     def _next(self, method: str) -> Any:
+        method = self._prefix + method
         recorded, ok, value = next(self._calls)
         if recorded != method:
             raise RuntimeError(f"The replay called {method} where the simulation {recorded}.")

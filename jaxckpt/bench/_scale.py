@@ -5,7 +5,13 @@
 
 For each N it runs the real exchange, agreement, inventory and planning code
 of N processes against one simulated coordinator (`_coordinator`: one service
-queue, a per-call latency, a bandwidth; no JAX devices) for three operations:
+queue, a per-call latency, a bandwidth; no JAX devices) for three operations.
+Failure domains are `rack<r>/host<h>`: `PROCESSES_PER_HOST` processes a host,
+`HOSTS_PER_RACK` hosts a rack. The set-up runs straight against the
+coordinator (it forms the relay groups); a save and a restore run through the
+relay groups (`_relay`: a rack's processes, at most 32 a group, the lowest the
+leader, whose own store its members call, `--relay-latency-us` a call), or
+with `--no-relay` straight against the coordinator, as before the relay:
 
 - setup: the peer set-up (`Peers.meet`: the run's token, every process's
   address published, its address and failure domain posted, the replica
@@ -24,12 +30,18 @@ queue, a per-call latency, a bandwidth; no JAX devices) for three operations:
   must find every part, and the verdict (`_agreement.agree`).
 
 It prints one JSON object a line per N and operation, then a table and the
-fitted growth of every figure in N (1, N, N log N or N^2).
+fitted growth of every figure in N (1, N, N log N or N^2). The coordinator's
+figures (`rpcs`, `coordinator_bytes`, the `process_*` ones, the `queue_*` ones)
+count the coordinator's calls alone; `relay_rpcs` and `relay_bytes` count every
+relay store's (a leader's calls to its own store among them), `groups` the relay
+groups (0 without relays) and `relay_max_keys` the most keys a relay store holds
+at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -42,7 +54,7 @@ from typing import Any, Final
 from jaxckpt import _resources
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
-from jaxckpt.coord import _agreement, _holdings, _multihost, _placement, _plan
+from jaxckpt.coord import _agreement, _holdings, _multihost, _placement, _plan, _relay
 from jaxckpt.format import _format
 from jaxckpt.peer._peers import Addresses, Peers
 from jaxckpt.peer._wire import PeerAddress
@@ -51,6 +63,7 @@ from jaxckpt.tiers import _index, _step_index
 OPS: Final = ("setup", "save", "restore")
 DEFAULT_PROCESSES: Final = (8, 64, 512, 4096)
 PROCESSES_PER_HOST: Final = 4  # the failure domain of a process is its host
+HOSTS_PER_RACK: Final = 8  # a host's domain is rack<r>/host<h>: 32 processes a rack
 LEAVES: Final = 24  # array leaves in the saved tree (a transformer's few dozen)
 DEVICES_PER_PROCESS: Final = 8
 STEP: Final = 1000
@@ -118,9 +131,16 @@ def manifests(count: int, tree: tuple[_format.LeafRecord, ...]) -> dict[int, _fo
 
 
 def _domain(p: int, count: int) -> str:
-    """`PROCESSES_PER_HOST` processes a host (one a host below two hosts' worth)."""
+    """`rack<r>/host<h>`: `PROCESSES_PER_HOST` processes a host (one a host below two
+    hosts' worth), `HOSTS_PER_RACK` hosts a rack (hosts numbered across racks)."""
     per_host = PROCESSES_PER_HOST if count >= 2 * PROCESSES_PER_HOST else 1
-    return f"host{p // per_host}"
+    host = p // per_host
+    return f"rack{host // HOSTS_PER_RACK}/host{host}"
+
+
+def domains(count: int) -> list[str]:
+    """Every process's failure domain."""
+    return [_domain(p, count) for p in range(count)]
 
 
 class Setup:
@@ -271,8 +291,12 @@ def measure(
     op: str,
     latency_s: float = _coordinator.LATENCY_S,
     bandwidth: float = _coordinator.BANDWIDTH,
+    relay: bool = True,
+    relay_latency_s: float = _coordinator.RELAY_LATENCY_S,
 ) -> dict[str, Any]:
     """Simulates `op` with `count` processes; its figures (see the module docstring).
+    A save or a restore runs through relay groups unless `relay` is False; the set-up
+    never does (it forms them).
 
     Raises:
       RuntimeError: if a simulated process failed (the operation itself is broken).
@@ -280,7 +304,12 @@ def measure(
     fn: Callable[[int], Any] = (
         Setup(count) if op == "setup" else save_fn(count) if op == "save" else Restore(count)
     )
-    sim = _coordinator.Simulation(count, _coordinator.Coordinator(latency_s, bandwidth))
+    sim = _coordinator.Simulation(
+        count,
+        _coordinator.Coordinator(latency_s, bandwidth),
+        relay_domains=domains(count) if relay and op != "setup" else None,
+        relay_latency_s=relay_latency_s,
+    )
     if isinstance(fn, Restore):
         fn.clock = lambda p: sim.clock(sim.processes[p])
         fn.charge = lambda p, seconds: sim.charge(sim.processes[p], seconds)
@@ -308,7 +337,7 @@ def measure(
     busiest = max(sim.processes, key=lambda proc: proc.counts.bytes).index
     cpu, peak, ordinary = 0.0, 0, 0.0
     for p in sorted({busiest, 0, count - 1}):
-        c, m = _replay(fn, p, count, sim.processes[p].calls)
+        c, m = _replay(fn, p, count, sim.processes[p].calls, sim.processes[p].relay)
         cpu, peak = max(cpu, c), max(peak, m)
         if p == count - 1:
             ordinary = c  # a process that decides nothing
@@ -328,23 +357,36 @@ def measure(
         "queue_bytes_s": round(sim.coordinator.total.bytes / bandwidth, 6),
         **({"planned_s": round(max(planned.values()), 6)} if planned else {}),
         **index_figures,
+        "relay_rpcs": sim.relay_total().calls,
+        "relay_bytes": sim.relay_total().bytes,
+        "groups": sim.groups,
+        "relay_max_keys": max(sim.relay_left_over().values(), default=0),
     }
 
 
 def _replay(
-    fn: Callable[[int], Any], p: int, count: int, calls: list[tuple[str, bool, Any]]
+    fn: Callable[[int], Any],
+    p: int,
+    count: int,
+    calls: list[tuple[str, bool, Any]],
+    relay: _relay.Relay | None = None,
 ) -> tuple[float, int]:
-    """(CPU seconds, peak bytes allocated) of process `p`'s part, run alone."""
+    """(CPU seconds, peak bytes allocated) of process `p`'s part, run alone (in its relay
+    group `relay`, if it ran in one: its relay store's replies are among `calls`)."""
+
+    def member() -> _multihost.Member:
+        client = _coordinator.ReplayClient(calls)
+        relayed = dataclasses.replace(relay, store=client.for_relay()) if relay else None
+        return _multihost.Member(client, p, count, relay=relayed)
+
     gc.collect()
-    member = _multihost.Member(_coordinator.ReplayClient(calls), p, count)
-    with _multihost.bound(member):
+    with _multihost.bound(member()):
         start = time.thread_time()
         fn(p)
         cpu = time.thread_time() - start
-    member = _multihost.Member(_coordinator.ReplayClient(calls), p, count)
     tracemalloc.start()
     try:
-        with _multihost.bound(member):
+        with _multihost.bound(member()):
             fn(p)
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -414,7 +456,8 @@ def growth_table(rows: list[dict[str, Any]]) -> str:
 
 def where_time_goes(rows: list[dict[str, Any]]) -> str:
     """Where each operation's modeled time goes: the coordinator's queue (its calls, then
-    its bytes), and for a restore when every process had its plan."""
+    its bytes), the relay groups' calls (each group's store a queue of its own, beside
+    the coordinator's), and for a restore when every process had its plan."""
     lines = ["where the modeled time goes (the coordinator's queue; calls never overlap):"]
     for r in rows:
         n = r["processes"]
@@ -423,6 +466,13 @@ def where_time_goes(rows: list[dict[str, Any]]) -> str:
             f"{r['max_process_rpcs']} the decider) = {r['queue_calls_s'] * 1000:.0f} ms, "
             f"{_bytes(r['coordinator_bytes'])} = {r['queue_bytes_s'] * 1000:.0f} ms"
         )
+        if r.get("groups"):
+            line += (
+                f"; relay: {r['relay_rpcs']} calls, {_bytes(r['relay_bytes'])} in "
+                f"{r['groups']} groups' stores (about {r['relay_rpcs'] / r['groups']:.0f} "
+                f"calls a group, queued per group), at most {r['relay_max_keys']} keys left "
+                "in one"
+            )
         if "planned_s" in r:
             line += f"; every process planned by {r['planned_s'] * 1000:.0f} ms"
         if "index_bytes" in r:
@@ -461,6 +511,17 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--bandwidth-gbps", type=float, default=_coordinator.BANDWIDTH / 1e9, help="GB/s"
     )
+    parser.add_argument(
+        "--relay-latency-us",
+        type=float,
+        default=_coordinator.RELAY_LATENCY_S * 1e6,
+        help="a relay store's per call",
+    )
+    parser.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="saves and restores straight through the coordinator (no relay groups)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write every row here")
     args = parser.parse_args(argv)
     try:
@@ -474,7 +535,14 @@ def main(argv: Sequence[str]) -> int:
     started = time.monotonic()
     for n in counts:
         for op in ops:
-            row = measure(n, op, args.latency_us / 1e6, args.bandwidth_gbps * 1e9)
+            row = measure(
+                n,
+                op,
+                args.latency_us / 1e6,
+                args.bandwidth_gbps * 1e9,
+                relay=not args.no_relay,
+                relay_latency_s=args.relay_latency_us / 1e6,
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
@@ -485,10 +553,19 @@ def main(argv: Sequence[str]) -> int:
     print(where_time_goes(rows))
     print(
         f"\nsimulated in {time.monotonic() - started:.0f} s; coordinator: "
-        f"{args.latency_us:g} us a call, {args.bandwidth_gbps:g} GB/s",
+        f"{args.latency_us:g} us a call, {args.bandwidth_gbps:g} GB/s; "
+        + ("no relay" if args.no_relay else f"relay stores: {args.relay_latency_us:g} us a call"),
         file=sys.stderr,
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "latency_us": args.latency_us}, f, indent=1)
+            json.dump(
+                {
+                    "rows": rows,
+                    "latency_us": args.latency_us,
+                    "relay_latency_us": None if args.no_relay else args.relay_latency_us,
+                },
+                f,
+                indent=1,
+            )
     return 0
