@@ -54,7 +54,7 @@ from typing import Any, Final
 from jaxckpt import _resources
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
-from jaxckpt.coord import _agreement, _holdings, _multihost, _placement, _plan, _relay
+from jaxckpt.coord import _agreement, _holdings, _kv, _multihost, _placement, _plan, _relay
 from jaxckpt.format import _format
 from jaxckpt.peer._peers import Addresses, Peers
 from jaxckpt.peer._wire import PeerAddress
@@ -80,6 +80,7 @@ class _Service:
 
     def __init__(self, p: int):
         self.address = PeerAddress(f"10.{p >> 16}.{(p >> 8) & 255}.{p & 255}", 40000 + p % 20000)
+        self.relay_store = _kv.RelayStore()  # a leader's (the set-up forms the groups)
 
     def set_token(self, token: str) -> None:
         pass
