@@ -4,10 +4,10 @@ Authenticates each request by token and run, confines its path to the run
 directory, and serves files (with ``Range`` and ``ETag``), listings, deletions,
 pushes of memory-tier parts (received by `_push_receiver`), checks of a held
 part (``POST /check/...``: a peer read bad bytes from it; it is checked here and
-quarantined if damaged), and the service's relay store (``/relay/...``: the
-group's members reach their leader's `_kv.RelayStore` here). The wire format is defined in `_wire`. What a handler
-needs to know about the service it answers for (run directory, run, token,
-limits) comes in a `ServiceConfig`.
+quarantined if damaged), and the service's relay store (``/relay/...``: a relay
+group's members reach their leader's `_kv.RelayStore` here). The wire format is
+defined in `_wire`. What a handler needs to know about the service it answers
+for (run directory, run, token, limits, relay store) comes in a `ServiceConfig`.
 """
 
 import dataclasses
@@ -294,8 +294,7 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
         if not 0 <= length <= _wire.RELAY_MAX_VALUE_BYTES:
             raise _wire.Refusal(
                 413,
-                f"A relay value of {length} bytes is over this service's "
-                f"{_wire.RELAY_MAX_VALUE_BYTES} (or negative).",
+                f"A relay value must be 0 to {_wire.RELAY_MAX_VALUE_BYTES} bytes, got {length}.",
             )
         try:
             return _wire.read_exact(self.rfile, length).decode()
@@ -395,7 +394,7 @@ _SLICE_S: Final = 0.25  # a relay get's wait between looks at whether the servic
 def _query_int(query: dict[str, list[str]], name: str) -> int:
     """The non-negative int of query parameter ``name`` (0 if absent); 400 if malformed."""
     values = query.get(name, ["0"])
-    if len(values) != 1 or not values[0].isdigit() or len(values[0]) > 12:
+    if len(values) != 1 or not (values[0].isascii() and values[0].isdigit()) or len(values[0]) > 12:
         raise _wire.Refusal(400, f"Query parameter {name} must be one non-negative int.")
     return int(values[0])
 
