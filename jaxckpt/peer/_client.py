@@ -76,30 +76,40 @@ def _connect(address: _wire.PeerAddress, timeout: float) -> socket.socket:
 
 
 class _Connection(http.client.HTTPConnection):
-    """An `http.client` connection that connects through `_connect`."""
+    """An `http.client` connection that connects through `_connect` within ``timeout``,
+    then lets each send or receive block for ``answer_timeout`` (default: the same)."""
 
-    def __init__(self, address: _wire.PeerAddress, timeout: float) -> None:
+    def __init__(
+        self, address: _wire.PeerAddress, timeout: float, answer_timeout: float | None = None
+    ) -> None:
         super().__init__(address.host, address.port, timeout=timeout)
         self._address, self._connect_timeout = address, timeout
+        self._answer_timeout = timeout if answer_timeout is None else answer_timeout
 
     def connect(self) -> None:
         self.sock = _connect(self._address, self._connect_timeout)
+        self.sock.settimeout(self._answer_timeout)
 
 
-def _raise_for_status(address: _wire.PeerAddress, action: str, status: int, body: bytes) -> None:
+def raise_for_status(address: _wire.PeerAddress, action: str, status: int, body: bytes) -> None:
     """Raises the built-in error for an HTTP error status; returns on 2xx."""
     if 200 <= status < 300:
         return
-    try:
-        reason = json.loads(body)["error"]
-    except (ValueError, KeyError, TypeError):
-        reason = body[:200].decode("utf-8", "replace")
+    reason = refusal_reason(body)
     message = f"{action} on peer {address} failed with HTTP {status}: {reason}"
     if status == 403:
         raise PermissionError(errno.EACCES, message)
     if status == 404:
         raise FileNotFoundError(errno.ENOENT, message)
     raise OSError(_STATUS_ERRNO.get(status, errno.EIO), message)
+
+
+def refusal_reason(body: bytes) -> str:
+    """The sentence of an error answer (``{"error": ...}``), or its first bytes."""
+    try:
+        return str(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode("utf-8", "replace")
 
 
 _NO_ANSWER: Final = "the peer closed the connection without answering"
@@ -139,12 +149,41 @@ def _request(
     rel = _wire.clean_relpath(relpath, allow_empty=kind == "list")
     action = f"{method} {relpath!r} of run {run_id!r}"
     url = f"/{kind}/{urllib.parse.quote(run_id)}/{urllib.parse.quote(rel)}"
-    with _transport_errors(address, action, timeout):
-        conn = _Connection(address, timeout)
+    status, body = exchange(
+        address, token, method, url, action, timeout, headers, into=into, progress=progress
+    )
+    raise_for_status(address, action, status, body)
+    return body
+
+
+def exchange(
+    address: _wire.PeerAddress,
+    token: str,
+    method: str,
+    url: str,
+    action: str,
+    timeout: float,
+    headers: dict[str, str] | None = None,
+    *,
+    send: bytes | None = None,
+    answer_timeout: float | None = None,
+    into: memoryview | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[int, bytes]:
+    """Sends one request (``url``: its path and query, the run in it; ``send``, its
+    body, if any) to a peer; returns the status and body of its answer, whatever the status
+    (`_request` and the relay client judge it). Connects within ``timeout``; each
+    send or receive then blocks at most ``answer_timeout`` (default ``timeout``).
+    ``into`` and ``progress`` are `_request`'s; transport failures raise as
+    `_transport_errors` says, naming ``action`` and the peer."""
+    wait = timeout if answer_timeout is None else answer_timeout
+    with _transport_errors(address, action, max(timeout, wait)):
+        conn = _Connection(address, timeout, wait)
         with contextlib.closing(conn):
             conn.request(
                 method,
                 url,
+                body=send,
                 headers={_wire.TOKEN_HEADER: token, "Connection": "close", **(headers or {})},
             )
             try:
@@ -166,8 +205,7 @@ def _request(
             except http.client.IncompleteRead as e:
                 got, size = len(e.partial), len(e.partial) + (e.expected or 0)
                 raise ConnectionResetError(f"Connection closed after {got} of {size} bytes.") from e
-    _raise_for_status(address, action, status, body)
-    return body
+    return status, body
 
 
 # With a `progress` callback, a body is received at most this much at a time, so that
@@ -348,7 +386,7 @@ def push_part(
         ).encode()
         with _transport_errors(address, action, timeout):
             status, body = _exchange_push(address, timeout, request, header, manifest, slab, sizes)
-    _raise_for_status(address, action, status, body)
+    raise_for_status(address, action, status, body)
     return sizes.payload_bytes
 
 

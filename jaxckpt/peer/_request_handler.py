@@ -2,11 +2,12 @@
 
 Authenticates each request by token and run, confines its path to the run
 directory, and serves files (with ``Range`` and ``ETag``), listings, deletions,
-pushes of memory-tier parts (received by `_push_receiver`) and checks of a held
+pushes of memory-tier parts (received by `_push_receiver`), checks of a held
 part (``POST /check/...``: a peer read bad bytes from it; it is checked here and
-quarantined if damaged). The wire format is defined in `_wire`. What a handler
-needs to know about the service it answers for (run directory, run, token,
-limits) comes in a `ServiceConfig`.
+quarantined if damaged), and the service's relay store (``/relay/...``: a relay
+group's members reach their leader's `_kv.RelayStore` here). The wire format is
+defined in `_wire`. What a handler needs to know about the service it answers
+for (run directory, run, token, limits, relay store) comes in a `ServiceConfig`.
 """
 
 import dataclasses
@@ -19,12 +20,13 @@ import os
 import re
 import socketserver
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-from jaxckpt.coord import _multihost
+from jaxckpt.coord import _kv, _multihost
 from jaxckpt.peer import _push_receiver, _wire
 from jaxckpt.tiers import _fs, _quarantine
 
@@ -76,6 +78,9 @@ class ServiceConfig:
       retire_part: ``(part_dir)``: disposes of a part a push replaced (moved
         out of its place already): gives its slab to the memory tier's free
         slabs (`MemoryTier.recycle`) when it takes it, then removes the rest.
+      relay_store: The store served under ``/relay/`` (the process's own, when it
+        leads a relay group).
+      closing: Set when the service closes: a relay get that waits gives up.
     """
 
     run_dir: str
@@ -90,6 +95,12 @@ class ServiceConfig:
     take_free_slab: Callable[[Path, int], bool] = no_free_slab
     retire_part: Callable[[str], None] = _fs.remove_entry
     later_token: LaterToken | None = dataclasses.field(default=None, compare=False, repr=False)
+    relay_store: _kv.RelayStore = dataclasses.field(
+        default_factory=_kv.RelayStore, compare=False, repr=False
+    )
+    closing: threading.Event = dataclasses.field(
+        default_factory=threading.Event, compare=False, repr=False
+    )
 
 
 class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
@@ -156,6 +167,9 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         try:
             kind = [*urllib.parse.urlsplit(self.path).path.split("/", 2), ""][1]
+            if kind == "relay":
+                self._relay(self._relay_key())
+                return
             rel = self._route(self.command, kind)
             if kind == "files" and self.command in ("GET", "HEAD"):
                 self._send_file(rel)
@@ -212,6 +226,23 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def _route(self, method: str, kind: str) -> str:
         """Authenticates the request and returns its cleaned relative path."""
+        try:
+            return _wire.clean_relpath(self._authenticated_rest(kind), allow_empty=True)
+        except ValueError as e:
+            raise _wire.Refusal(400, str(e)) from e
+
+    def _relay_key(self) -> str:
+        """Authenticates a relay request and returns its key (`_wire.check_relay_key`)."""
+        key = self._authenticated_rest("relay")
+        try:
+            _wire.check_relay_key(key)
+        except ValueError as e:
+            raise _wire.Refusal(400, str(e)) from e
+        return key
+
+    def _authenticated_rest(self, kind: str) -> str:
+        """Authenticates the request (token, then run) and returns its decoded path
+        after ``/<kind>/<run_id>/``."""
         sent = (self.headers.get(_wire.TOKEN_HEADER) or "").encode("utf-8", "surrogateescape")
         token = self.config.token
         if self.config.later_token is not None:
@@ -229,10 +260,61 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
             raise _wire.Refusal(
                 409, f"This peer serves run {self.config.run_id!r}, not run {parts[2]!r}."
             )
+        return parts[3] if len(parts) > 3 else ""
+
+    def _relay(self, key: str) -> None:
+        """Answers a request on the relay store (see `_wire`)."""
+        store = self.config.relay_store
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        if self.command == "POST":
+            value = self._relay_value()
+            try:
+                store.key_value_set(key, value, allow_overwrite=query.get("overwrite") == ["1"])
+            except RuntimeError as e:
+                raise _wire.Refusal(409, str(e)) from e
+            self._reply(204, b"", "application/json")
+        elif self.command == "GET" and query.get("dir") == ["1"]:
+            items = [list(item) for item in store.key_value_dir_get(key)]
+            self._reply(200, json.dumps({"items": items}).encode(), "application/json")
+        elif self.command == "GET":
+            value = self._relay_wait(key, _query_int(query, "wait_ms"))
+            self._reply(200, value.encode(), "text/plain; charset=utf-8")
+        elif self.command == "DELETE":
+            store.key_value_delete(key)
+            self._reply(204, b"", "application/json")
+        else:
+            raise _wire.Refusal(405, f"{self.command} is not supported on 'relay' paths.")
+
+    def _relay_value(self) -> str:
+        """Reads a relay set's body: at most `RELAY_MAX_VALUE_BYTES` of UTF-8."""
         try:
-            return _wire.clean_relpath(parts[3] if len(parts) > 3 else "", allow_empty=True)
+            length = int(self.headers.get("Content-Length", ""))
         except ValueError as e:
-            raise _wire.Refusal(400, str(e)) from e
+            raise _wire.Refusal(411, "A relay set needs a Content-Length.") from e
+        if not 0 <= length <= _wire.RELAY_MAX_VALUE_BYTES:
+            raise _wire.Refusal(
+                413,
+                f"A relay value must be 0 to {_wire.RELAY_MAX_VALUE_BYTES} bytes, got {length}.",
+            )
+        try:
+            return _wire.read_exact(self.rfile, length).decode()
+        except UnicodeDecodeError as e:
+            raise _wire.Refusal(400, "A relay value must be UTF-8.") from e
+
+    def _relay_wait(self, key: str, wait_ms: int) -> str:
+        """The relay store's value of ``key`` once there, waiting ``wait_ms`` (at most
+        the I/O timeout) in slices, so that the service closing ends the wait."""
+        store = self.config.relay_store
+        deadline = time.monotonic() + min(wait_ms / 1000, self.config.io_timeout)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return store.blocking_key_value_get(key, int(max(0.0, min(left, _SLICE_S)) * 1000))
+            except RuntimeError as e:
+                if self.config.closing.is_set():
+                    raise _wire.Refusal(503, "This peer service is closing.") from e
+                if left <= _SLICE_S:
+                    raise _wire.Refusal(504, str(e)) from e
 
     def _resolve(self, rel: str) -> str:
         """Joins ``rel`` to the run directory; 400 if symlinks lead outside it."""
@@ -304,6 +386,17 @@ class PeerRequestHandler(http.server.BaseHTTPRequestHandler):
             os.rename(path, trash)  # FileNotFoundError -> 404
         _fs.remove_entry(trash)
         self._reply(204, b"", "application/json")
+
+
+_SLICE_S: Final = 0.25  # a relay get's wait between looks at whether the service closes
+
+
+def _query_int(query: dict[str, list[str]], name: str) -> int:
+    """The non-negative int of query parameter ``name`` (0 if absent); 400 if malformed."""
+    values = query.get(name, ["0"])
+    if len(values) != 1 or not (values[0].isascii() and values[0].isdigit()) or len(values[0]) > 12:
+        raise _wire.Refusal(400, f"Query parameter {name} must be one non-negative int.")
+    return int(values[0])
 
 
 def _parse_range(value: str | None, size: int) -> tuple[int, int] | None:

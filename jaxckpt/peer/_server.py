@@ -4,8 +4,11 @@ Each process runs one `PeerServer` (a daemon thread in the training process)
 that serves ``root/run_id/`` (its memory tier) to peers in the wire format of
 `_wire`. Peers read files and byte ranges of slabs with plain HTTP GET (with
 ``Range``), and push a part (manifest and slab) in one request that the server
-verifies and commits atomically. Each request is answered by a
-`PeerRequestHandler` on its own thread.
+verifies and commits atomically. It also serves its process's relay store
+(`relay_store`, a `_kv.RelayStore`) under ``/relay/``: when the process leads
+a relay group (`jaxckpt.coord._relay`), the group's members reach it there
+(`_relay_client.RelayClient`) while the process itself calls it directly.
+Each request is answered by a `PeerRequestHandler` on its own thread.
 """
 
 import contextlib
@@ -20,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from jaxckpt.coord import _liveness
+from jaxckpt.coord import _kv, _liveness
 from jaxckpt.peer import _request_handler, _wire
 from jaxckpt.tiers import _fs, _memory_tier
 
@@ -96,6 +99,10 @@ class PeerServer:
     serves from a daemon thread after `start`; each connection gets its own
     daemon thread whose socket operations time out after ``io_timeout``.
     Usable as a context manager (start on enter, close on exit).
+
+    Attributes:
+      relay_store: The store served under ``/relay/`` (see the module docstring):
+        the process calls it directly, the other processes over the service.
     """
 
     def __init__(
@@ -153,6 +160,7 @@ class PeerServer:
             max_push_bytes=max_push_bytes,
             io_timeout=io_timeout,
             temp_name=_temp_name,
+            relay_store=_kv.RelayStore(),
         )
         if reuse_free_slabs:
             memory = _memory_tier.MemoryTier(os.fspath(root), run_id, memory_budget=memory_budget)
@@ -162,6 +170,7 @@ class PeerServer:
                 retire_part=lambda part: memory.dispose(Path(part)),
             )
         self._httpd = PeerHTTPServer((host, port), config)
+        self.relay_store = config.relay_store
         advertised = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
         self._address = _wire.PeerAddress(advertised, self._httpd.server_address[1])
         self._lock = threading.Lock()
@@ -224,6 +233,7 @@ class PeerServer:
                 return
             self._closed = True
             thread = self._thread
+        self._httpd.config.closing.set()  # A relay get waiting ends (`_relay_wait`).
         if thread is not None:
             self._httpd.shutdown()
             thread.join()

@@ -17,6 +17,17 @@ This format is a compatibility promise between the processes of a run:
   sender computes no checksum: the receiver checks every chunk of the slab
   against the CRC-32C its manifest records (and every chunk's place against the
   slab's size) before the part becomes visible.
+* ``/relay/<run>/<key>`` serves the process's relay store (`jaxckpt.coord._kv`:
+  a relay group's leader keeps it, its members reach it here). ``<key>`` is
+  one opaque percent-encoded string (``/`` in it is part of the key, at most
+  `RELAY_MAX_KEY_BYTES` of UTF-8, no ``..`` component). ``POST`` sets the key
+  to the body (UTF-8, at most `RELAY_MAX_VALUE_BYTES`), 204; with
+  ``?overwrite=1`` it may replace a value, else 409 whose error says
+  ``ALREADY_EXISTS``. ``GET ?wait_ms=N`` answers the value (200) once the key
+  exists, waiting up to N ms (at most the service's I/O timeout), else 504
+  whose error says ``DEADLINE_EXCEEDED``. ``GET ?dir=1`` answers
+  ``{"items": [[key, value], ...]}`` for every key under ``<key>/``.
+  ``DELETE`` removes the key and every key under ``<key>/`` (204).
 * Errors are JSON ``{"error": "<sentence>"}`` with the HTTP status.
 
 Version 1 pushed any directory, each file followed by its zlib CRC-32.
@@ -33,6 +44,8 @@ TOKEN_HEADER: Final = "X-Jaxckpt-Token"
 TEMP_PREFIX: Final = ".jaxckpt-peer-tmp-"
 PUSH_VERSION: Final = 2
 _RUN_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+RELAY_MAX_KEY_BYTES: Final = 1024  # a relay key's UTF-8
+RELAY_MAX_VALUE_BYTES: Final = 64 << 20  # a relay value's UTF-8
 
 
 class Refusal(Exception):
@@ -107,6 +120,23 @@ def clean_relpath(relpath: str, *, allow_empty: bool) -> str:
     if not parts and not allow_empty:
         raise ValueError("Path must not be empty here.")
     return "/".join(parts)
+
+
+def check_relay_key(key: str) -> None:
+    """Raises ValueError unless ``key`` can name a value of a relay store: a non-empty
+    str of at most `RELAY_MAX_KEY_BYTES` of UTF-8, without NUL or a ``..`` component."""
+    if not isinstance(key, str) or not key or "\x00" in key:
+        raise ValueError(f"Relay key {key!r} must be a non-empty str without NUL characters.")
+    try:
+        size = len(key.encode())
+    except UnicodeEncodeError as e:
+        raise ValueError(f"Relay key {key!r} is not valid UTF-8.") from e
+    if size > RELAY_MAX_KEY_BYTES:
+        raise ValueError(
+            f"Relay key of {size} bytes is over {RELAY_MAX_KEY_BYTES}: {key[:80]!r}..."
+        )
+    if ".." in key.split("/"):
+        raise ValueError(f"Relay key {key!r} must not contain a '..' component.")
 
 
 @dataclasses.dataclass(frozen=True)
