@@ -171,7 +171,7 @@ def test_a_member_later_than_half_the_timeout_is_named_and_every_process_agrees(
 
 
 def test_many_rounds_keep_the_coordinator_and_every_leaders_store_bounded(monkeypatch):
-    store, run, stores = relayed_job(monkeypatch, racks(3, 3))
+    _, run, stores = relayed_job(monkeypatch, racks(3, 3))
 
     def many(p: int) -> list[int]:
         return [

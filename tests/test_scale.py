@@ -52,10 +52,10 @@ def test_restore_after_a_node_loss_and_setup_plan_everywhere():
     assert sim.left_over() == []
 
 
-def test_a_restore_after_a_node_loss_costs_four_calls_a_process():
+def test_a_restore_after_a_node_loss_costs_four_calls_a_process_without_relays():
     """The inventories and the verdict: each process posts and reads once in each; only
     the decider (process 0) makes more calls (its reads of the values, claims, deletes)."""
-    row = _scale.measure(64, "restore")
+    row = _scale.measure(64, "restore", relay=False)
     assert row["process_rpcs"] == 4, row
     assert row["rpcs"] <= 4 * 64 + 16, row
 
@@ -80,7 +80,7 @@ def test_a_restore_at_many_processes_plans_on_a_sample_and_charges_the_rest(monk
     assert {0, 63, restore.lost, *restore.holders[restore.lost]} <= restore.planners
     assert len(restore.planners) < 64 and restore.plan_cpu_s > 0
     row = _scale.measure(64, "restore")  # raises if a planner failed or keys were left
-    assert row["process_rpcs"] == 4 and row["planned_s"] >= restore.plan_cpu_s, row
+    assert row["planned_s"] >= restore.plan_cpu_s, row
 
 
 def test_the_decider_waits_for_processes_arriving_over_time():

@@ -344,29 +344,19 @@ def exchange(
                 relay, client, me, count, key, posted_text, each, timeout_s, deadline, clock
             )
         else:
-            leads = relay is not None and relay.relays_for(me)
-            posted = posted_text
-            if leads:
-                assert relay is not None
-                # IMPORTANT: half the timeout, so that the decider still has the bundle in
-                # time to name any member that did not post (dead, or later than that).
-                texts = _relay.collect(relay, me, key, posted_text, clock() + timeout_s / 2, clock)
-                posted = _relay.bundle(texts)
-            client.key_value_set(f"{key}/v/{me}", posted)
-            if me == DECIDER:
-                leaders = relay.leaders if relay is not None else ()
-                outcome = _decide(client, key, count, combine, each, deadline, clock, leaders)
-            else:
-                outcome = _get(client, f"{key}/all", deadline, clock) or _give_up(
-                    client, key, me, count, timeout_s, clock
-                )
-            if outcome.startswith(_OK) and each:  # set before the outcome: there already
-                share = _get(client, f"{key}/to/{me}", clock() + _GRACE_S, clock)
-            if leads:
-                assert relay is not None
-                shares = _relay.unbundle(me, share) if share is not None else None
-                share = shares.pop(me, None) if shares is not None else None
-                _relay.relay_down(relay, key, outcome, shares)
+            outcome, share = _as_poster(
+                relay,
+                client,
+                me,
+                count,
+                key,
+                posted_text,
+                combine,
+                each,
+                timeout_s,
+                deadline,
+                clock,
+            )
         ok = outcome.startswith(_OK)
     except Exception as e:  # the runtime raises its own error types
         raise mark_agreed(
@@ -395,6 +385,47 @@ def exchange(
         )
     missing = [int(p) for p in decided.get("missing") or []]
     raise mark_agreed(_timeout(me, what, timeout_s, count, missing, decided.get("gave_up")))
+
+
+def _as_poster(
+    relay: _relay.Relay | None,
+    client: KeyValueClient,
+    me: int,
+    count: int,
+    key: str,
+    posted_text: str,
+    combine: Combine,
+    each: bool,
+    timeout_s: float,
+    deadline: float,
+    clock: Callable[[], float],
+) -> tuple[str, str | None]:
+    """The part of a process that posts to the coordinator itself (alone, or as its relay
+    group's leader, its members' values with its own; the decider decides). Returns
+    (outcome, this process's share)."""
+    share: str | None = None
+    leads = relay if relay is not None and relay.relays_for(me) else None
+    posted = posted_text
+    if leads is not None:
+        # IMPORTANT: half the timeout, so that the decider still has the bundle in
+        # time to name any member that did not post (dead, or later than that).
+        texts = _relay.collect(leads, me, key, posted_text, clock() + timeout_s / 2, clock)
+        posted = _relay.bundle(texts)
+    client.key_value_set(f"{key}/v/{me}", posted)
+    if me == DECIDER:
+        leaders = relay.leaders if relay is not None else ()
+        outcome = _decide(client, key, count, combine, each, deadline, clock, leaders)
+    else:
+        outcome = _get(client, f"{key}/all", deadline, clock) or _give_up(
+            client, key, me, count, timeout_s, clock
+        )
+    if outcome.startswith(_OK) and each:  # set before the outcome: there already
+        share = _get(client, f"{key}/to/{me}", clock() + _GRACE_S, clock)
+    if leads is not None:
+        shares = _relay.unbundle(me, share) if share is not None else None
+        share = shares.pop(me, None) if shares is not None else None
+        _relay.relay_down(leads, key, outcome, shares)
+    return outcome, share
 
 
 def _as_member(

@@ -29,7 +29,7 @@ from absl import logging as log
 from jaxckpt import _faults, _options
 from jaxckpt.coord import _agreement, _holdings, _kv, _multihost, _placement, _published, _relay
 from jaxckpt.format import _format
-from jaxckpt.peer import _client, _server, _wire
+from jaxckpt.peer import _client, _relay_client, _server, _wire
 from jaxckpt.tiers import _memory_tier, _slab
 
 Inventory = _holdings.Inventory  # step -> owners whose verified part a process holds
@@ -240,7 +240,7 @@ class Peers:
             store = server.relay_store
         else:
             address = _wire.PeerAddress.from_dict(told["address"])
-            store = _client.RelayClient(
+            store = _relay_client.RelayClient(
                 address, token=self._token, run_id=self.run_id, timeout=self._peer_timeout_s
             )
         return _relay.Relay(
