@@ -94,6 +94,15 @@ class TierOptions:
         record them in the step's manifests and save metrics, and log a warning
         for a step that has any; `latest_restorable_step(..., finite=True)` then
         skips such steps. On by default (its cost is a figure of the benchmark).
+      relay_group: how many processes of one rack (the failure domain without
+        its last level, or the whole domain when it has one level) share one
+        relay for the exchanges after the peers' set-up: each posts its value to
+        the group's leader over the peer data service, and only the leaders
+        call the jax.distributed coordinator, whose one queue serves every call
+        of the job. None (default): about sqrt(N / 20) for N processes, at most
+        32, which balances the coordinator's calls (two a group at ~50 us)
+        against a leader's (two a member at ~1 ms): none below 80 processes.
+        1 turns relays off. Process 0's value decides for the job.
     """
 
     memory_root: str
@@ -110,6 +119,7 @@ class TierOptions:
     spare_slabs: bool = True
     memory_budget: int | None = None
     count_nonfinite: bool = True
+    relay_group: int | None = None
 
     def __post_init__(self) -> None:
         # Every field is checked here, so that a bad value fails on this line, naming
@@ -167,6 +177,8 @@ class TierOptions:
                     "spare_slabs=False keeps none: set one or the other, got memory_budget="
                     f"{self.memory_budget!r} with spare_slabs=False."
                 )
+        if self.relay_group is not None:
+            _check_int("relay_group", self.relay_group, minimum=1)
         domain = self.failure_domain
         if domain is not None and (not isinstance(domain, str) or not domain.strip()):
             raise ValueError(

@@ -18,16 +18,20 @@ TIMEOUT_S = 20  # TierOptions.timeout_s: nothing below may take that long
 
 def test_disagreeing_processes_all_raise_without_waiting(tmp_path):
     roots = [str(tmp_path / "hosts" / f"node{i}") for i in range(3)]
-    # One rack: after the peers' set-up every exchange goes through its relay group
-    # (process 0 leads; 1 and 2 post to it over the peer data service).
+    # One rack, one relay group (`relay_group=3`): after the peers' set-up every exchange
+    # goes through it (process 0 leads; 1 and 2 post to it over the peer data service).
     domains = [f"rack0/host{i}" for i in range(3)]
+    relayed = {i: {"MP_RELAY_GROUP": "3"} for i in range(3)}
     args = {
         "ckpt": str(tmp_path / "ckpt"),
         "roots": roots,
         "timeout_s": TIMEOUT_S,
         "more_saves": 8,
     }
-    results = [r.result for r in run("agreement", roots, domains, args, worker="mp_agreement.py")]
+    results = [
+        r.result
+        for r in run("agreement", roots, domains, args, worker="mp_agreement.py", env=relayed)
+    ]
 
     for p, r in enumerate(results):
         for ok in ("save_1", "save_4", "restore_4", "restore_last"):

@@ -15,6 +15,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 RACKS = {"rackA": [0, 1], "rackB": [2, 3], "rackC": [4, 5]}
 DOMAINS = [rack for rack, members in RACKS.items() for _ in members]
+# A relay group a rack: a lost rack takes its whole group, leader and member, with it.
+RELAYED = {p: {"MP_RELAY_GROUP": "2"} for p in range(len(DOMAINS))}
+
+
+def in_racks(scenario: str, roots: list[str], args: dict) -> list:
+    return run(scenario, roots, DOMAINS, args, env=RELAYED)
 
 
 def lose(roots: list[str], *racks: str) -> None:
@@ -28,7 +34,7 @@ def saved(tmp_path, replicas: int) -> tuple[list[str], dict]:
     roots = [str(tmp_path / "hosts" / f"p{i}") for i in range(len(DOMAINS))]
     common = {"ckpt": str(tmp_path / "ckpt"), "replicas": replicas}
     args = {**common, "steps": [1, 2, 3], "persist_every": 2}
-    assert all(r.result["steps"] == [1, 2, 3] for r in run("save", roots, DOMAINS, args))
+    assert all(r.result["steps"] == [1, 2, 3] for r in in_racks("save", roots, args))
     return roots, common
 
 
@@ -38,7 +44,7 @@ def test_one_replica_a_lost_rack_then_two(tmp_path):
 
     # Rack B lost: its processes' parts come from their holders in rack C.
     lose(roots, "rackB")
-    (one,) = restores(run("restore", roots, DOMAINS, {**common, "restores": [{"step": 3}]}))
+    (one,) = restores(in_racks("restore", roots, {**common, "restores": [{"step": 3}]}))
     assert all(r["bad"] == [] and "persistent" not in r["bytes_by_tier"] for r in one), one
     assert [one[p]["tier"] for p in RACKS["rackB"]] == ["peer", "peer"], one
 
@@ -46,7 +52,7 @@ def test_one_replica_a_lost_rack_then_two(tmp_path):
     # naming them and the newest restorable step; step 2 comes from persistent storage.
     lose(roots, "rackA")
     step3, step2 = restores(
-        run("restore", roots, DOMAINS, {**common, "restores": [{"step": 3}, {"step": 2}]})
+        in_racks("restore", roots, {**common, "restores": [{"step": 3}, {"step": 2}]})
     )
     for r in step3:
         assert "Step 3 cannot be restored" in r["error"], r
@@ -59,6 +65,6 @@ def test_two_replicas_survive_two_lost_racks(tmp_path):
     # Placement (two replicas in two other racks): every part has a copy in every rack.
     roots, common = saved(tmp_path, replicas=2)
     lose(roots, "rackA", "rackB")
-    (three,) = restores(run("restore", roots, DOMAINS, {**common, "restores": [{"step": 3}]}))
+    (three,) = restores(in_racks("restore", roots, {**common, "restores": [{"step": 3}]}))
     assert all(r["bad"] == [] and "persistent" not in r["bytes_by_tier"] for r in three), three
     assert all(three[p]["tier"] == "peer" for p in RACKS["rackA"] + RACKS["rackB"]), three

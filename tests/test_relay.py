@@ -81,6 +81,21 @@ def test_leaders_are_the_lowest_process_of_each_rack_in_groups_of_at_most_max():
         _relay.leaders(domains, max_members=0)
 
 
+def test_groups_balance_the_coordinators_calls_against_a_leaders():
+    # About sqrt(N / 20): none below 80 processes, 32 at most; a wanted size wins.
+    assert [_relay.group_size(n) for n in (2, 64, 79, 80, 512, 4096, 16384, 10**6)] == [
+        1,
+        1,
+        1,
+        2,
+        5,
+        14,
+        28,
+        32,
+    ]
+    assert _relay.group_size(6, wanted=3) == 3 and _relay.group_size(10**6, wanted=1) == 1
+
+
 def test_members_exchange_through_their_leader_and_never_call_the_coordinator(monkeypatch):
     domains = racks(4, 4, 3)
     store, run, stores = relayed_job(monkeypatch, domains)

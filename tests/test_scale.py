@@ -18,7 +18,7 @@ import pytest
 from test_agreement import tree
 
 from jaxckpt._options import TierOptions
-from jaxckpt.bench import _coordinator, _scale
+from jaxckpt.bench import _coordinator, _scale, _scale_cli
 from jaxckpt.coord import _agreement, _multihost, _placement, _published
 from jaxckpt.peer import _peers
 
@@ -175,10 +175,10 @@ def test_a_different_tree_on_one_of_many_processes_is_named_everywhere():
 
 def test_growth_fits():
     counts = [8, 64, 512, 4096]
-    assert _scale.growth(counts, [3 * n for n in counts]) == "N"
-    assert _scale.growth(counts, [n * n for n in counts]) == "N^2"
-    assert _scale.growth(counts, [5.0 for _ in counts]) == "1"
-    assert _scale.growth([8, 64], [1, 2]) == "-"
+    assert _scale_cli.growth(counts, [3 * n for n in counts]) == "N"
+    assert _scale_cli.growth(counts, [n * n for n in counts]) == "N^2"
+    assert _scale_cli.growth(counts, [5.0 for _ in counts]) == "1"
+    assert _scale_cli.growth([8, 64], [1, 2]) == "-"
 
 
 def test_bench_scale_prints_one_json_object_a_line_and_the_table():
@@ -211,12 +211,13 @@ def test_modeled_time_follows_the_per_call_latency(latency_s):
 
 
 def test_setup_moves_under_a_kilobyte_a_process_and_tells_each_its_holders():
-    rows = {n: _scale.measure(n, "setup") for n in (16, 128)}
+    # Both with relay groups (each process is told its leader too: from 80 processes on).
+    rows = {n: _scale.measure(n, "setup") for n in (96, 768)}
     for n, row in rows.items():
         assert row["coordinator_bytes"] / n < 1000, row
         assert row["rpcs"] <= 8 * n + 8, row
     # O(N): eight times the processes, about eight times the bytes (key names grow a digit).
-    assert rows[128]["coordinator_bytes"] < 8 * 1.2 * rows[16]["coordinator_bytes"], rows
+    assert rows[768]["coordinator_bytes"] < 8 * 1.2 * rows[96]["coordinator_bytes"], rows
 
     count = 12
     domains = [f"rack{p % 3}" for p in range(count)]  # 3 failure domains of 4
@@ -262,7 +263,7 @@ def test_through_relay_groups_the_coordinator_sees_two_calls_a_group(op, count):
     outcome), and the decider's share (its own calls, and at worst a wait for each
     group's bundle), far fewer than every process's two calls without relays."""
     flat = _scale.measure(count, op, relay=False)
-    row = _scale.measure(count, op)
+    row = _scale.measure(count, op, relay_group=32)  # a rack a group (automatic: smaller)
     groups = row["groups"]
     assert groups == count // (_scale.PROCESSES_PER_HOST * _scale.HOSTS_PER_RACK), row
     assert flat["groups"] == 0 and flat["relay_rpcs"] == 0, flat
@@ -290,6 +291,7 @@ def test_relay_stores_queue_apart_from_the_coordinator():
         _coordinator.Coordinator(latency_s=latency),
         relay_domains=_one_rack(count),
         relay_latency_s=relay_latency,
+        relay_group=count,
     )
 
     def member(p: int) -> str:
@@ -334,7 +336,7 @@ def test_relay_stores_queue_apart_from_the_coordinator():
 
 def test_relay_groups_are_a_rack_of_at_most_32():
     count = 80  # 20 hosts of 4: racks of 32, 32 and 16
-    sim = _coordinator.Simulation(count, relay_domains=_scale.domains(count))
+    sim = _coordinator.Simulation(count, relay_domains=_scale.domains(count), relay_group=32)
     relays = [proc.relay for proc in sim.processes]
     assert all(r is not None for r in relays)
     assert sorted(sim.relay_stores) == [0, 32, 64]
@@ -343,6 +345,9 @@ def test_relay_groups_are_a_rack_of_at_most_32():
     assert all(r and r.leaders == () for r in relays[1:])
     # One process a host below two hosts' worth, in one rack: one group.
     assert _scale.domains(4) == [f"rack0/host{h}" for h in range(4)]
+    # Automatic: about sqrt(N / 20) a group (2 at 80), never across racks.
+    auto = _coordinator.Simulation(count, relay_domains=_scale.domains(count))
+    assert sorted(auto.relay_stores) == list(range(0, count, 2))
     # Groups of one still get their relay.
     alone = _coordinator.Simulation(3, relay_domains=["a", "b", "c"])
     assert [(p.relay.leader, p.relay.members) for p in alone.processes if p.relay] == [

@@ -257,9 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return _gpu.main(argv)
     if "--scale" in argv:
-        from jaxckpt.bench import _scale  # no JAX devices, no processes: a simulation
+        from jaxckpt.bench import _scale_cli  # no JAX devices, no processes: a simulation
 
-        return _scale.main(argv)
+        return _scale_cli.main(argv)
     parser = _flags.build_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     if args.processes is None:

@@ -9,7 +9,8 @@ queue, a per-call latency, a bandwidth; no JAX devices) for three operations.
 Failure domains are `rack<r>/host<h>`: `PROCESSES_PER_HOST` processes a host,
 `HOSTS_PER_RACK` hosts a rack. The set-up runs straight against the
 coordinator (it forms the relay groups); a save and a restore run through the
-relay groups (`_relay`: a rack's processes, at most 32 a group, the lowest the
+relay groups (`_relay`: a rack's processes, at most `_relay.group_size` a
+group (about sqrt(N / 20), at most 32) or `--relay-group`, the lowest the
 leader, whose own store its members call, `--relay-latency-us` a call), or
 with `--no-relay` straight against the coordinator, as before the relay:
 
@@ -40,15 +41,11 @@ at the end.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
-import json
-import math
-import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Final
 
 from jaxckpt import _resources
@@ -294,6 +291,7 @@ def measure(
     bandwidth: float = _coordinator.BANDWIDTH,
     relay: bool = True,
     relay_latency_s: float = _coordinator.RELAY_LATENCY_S,
+    relay_group: int | None = None,
 ) -> dict[str, Any]:
     """Simulates `op` with `count` processes; its figures (see the module docstring).
     A save or a restore runs through relay groups unless `relay` is False; the set-up
@@ -310,6 +308,7 @@ def measure(
         _coordinator.Coordinator(latency_s, bandwidth),
         relay_domains=domains(count) if relay and op != "setup" else None,
         relay_latency_s=relay_latency_s,
+        relay_group=relay_group,
     )
     if isinstance(fn, Restore):
         fn.clock = lambda p: sim.clock(sim.processes[p])
@@ -393,180 +392,3 @@ def _replay(
     finally:
         tracemalloc.stop()
     return cpu, peak
-
-
-def growth(counts: Sequence[int], values: Sequence[float]) -> str:
-    """The model among 1, N, N log N and N^2 that fits `values` best (least squares of the
-    log ratio), or "-" with fewer than three points."""
-    points = [(n, v) for n, v in zip(counts, values, strict=True) if v > 0]
-    if len(points) < 3:
-        return "-"
-    models: dict[str, Callable[[int], float]] = {
-        "1": lambda n: 1.0,
-        "N": float,
-        "N log N": lambda n: n * math.log2(n),
-        "N^2": lambda n: float(n * n),
-    }
-    best, best_err = "-", math.inf
-    for name, f in models.items():
-        logs = [math.log(v / f(n)) for n, v in points]
-        mean = sum(logs) / len(logs)
-        err = sum((x - mean) ** 2 for x in logs)
-        if err < best_err:
-            best, best_err = name, err
-    return best
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    head = ("op", "N", "rpcs", "coord. bytes", "bytes/process", "modeled", "CPU/proc", "peak/proc")
-    lines = [head]
-    for r in rows:
-        lines.append(
-            (
-                r["op"],
-                str(r["processes"]),
-                str(r["rpcs"]),
-                _bytes(r["coordinator_bytes"]),
-                _bytes(r["coordinator_bytes"] / r["processes"]),
-                f"{r['modeled_s'] * 1000:.1f} ms",
-                f"{r['plan_cpu_s'] * 1000:.2f} ms",
-                _bytes(r["peak_rss_bytes"]),
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join(
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(line, widths, strict=True))
-        )
-        for line in lines
-    )
-
-
-def growth_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["growth in N: " + ", ".join(FIGURES)]
-    for op in OPS:
-        mine = [r for r in rows if r["op"] == op]
-        counts = [r["processes"] for r in mine]
-        fits = [growth(counts, [r[f] for r in mine]) for f in FIGURES]
-        lines.append(
-            f"  {op}: " + ", ".join(f"{f} {g}" for f, g in zip(FIGURES, fits, strict=True))
-        )
-    return "\n".join(lines)
-
-
-def where_time_goes(rows: list[dict[str, Any]]) -> str:
-    """Where each operation's modeled time goes: the coordinator's queue (its calls, then
-    its bytes), the relay groups' calls (each group's store a queue of its own, beside
-    the coordinator's), and for a restore when every process had its plan."""
-    lines = ["where the modeled time goes (the coordinator's queue; calls never overlap):"]
-    for r in rows:
-        n = r["processes"]
-        line = (
-            f"  {r['op']} at {n}: {r['rpcs']} calls ({r['process_rpcs']} a process, "
-            f"{r['max_process_rpcs']} the decider) = {r['queue_calls_s'] * 1000:.0f} ms, "
-            f"{_bytes(r['coordinator_bytes'])} = {r['queue_bytes_s'] * 1000:.0f} ms"
-        )
-        if r.get("groups"):
-            line += (
-                f"; relay: {r['relay_rpcs']} calls, {_bytes(r['relay_bytes'])} in "
-                f"{r['groups']} groups' stores (about {r['relay_rpcs'] / r['groups']:.0f} "
-                f"calls a group, queued per group), at most {r['relay_max_keys']} keys left "
-                "in one"
-            )
-        if "planned_s" in r:
-            line += f"; every process planned by {r['planned_s'] * 1000:.0f} ms"
-        if "index_bytes" in r:
-            line += (
-                f"; each process read {_bytes(r['index_bytes'])} of the step index in "
-                f"{r['index_cpu_s'] * 1000:.1f} ms CPU (included in its CPU)"
-            )
-        lines.append(
-            line + f"; CPU {r['plan_cpu_s'] * 1000:.0f} ms the decider, "
-            f"{r['process_cpu_s'] * 1000:.0f} ms another process; modeled "
-            f"{r['modeled_s'] * 1000:.0f} ms"
-        )
-    return "\n".join(lines)
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
-def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="jaxckpt bench --scale", description=__doc__)
-    parser.add_argument("--scale", action="store_true", help="this mode")
-    parser.add_argument(
-        "--processes-list",
-        default=",".join(map(str, DEFAULT_PROCESSES)),
-        help="process counts to simulate (default %(default)s)",
-    )
-    parser.add_argument("--ops", default=",".join(OPS), help="operations (default %(default)s)")
-    parser.add_argument(
-        "--latency-us", type=float, default=_coordinator.LATENCY_S * 1e6, help="per call"
-    )
-    parser.add_argument(
-        "--bandwidth-gbps", type=float, default=_coordinator.BANDWIDTH / 1e9, help="GB/s"
-    )
-    parser.add_argument(
-        "--relay-latency-us",
-        type=float,
-        default=_coordinator.RELAY_LATENCY_S * 1e6,
-        help="a relay store's per call",
-    )
-    parser.add_argument(
-        "--no-relay",
-        action="store_true",
-        help="saves and restores straight through the coordinator (no relay groups)",
-    )
-    parser.add_argument("--json", metavar="PATH", help="also write every row here")
-    args = parser.parse_args(argv)
-    try:
-        counts = sorted({int(n) for n in args.processes_list.split(",")})
-    except ValueError:
-        parser.error(f"--processes-list takes counts like 8,64, got {args.processes_list!r}")
-    ops = [op for op in args.ops.split(",") if op]
-    if any(n < 2 for n in counts) or not set(ops) <= set(OPS):
-        parser.error(f"counts must be >= 2 and ops among {', '.join(OPS)}")
-    rows = []
-    started = time.monotonic()
-    for n in counts:
-        for op in ops:
-            row = measure(
-                n,
-                op,
-                args.latency_us / 1e6,
-                args.bandwidth_gbps * 1e9,
-                relay=not args.no_relay,
-                relay_latency_s=args.relay_latency_us / 1e6,
-            )
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print()
-    print(table(rows))
-    print()
-    print(growth_table(rows))
-    print()
-    print(where_time_goes(rows))
-    print(
-        f"\nsimulated in {time.monotonic() - started:.0f} s; coordinator: "
-        f"{args.latency_us:g} us a call, {args.bandwidth_gbps:g} GB/s; "
-        + ("no relay" if args.no_relay else f"relay stores: {args.relay_latency_us:g} us a call"),
-        file=sys.stderr,
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "rows": rows,
-                    "latency_us": args.latency_us,
-                    "relay_latency_us": None if args.no_relay else args.relay_latency_us,
-                },
-                f,
-                indent=1,
-            )
-    return 0

@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Final
 
 from jaxckpt.coord import _kv
 
-MAX_MEMBERS: Final = 32  # a group's processes, its leader included
+MAX_MEMBERS: Final = 32  # a group's processes, its leader included (`group_size`)
+# The coordinator's time a call over a leader's (~50 us against ~1 ms an HTTP request):
+# groups of sqrt(N / 20) balance the coordinator's 2N/G calls against a leader's 2G.
+_CALLS_PER_LEADER_CALL: Final = 20
 BUNDLE: Final = "b:"  # prefix of a leader's posted value: its group's values
 _SHARE_WAIT_S: Final = 5.0  # a member waits this long for a share it knows is set
 
@@ -69,6 +73,14 @@ def rack(domain: str) -> str:
     """The rack of failure domain `domain`: all but its last level, or itself."""
     head, sep, _ = domain.rpartition("/")
     return head if sep and head else domain
+
+
+def group_size(count: int, wanted: int | None = None) -> int:
+    """The most processes a relay group of a job of `count` has: `wanted`, else about
+    sqrt(count / 20), at most `MAX_MEMBERS` (1: no relay, below 80 processes)."""
+    if wanted is not None:
+        return wanted
+    return max(1, min(MAX_MEMBERS, math.isqrt(count // _CALLS_PER_LEADER_CALL)))
 
 
 def leaders(domains: Sequence[str], max_members: int = MAX_MEMBERS) -> list[int]:

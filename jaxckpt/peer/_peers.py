@@ -195,7 +195,9 @@ class Peers:
                     what=f"Starting the peer data service of run {run_id}",
                     timeout_s=options.timeout_s,
                     payload=hello,
-                    share=lambda everyone: placement_shares(everyone, options.replicas),
+                    share=lambda everyone: placement_shares(
+                        everyone, options.replicas, options.relay_group
+                    ),
                 )
             assert server is not None  # no process failed, this one included
             token = str(common["token"])
@@ -429,10 +431,13 @@ class Peers:
         return _holdings.decode(outcome, _multihost.process_count())
 
 
-def placement_shares(everyone: list[Any], replicas: int) -> dict[str, Any]:
+def placement_shares(
+    everyone: list[Any], replicas: int, relay_group: int | None = None
+) -> dict[str, Any]:
     """What the set-up's decider tells every process (the run's token, from process 0)
     and each process alone: its holders, with their addresses (`replicas` placed once
-    over every process's failure domain), or why they cannot be placed."""
+    over every process's failure domain), or why they cannot be placed; and its relay
+    group (`relay_shares`: groups of at most `relay_group`, else `_relay.group_size`)."""
     common = {"token": everyone[0]["token"]}
     domains = [str(p["domain"]) for p in everyone]
     try:
@@ -446,16 +451,17 @@ def placement_shares(everyone: list[Any], replicas: int) -> dict[str, Any]:
         p: {"holders": [[h, everyone[h]["address"]] for h in holders]}
         for p, holders in enumerate(placed)
     }
-    for p, relay in relay_shares(domains, [e["address"] for e in everyone]).items():
+    size = _relay.group_size(len(everyone), relay_group)
+    for p, relay in relay_shares(domains, [e["address"] for e in everyone], size).items():
         each[p]["relay"] = relay
     return {"all": common, "each": each}
 
 
-def relay_shares(domains: list[str], addresses: list[Any]) -> dict[int, dict[str, Any]]:
-    """What each process of a relay group of more than one is told of it (`_relay`): its
-    leader and the leader's address; a leader its members; the decider every process's
-    leader."""
-    leader_of = _relay.leaders(domains)
+def relay_shares(domains: list[str], addresses: list[Any], size: int) -> dict[int, dict[str, Any]]:
+    """What each process of a relay group of more than one is told of it (`_relay`, at
+    most `size` a group): its leader and the leader's address; a leader its members; the
+    decider every process's leader."""
+    leader_of = _relay.leaders(domains, size)
     groups: dict[int, list[int]] = {}
     for p, leader in enumerate(leader_of):
         groups.setdefault(leader, []).append(p)

@@ -125,6 +125,8 @@ def check(restored: dict, step: int) -> list[str]:
 def manager(
     ckpt_dir: str, timeout_s: float = 60, **options
 ) -> tuple[ocp.CheckpointManager, jaxckpt.TieredCheckpointHandler]:
+    if "MP_RELAY_GROUP" in os.environ:  # exchanges through relay groups of this many
+        options.setdefault("relay_group", int(os.environ["MP_RELAY_GROUP"]))
     handler = jaxckpt.TieredCheckpointHandler(
         jaxckpt.TierOptions(os.environ["MP_MEMORY_ROOT"], timeout_s=timeout_s, **options)
     )
