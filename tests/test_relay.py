@@ -71,8 +71,11 @@ def test_leaders_are_the_lowest_process_of_each_rack_in_groups_of_at_most_max():
     assert _relay.rack("host-17") == "host-17"
     domains = ["r0/h0", "r1/h0", "r0/h1", "r1/h1", "r0/h2", "solo"]
     assert _relay.leaders(domains) == [0, 1, 0, 1, 0, 5]
-    assert _relay.leaders(domains, max_members=2) == [0, 1, 0, 1, 4, 5]
-    assert _relay.members([0, 1, 0, 1, 4, 5], 0) == (0, 2)
+    # r0 holds 0, 2 and 4: in groups of at most 2, [0] and [2, 4].
+    assert _relay.leaders(domains, max_members=2) == [0, 1, 2, 1, 2, 5]
+    assert _relay.members([0, 1, 2, 1, 2, 5], 2) == (2, 4)
+    # A rack cut as evenly as it comes: 7 processes in groups of at most 3 -> 2, 2, 3.
+    assert _relay.leaders(["r/h"] * 7, max_members=3) == [0, 0, 2, 2, 4, 4, 4]
     # One process a one-level domain: every process its own group (no relay).
     assert _relay.leaders([f"node{i}" for i in range(4)]) == [0, 1, 2, 3]
     # Processes of one host (a one-level domain) form one group.

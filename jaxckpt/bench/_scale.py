@@ -1,6 +1,6 @@
 """`jaxckpt bench --scale`: what coordination costs at N processes, by simulation.
 
-    jaxckpt bench --scale                        # N = 8, 64, 512, 4096; a few minutes
+    jaxckpt bench --scale                        # N = 8, 64, 512, 4096, 16384; ~3-5 minutes
     jaxckpt bench --scale --processes-list 8,64 --json scale.json
 
 For each N it runs the real exchange, agreement, inventory and planning code
@@ -58,7 +58,7 @@ from jaxckpt.peer._wire import PeerAddress
 from jaxckpt.tiers import _index, _step_index
 
 OPS: Final = ("setup", "save", "restore")
-DEFAULT_PROCESSES: Final = (8, 64, 512, 4096)
+DEFAULT_PROCESSES: Final = (8, 64, 512, 4096, 16384)
 PROCESSES_PER_HOST: Final = 4  # the failure domain of a process is its host
 HOSTS_PER_RACK: Final = 8  # a host's domain is rack<r>/host<h>: 32 processes a rack
 LEAVES: Final = 24  # array leaves in the saved tree (a transformer's few dozen)

@@ -84,8 +84,9 @@ def group_size(count: int, wanted: int | None = None) -> int:
 
 
 def leaders(domains: Sequence[str], max_members: int = MAX_MEMBERS) -> list[int]:
-    """Every process's leader: its rack's processes in process order, cut into groups
-    of at most `max_members`, each led by its lowest process (pure)."""
+    """Every process's leader: its rack's processes in process order, cut into the
+    fewest groups of at most `max_members`, as even as they come (a rack of 32 in
+    groups of at most 28: two of 16), each led by its lowest process (pure)."""
     if max_members < 1:
         raise ValueError(f"max_members must be >= 1, got {max_members}.")
     by_rack: dict[str, list[int]] = {}
@@ -93,8 +94,9 @@ def leaders(domains: Sequence[str], max_members: int = MAX_MEMBERS) -> list[int]
         by_rack.setdefault(rack(domain), []).append(p)
     out = list(range(len(domains)))
     for processes in by_rack.values():
-        for start in range(0, len(processes), max_members):
-            group = processes[start : start + max_members]
+        count = -(-len(processes) // max_members)  # groups in this rack
+        for g in range(count):
+            group = processes[g * len(processes) // count : (g + 1) * len(processes) // count]
             for p in group:
                 out[p] = group[0]
     return out
