@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from jaxckpt.coord import _multihost
+from jaxckpt.coord import _exchange, _multihost
 
 
 class FakeStore:
@@ -186,11 +186,11 @@ def test_giving_up_after_the_decider_claimed_the_outcome_waits_for_it():
     store = FakeStore()
     store.key_value_set("k/c", "0")  # the decider has every value and is combining them
     store.key_value_set("k/all", "ok:[1,2,3]")
-    assert _multihost._give_up(store, "k", 1, 3, 1.0, time.monotonic) == "ok:[1,2,3]"
+    assert _exchange._give_up(store, "k", 1, 3, 1.0, time.monotonic) == "ok:[1,2,3]"
     store2 = FakeStore()
     store2.key_value_set("k/v/0", "")
     store2.key_value_set("k/v/1", "")  # process 2 never came: giving up wins
-    verdict = _multihost._give_up(store2, "k", 1, 3, 1.0, time.monotonic)
+    verdict = _exchange._give_up(store2, "k", 1, 3, 1.0, time.monotonic)
     assert json.loads(verdict) == {"gave_up": 1, "missing": [2]}
     assert store2.data["k/all"] == verdict and store2.data["k/c"] == "1"
 
