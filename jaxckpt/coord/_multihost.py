@@ -176,20 +176,7 @@ def converge(text: str, combine: Combine, *, tag: str, timeout_s: float) -> Any:
     """
     if process_count() == 1:
         return json.loads(json.dumps(combine({0: text})))  # the same types as through the store
-    client, me, count, clock = _session()
-    key = next_key(tag)
-    return _exchange.exchange(
-        client,
-        me,
-        count,
-        key,
-        text,
-        combine,
-        timeout_s=timeout_s,
-        clock=clock,
-        relay=bound_relay(),
-        retiring=_retiring_list(),
-    )
+    return _exchange_here(text, combine, tag, timeout_s, each=False)
 
 
 def converge_each(text: str, combine: Combine, *, tag: str, timeout_s: float) -> tuple[Any, Any]:
@@ -207,18 +194,23 @@ def converge_each(text: str, combine: Combine, *, tag: str, timeout_s: float) ->
     if process_count() == 1:
         decided = json.loads(json.dumps(combine({0: text})))
         return decided["all"], decided["each"].get("0")
+    return _exchange_here(text, combine, tag, timeout_s, each=True)
+
+
+def _exchange_here(text: str, combine: Combine, tag: str, timeout_s: float, each: bool) -> Any:
+    """The next round of `tag`, exchanged as this process of its job (its store, its
+    relay group, its list of exchanges it is done with)."""
     client, me, count, clock = _session()
-    key = next_key(tag)
     return _exchange.exchange(
         client,
         me,
         count,
-        key,
+        next_key(tag),
         text,
         combine,
         timeout_s=timeout_s,
         clock=clock,
-        each=True,
+        each=each,
         relay=bound_relay(),
         retiring=_retiring_list(),
     )
