@@ -1,4 +1,5 @@
-"""Who snapshots which slice of a replicated shard, and the replica-aware placement (pure)."""
+"""Who snapshots which slice of a replicated shard, the replica-aware placement, and how a
+restore's replicas share their read (pure)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt.coord import _placement, _replicas
+from jaxckpt.coord import _placement, _read_layout, _replicas
 from jaxckpt.coord._placement import place_replicas
 from jaxckpt.format import _chunking
 
@@ -263,16 +264,18 @@ def test_partner_placement_is_the_same_under_another_hash_seed() -> None:
 def test_read_layout_needs_replicas_across_processes() -> None:
     # One process holds every device here: nothing to spread, the restore reads as before.
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "fsdp"))
-    assert _replicas.read_layout(NamedSharding(mesh, P("fsdp")), (64, 8)) is None
-    assert _replicas.read_layout(NamedSharding(mesh, P()), (64, 8)) is None
-    assert _replicas.read_layout(jax.sharding.SingleDeviceSharding(jax.devices()[0]), (8,)) is None
+    assert _read_layout.read_layout(NamedSharding(mesh, P("fsdp")), (64, 8)) is None
+    assert _read_layout.read_layout(NamedSharding(mesh, P()), (64, 8)) is None
+    assert (
+        _read_layout.read_layout(jax.sharding.SingleDeviceSharding(jax.devices()[0]), (8,)) is None
+    )
 
 
 def test_padded_read_layout_reads_each_chunk_once_and_unpads_to_the_stored_array() -> None:
     # 12 rows in 4 target shards of 3 (one saved chunk a row), read by 2 replicas: slots of
     # 2 rows, the second of each shard holding 1 row and 1 of padding.
     mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
-    layout = _replicas.ReadLayout(NamedSharding(mesh, P()), (16, 5), 0, 4, 2, 3)
+    layout = _read_layout.ReadLayout(NamedSharding(mesh, P()), (16, 5), 0, 4, 2, 3)
     stored = np.arange(60, dtype=np.float32).reshape(12, 5)
     padded = np.empty((16, 5), np.float32)
     read_rows: list[int] = []
@@ -284,7 +287,7 @@ def test_padded_read_layout_reads_each_chunk_once_and_unpads_to_the_stored_array
     assert read_rows == list(range(12))  # every row read once, in order
     np.testing.assert_array_equal(np.asarray(layout.unpad(jax.numpy.asarray(padded))), stored)
     # Unpadded (a dimension divides): the read array is the stored array.
-    plain = _replicas.ReadLayout(NamedSharding(mesh, P()), (12, 5))
+    plain = _read_layout.ReadLayout(NamedSharding(mesh, P()), (12, 5))
     region = (slice(0, 6), slice(0, 5))
     assert plain.stored_region(region) == region and plain.unpad(stored) is stored
 
@@ -296,7 +299,7 @@ def _processes(dp: int, fsdp: int, per_process: int) -> np.ndarray:
 
 
 def _chunks_read(
-    layout: _replicas.ReadLayout | None,
+    layout: _read_layout.ReadLayout | None,
     target: NamedSharding,
     processes: np.ndarray,
     shape: tuple[int, ...],
@@ -348,7 +351,7 @@ def test_restore_from_persistent_reads_every_saved_chunk_once_onto_another_split
     mesh = Mesh(np.array(jax.devices()[: dp * fsdp]).reshape(dp, fsdp), ("dp", "fsdp"))
     sharding = NamedSharding(mesh, P(*spec))
     procs = _processes(dp, fsdp, per)
-    layout = _replicas.read_layout(sharding, shape, split.chunk_shape, True, procs)
+    layout = _read_layout.read_layout(sharding, shape, split.chunk_shape, True, procs)
     read = _chunks_read(layout, sharding, procs, shape, split.chunk_shape)
     grid = [-(-n // c) for n, c in zip(shape, split.chunk_shape, strict=True)]
     assert sorted(read) == sorted(itertools.product(*map(range, grid)))  # every chunk
@@ -361,7 +364,7 @@ def test_restore_from_persistent_reads_every_saved_chunk_once_onto_another_split
             return layout.pad(stored[layout.stored_region(region)], region)
 
         read = jax.make_array_from_callback(layout.shape, layout.sharding, part)
-        (whole,) = _replicas.reshard([read], [sharding], [layout])
+        (whole,) = _read_layout.reshard([read], [sharding], [layout])
         assert whole.sharding == sharding
         np.testing.assert_array_equal(np.asarray(whole), stored)
 
@@ -372,7 +375,7 @@ def test_reads_from_memory_and_on_the_saved_split_keep_the_even_layout() -> None
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("dp", "fsdp"))
     sharding = NamedSharding(mesh, P(None, "fsdp"))
     procs = _processes(4, 2, 2)
-    memory = _replicas.read_layout(sharding, (24, 8192), (12, 2048), False, procs)
+    memory = _read_layout.read_layout(sharding, (24, 8192), (12, 2048), False, procs)
     assert memory is not None and memory.shape == (24, 8192)
     read = _chunks_read(memory, sharding, procs, (24, 8192), (12, 2048))
     assert max(len(ps) for ps in read.values()) == 2  # what persistent reads avoid
@@ -390,7 +393,9 @@ def test_reads_from_memory_and_on_the_saved_split_keep_the_even_layout() -> None
         chunks = _replicas.split_regions(shape, shard_shape, regions, 4).chunk_shape
         mesh = Mesh(np.array(jax.devices()[: dp * fsdp]).reshape(dp, fsdp), ("dp", "fsdp"))
         sharding = NamedSharding(mesh, P(*spec))
-        layouts = [_replicas.read_layout(sharding, shape, chunks, w, procs) for w in (False, True)]
+        layouts = [
+            _read_layout.read_layout(sharding, shape, chunks, w, procs) for w in (False, True)
+        ]
         assert layouts[0] == layouts[1], (shape, spec, layouts)
 
 
@@ -399,4 +404,4 @@ def test_zero_size_arrays_have_no_read_layout() -> None:
     procs = _processes(4, 2, 2)
     for shape in [(0, 8), (8, 0)]:
         sharding = NamedSharding(mesh, P(None, "fsdp"))
-        assert _replicas.read_layout(sharding, shape, (1, 4), True, procs) is None
+        assert _read_layout.read_layout(sharding, shape, (1, 4), True, procs) is None

@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging as log
 
 from jaxckpt import _resources
-from jaxckpt.coord import _plan, _replicas
+from jaxckpt.coord import _plan, _read_layout, _replicas
 from jaxckpt.format import _checksum, _chunking, _format, _sharding
 from jaxckpt.tiers import _landing, _memory_tier, _quarantine, _readers, _storage
 
@@ -162,7 +162,7 @@ class Restorer:
         reads from persistent storage (the same on every process: the inventories'
         exchange). Its replicated leaves of saved chunks of `_replicas.MIN_CHUNK_BYTES`
         on are then read in whole saved chunks where the target's split would have two
-        processes read one chunk (`_replicas.read_layout(whole_chunks=True)`). From
+        processes read one chunk (`_read_layout.read_layout(whole_chunks=True)`). From
         memory and peers, and for smaller chunks, a chunk read twice costs less than a
         read layout of its own (a program to compile, a reshard that moves more).
         """
@@ -400,7 +400,7 @@ class Restorer:
             >= _replicas.MIN_CHUNK_BYTES
         )
         layout = (
-            _replicas.read_layout(
+            _read_layout.read_layout(
                 data_sharding, record.stored_shape, record.chunk_shape, whole_chunks
             )
             if owner is None and self._agree is not None
@@ -470,7 +470,7 @@ class Restorer:
             # IMPORTANT: the reshard is a collective: every process starts it or none.
             self._agree_once(None)
         resharded: list[
-            tuple[int, jax.Array, jax.sharding.Sharding, _replicas.ReadLayout | None]
+            tuple[int, jax.Array, jax.sharding.Sharding, _read_layout.ReadLayout | None]
         ] = []
         for k, d, bufs in pending:
             shape = d.shape
@@ -485,7 +485,7 @@ class Restorer:
             key_impl = d.record.key_impl
             out[k] = jax.random.wrap_key_data(data, impl=key_impl) if key_impl else data
         if resharded:
-            gathered = _replicas.reshard(
+            gathered = _read_layout.reshard(
                 [r[1] for r in resharded], [r[2] for r in resharded], [r[3] for r in resharded]
             )
             for (k, *_), whole in zip(resharded, gathered, strict=True):
@@ -516,7 +516,7 @@ class Deferred:
     reading: concurrent.futures.Future[dict[tuple[tuple[int, int], ...], np.ndarray]]
     then: jax.sharding.Sharding | None = None  # the target, resharded onto from `sharding`
     shape: tuple[int, ...] = ()  # of the array read (a padded read layout's: see `layout`)
-    layout: _replicas.ReadLayout | None = None  # how the replicas shared the read
+    layout: _read_layout.ReadLayout | None = None  # how the replicas shared the read
 
 
 # Leaves of this many bytes on are read on `LEAF_POOL`, several at once (a peer's
