@@ -10,7 +10,7 @@ import statistics
 import pytest
 from object_stores import running
 
-from jaxckpt.bench import _report as _bench_report
+from jaxckpt.bench import _figure as _bench_figure
 from jaxckpt.bench import _run as bench
 from jaxckpt.bench import _state as _bench_state
 
@@ -53,15 +53,15 @@ def _number(x: object) -> bool:
 
 
 def test_ratio_and_target():
-    assert _bench_report.Figure("x", "n", 2.0, "s", 4.0, "b", "<= 0.6").met is True
-    f = _bench_report.Figure("x", "n", 3.0, "s", 4.0, "b", ">= 0.8")
+    assert _bench_figure.Figure("x", "n", 2.0, "s", 4.0, "b", "<= 0.6").met is True
+    f = _bench_figure.Figure("x", "n", 3.0, "s", 4.0, "b", ">= 0.8")
     assert f.ratio == 0.75 and f.met is False
-    missing = _bench_report.Figure("x", "n", None, "s", 4.0, "b", ">= 0.8")
+    missing = _bench_figure.Figure("x", "n", None, "s", 4.0, "b", ">= 0.8")
     assert missing.ratio is None and missing.met is None
 
-    met = _bench_report.Figure("y", "a name", 0.5, "MB/s", 1.0, "raw op", ">= 0.4")
-    plain = _bench_report.Figure("z", "no target", 0.0123, "s", 0.5, "raw op")
-    header, *rows = _bench_report.table([missing, met, plain]).splitlines()
+    met = _bench_figure.Figure("y", "a name", 0.5, "MB/s", 1.0, "raw op", ">= 0.4")
+    plain = _bench_figure.Figure("z", "no target", 0.0123, "s", 0.5, "raw op")
+    header, *rows = _bench_figure.table([missing, met, plain]).splitlines()
     # Columns are two or more spaces apart; seconds are in human units.
     cells = [re.split(r"\s{2,}", row) for row in rows]
     assert re.split(r"\s{2,}", header) == [

@@ -9,7 +9,7 @@ import struct
 import pytest
 from test_launch import run  # noqa: F401  (the launcher on fake children)
 
-from jaxckpt.bench import _report
+from jaxckpt.bench import _figure
 from jaxckpt.bench import _run as bench
 from jaxckpt.launch import _timeline_plot
 
@@ -35,13 +35,13 @@ def _check_png(path, min_px=(600, 150)):
 
 def _bench_report() -> dict:
     figs = [
-        _report.Figure(
+        _figure.Figure(
             "1a", "step time, jaxckpt save every step", 2.0, "s", 1.4, "no save", "<= 1.15"
         ),
-        _report.Figure("1d", "floor", 1.5, "s", 1.4, "no save"),
-        _report.Figure("4a", "memory-tier write", 3500.0, "MB/s", 6500.0, "memcpy", ">= 0.8"),
-        _report.Figure("5a", "restore from own memory", 0.09, "s", 1.3, "Orbax", "<= 0.33"),
-        _report.Figure("5b", "restore from peer memory", None, "s", 1.3, "Orbax", "<= 0.33"),
+        _figure.Figure("1d", "floor", 1.5, "s", 1.4, "no save"),
+        _figure.Figure("4a", "memory-tier write", 3500.0, "MB/s", 6500.0, "memcpy", ">= 0.8"),
+        _figure.Figure("5a", "restore from own memory", 0.09, "s", 1.3, "Orbax", "<= 0.33"),
+        _figure.Figure("5b", "restore from peer memory", None, "s", 1.3, "Orbax", "<= 0.33"),
     ]
     return {
         "figures": [dataclasses.asdict(f) for f in figs],

@@ -42,7 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import jaxckpt
-from jaxckpt.bench import _managers, _report, _state
+from jaxckpt.bench import _figure, _managers, _state
 
 _TARGETS: Final = {"g1": "<= 2", "g3": "<= 0.5", "g4": "<= 1.05"}
 # Each figure: id, name (`{every}`: --save-every), the raw timings' keys of its value and
@@ -137,17 +137,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     figs = _figures(raw, args.save_every)
-    print(_report.table(figs))
+    print(_figure.table(figs))
     if args.json:
         report = _json_report(devices, state_bytes, raw, figs)
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 
-def _figures(raw: dict[str, Any], save_every: int) -> list[_report.Figure]:
+def _figures(raw: dict[str, Any], save_every: int) -> list[_figure.Figure]:
     """The figures of `_FIGURES` from the raw timings."""
     return [
-        _report.Figure(
+        _figure.Figure(
             id_,
             name.format(every=save_every),
             raw[value],
@@ -164,7 +164,7 @@ def _json_report(
     devices: Sequence[jax.Device],
     state_bytes: int,
     raw: dict[str, Any],
-    figs: Sequence[_report.Figure],
+    figs: Sequence[_figure.Figure],
 ) -> dict[str, Any]:
     """What `--json` writes: the device, the raw timings and the figures."""
     return {

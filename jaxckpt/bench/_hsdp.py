@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from jaxckpt.bench._report import Figure
+from jaxckpt.bench._figure import Figure
 
 LEAVES: Final = 4  # float32 leaves of (rows, 1024)
 # A save's phases (seconds from its start; `SaveMetrics`), recorded per layout.

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from jaxckpt.bench import _report
+from jaxckpt.bench import _figure
 from jaxckpt.launch import _timeline_plot
 
 _MET: Final = "#2e7d32"
@@ -112,7 +112,7 @@ def _annotate(ax: Any, y: int, f: Mapping[str, Any], ratio: float, bound: float 
         fontweight="bold",
     )
     ax.annotate(
-        f"{_report.quantity(f['value'], f['unit'])} / {_report.quantity(f['baseline'], f['unit'])}",
+        f"{_figure.quantity(f['value'], f['unit'])} / {_figure.quantity(f['baseline'], f['unit'])}",
         (1.0, y),
         xycoords=("axes fraction", "data"),
         xytext=(-4, 0),

@@ -38,7 +38,7 @@ from typing import Any, Final
 
 import psutil
 
-from jaxckpt.bench import _emulator, _flags, _hsdp, _plot, _report
+from jaxckpt.bench import _emulator, _figure, _flags, _hsdp, _machine, _plot, _results
 from jaxckpt.bench._worker import (
     ENV_COORDINATOR,
     ENV_MEMORY_ROOT,
@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the benchmark trains with optax: pip install 'jaxckpt[bench]'")
     memory_base, work_dir, cfg = _plan(args)
     start = time.monotonic()
-    machine = _machine(args, cfg["state_gib"], memory_base, work_dir)
+    machine = _prefaulted_machine(args, cfg["state_gib"], memory_base, work_dir)
     deadline = start + (args.deadline or (_QUICK if args.quick else _FULL)["deadline_s"])
     try:
         procs, proxy = _run_phases(args, cfg, memory_base, work_dir, deadline)
@@ -319,11 +319,11 @@ def _plan(args: argparse.Namespace) -> tuple[Path, Path, dict[str, Any]]:
     return memory_base, work_dir, cfg
 
 
-def _machine(
+def _prefaulted_machine(
     args: argparse.Namespace, state_gib: float, memory_base: Path, work_dir: Path
 ) -> dict[str, Any]:
     """What the run measures on, after touching host memory once (`--prefault-gib`)."""
-    machine = _report.machine(str(memory_base), str(work_dir))
+    machine = _machine.machine(str(memory_base), str(work_dir))
     gib = args.prefault_gib
     if gib is None:
         gib = min(12 * state_gib + 1, 0.6 * psutil.virtual_memory().available / 2**30)
@@ -367,20 +367,20 @@ def _figures(
     cfg: dict[str, Any],
     procs: list[dict[str, Any]],
     proxy: dict[str, Any] | None,
-) -> list[_report.Figure]:
+) -> list[_figure.Figure]:
     """The figures of the layout that ran, and the proxy's."""
     if args.layout == "hsdp":
         figs = _hsdp.figures(procs)
     else:
-        figs = _report.figures(procs, cfg["warmup"], cfg["replicas"]) if procs else []
+        figs = _results.figures(procs, cfg["warmup"], cfg["replicas"]) if procs else []
     if proxy is not None:
-        figs += _report.proxy_figures(proxy["proxy"], cfg["warmup"])
+        figs += _results.proxy_figures(proxy["proxy"], cfg["warmup"])
     return figs
 
 
-def _emit(args: argparse.Namespace, report: dict[str, Any], figs: list[_report.Figure]) -> None:
+def _emit(args: argparse.Namespace, report: dict[str, Any], figs: list[_figure.Figure]) -> None:
     """Prints the table and a summary line; writes the JSON and the plot if asked for."""
-    print(_report.table(figs))
+    print(_figure.table(figs))
     state, processes = report["state"], report["config"]["processes"]
     print(
         f"\nstate {state['state_bytes'] / 2**30:.3g} GiB ({state['shape']}), "
@@ -396,11 +396,11 @@ def _show(path: str, png: str | None) -> int:
     """Prints the figures of a saved report, and draws them if `png` is given."""
     try:
         report = json.loads(Path(path).read_text())
-        figs = [_report.Figure.from_dict(f) for f in report["figures"]]
+        figs = [_figure.Figure.from_dict(f) for f in report["figures"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"jaxckpt bench: error: {path} is not a report of --json ({e}).", file=sys.stderr)
         return 2
-    print(_report.table(figs))
+    print(_figure.table(figs))
     if png:
         print(f"plot: {_plot.plot(report, png)}")
     return 0

@@ -1,0 +1,174 @@
+"""Turns the processes' raw timings into figures (value, baseline, ratio).
+
+Every ratio is value / baseline, both measured in the same run, and every figure reads
+the processes' results as `_runs` does: across processes, the slowest one's. Phases 1-4's
+figures come from `_local_figures`; this module adds those of the object store, the
+many-leaf tree and the accelerator-host proxy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxckpt.bench import _runs
+from jaxckpt.bench._figure import Figure
+from jaxckpt.bench._local_figures import local_figures
+
+
+def figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list[Figure]:
+    """Every figure of the benchmark from the processes' raw results (those of the
+    phases that ran: the object-store figures only with a store)."""
+    out = local_figures(procs, warmup, replicas) if "loops" in procs[0] else []
+    if "object_store" in procs[0]:
+        out += _store_figures(procs)
+    if "many_leaves" in procs[0]:
+        out += _many_leaf_figures(procs)
+    return out
+
+
+def _store_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
+    """Persisting to an object store against tensorstore writing the same bytes there."""
+
+    def median(key: str, kind: str = "saves") -> Callable[[dict[str, Any]], float | None]:
+        """A process's median of `key` over its measured (not warm-up) repeats."""
+        return lambda p: _runs.median([r[key] for r in p["object_store"][kind] if not r["warmup"]])
+
+    def store_bw(key: str, kind: str = "saves") -> float | None:
+        return _runs.scaled(_runs.worst(procs, median(key, kind), low=True), _runs.MB)
+
+    def store_t(key: str) -> float | None:
+        return _runs.worst(procs, median(key), low=False)
+
+    baseline = store_bw("bytes_per_s", "baseline")
+    name = "tensorstore zarr3 write, same chunks, same store"
+    return [
+        Figure(
+            "7a",
+            "object store: save until persisted",
+            store_bw("bytes_per_s"),
+            "MB/s",
+            baseline,
+            name,
+            ">= 0.7",
+        ),
+        Figure(
+            "7b",
+            "object store: upload (handler persist_s)",
+            store_bw("persist_bytes_per_s"),
+            "MB/s",
+            baseline,
+            name,
+        ),
+        Figure(
+            "7c",
+            "object store: time outside the upload",
+            store_t("outside_upload_s"),
+            "s",
+            store_t("seconds"),
+            "the whole save until persisted",
+        ),
+    ]
+
+
+def proxy_figures(proxy: dict[str, Any], warmup: int) -> list[Figure]:
+    """The accelerator-host proxy: one process, its train step confined to one CPU and
+    its saves to the others (`_proxy`); every loop against the same loop without saving.
+
+    9a holds the saved arrays (`hold_cpu_arrays`), the CPU's counterpart of what a save
+    on an accelerator does (its stall is the transfer to pinned host memory, the slab
+    filled in the background); 9f is the CPU default, which copies into the slab
+    inside `save()`, on the host's CPUs, while the device waits."""
+    loops = proxy["loops"]
+
+    def median(name: str, key: str = "step_s") -> float | None:
+        return _runs.median(loops.get(name, {}).get(key, [])[warmup:])
+
+    train = _runs.median(
+        loops["train"]["step_s"][warmup:] + loops["train_again"]["step_s"][warmup:]
+    )
+    dispatch = _runs.median(
+        loops["train"]["dispatch_s"][warmup:] + loops["train_again"]["dispatch_s"][warmup:]
+    )
+    base = "step time without saving (step on one CPU)"
+    return [
+        Figure(
+            "9a",
+            "proxy: step time, jaxckpt save every step (holding the arrays)",
+            median("jaxckpt_hold"),
+            "s",
+            train,
+            base,
+            "<= 1.03",
+        ),
+        Figure("9b", "proxy: step time, the overlapped floor", median("floor"), "s", train, base),
+        Figure(
+            "9c", "proxy: step time, Orbax async save every step", median("orbax"), "s", train, base
+        ),
+        Figure(
+            "9d",
+            "proxy: mngr.save() blocks, jaxckpt (holding the arrays)",
+            median("jaxckpt_hold", "save_s"),
+            "s",
+            train,
+            "the same step time (the share of it)",
+        ),
+        Figure(
+            "9e",
+            "proxy: the step's dispatch while jaxckpt saves (holding)",
+            median("jaxckpt_hold", "dispatch_s"),
+            "s",
+            dispatch,
+            "the step's dispatch without saving (GIL waits)",
+        ),
+        Figure(
+            "9f",
+            "proxy: step time, jaxckpt save every step (copying in save())",
+            median("jaxckpt"),
+            "s",
+            train,
+            base,
+        ),
+    ]
+
+
+def _many_leaf_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
+    """The many-leaf tree: jaxckpt's save until safe in memory and restore from memory,
+    against Orbax saving it until finished and restoring it from its directory."""
+
+    def saves(key: str, kind: str) -> float | None:
+        return _runs.worst(
+            procs,
+            lambda p: _runs.median([s.get(key) for s in p["many_leaves"][kind] if not s["warmup"]]),
+            low=False,
+        )
+
+    def restore(source: str) -> float | None:
+        return _runs.worst(
+            procs,
+            lambda p: _runs.median([r["seconds"] for r in p["many_leaves"]["restores"][source]]),
+            low=False,
+        )
+
+    n = procs[0]["many_leaves"]["leaves"]
+    kib = procs[0]["many_leaves"]["leaf_bytes"] / 1024
+    return [
+        Figure(
+            "8a",
+            f"{n}-leaf tree ({kib:g} KiB each): save until safe in memory",
+            saves("to_memory_s", "saves"),
+            "s",
+            saves("done_s", "orbax_saves"),
+            "Orbax save of the same tree until finished",
+            "<= 0.25",
+        ),
+        Figure(
+            "8b",
+            f"{n}-leaf tree ({kib:g} KiB each): restore from own memory",
+            restore("memory"),
+            "s",
+            restore("orbax"),
+            "Orbax restore of the same tree (cold)",
+            "<= 0.2",
+        ),
+    ]
