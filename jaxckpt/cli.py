@@ -34,7 +34,7 @@ import rich.console
 from rich import progress
 
 from jaxckpt.restore import _export
-from jaxckpt.tools import _advise, _catalog, _inspect, _table, _verify
+from jaxckpt.tools import _advise, _catalog, _costs, _inspect, _listing, _mtbf, _table, _verify
 
 OK, BAD_COPY, ERROR, NOT_IN_REACH = 0, 1, 2, 3
 
@@ -199,8 +199,8 @@ def _emit(args: argparse.Namespace, report: dict[str, Any], text: str) -> None:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    report = _inspect.listing(_catalog_of(args))
-    _emit(args, report, _inspect.render_listing(report))
+    report = _listing.listing(_catalog_of(args))
+    _emit(args, report, _listing.render_listing(report))
     return OK
 
 
@@ -269,7 +269,7 @@ def _advise_cmd(args: argparse.Namespace) -> int:
         raise ValueError(f"--last must be at least 1, got {args.last}.")
     if args.failure_log:
         with open(args.failure_log) as f:
-            mtbf_s, failures, span = _advise.mtbf_from_log(f)
+            mtbf_s, failures, span = _mtbf.mtbf_from_log(f)
         mtbf_from = f"{failures} failures over {_table.duration(span)} in {args.failure_log}"
     else:
         mtbf_s, mtbf_from = args.mtbf_hours * 3600, "given"
@@ -288,8 +288,8 @@ def _advise_cmd(args: argparse.Namespace) -> int:
         for path in args.launch_report:
             with open(path) as f:
                 reports.append((path, json.load(f)))
-        restarts = _advise.restarts_from_launch_report(reports)
-    costs, step_s, step_from, notes = _advise.measure(
+        restarts = _costs.restarts_from_launch_report(reports)
+    costs, step_s, step_from, notes = _costs.measure(
         _catalog_of(args),
         last=args.last,
         persist_bytes_per_s=args.persist_mbps * 1e6 if args.persist_mbps else None,

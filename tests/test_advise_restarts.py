@@ -10,7 +10,7 @@ from helpers import fresh_iterator, manager, mesh_1d, save, sharded_state
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.tools import _advise
+from jaxckpt.tools import _costs, _young_daly
 
 
 def launch_report(*restarts: tuple[str, float, float]) -> dict:
@@ -75,17 +75,17 @@ def test_measured_restarts_set_r(capsys, ckpt, tmp_path) -> None:
     # R enters the time lost: W = C/tau + (tau/2 + R)/M.
     row = tiers["memory"]
     assert row["waste_fraction"] == pytest.approx(
-        _advise.waste_fraction(row["interval_steps"] * 0.5, row["cost_s"], 6.0, 7200)
+        _young_daly.waste_fraction(row["interval_steps"] * 0.5, row["cost_s"], 6.0, 7200)
     )
     assert row["waste_fraction"] > before["memory"]["waste_fraction"]
 
 
 def test_unmeasured_tiers_get_the_measured_overhead(ckpt) -> None:
     catalog = jaxckpt.tools._catalog.Catalog(str(ckpt), None, (), None)
-    restarts = _advise.restarts_from_launch_report([("r", launch_report(("memory", 5.0, 1.0)))])
+    restarts = _costs.restarts_from_launch_report([("r", launch_report(("memory", 5.0, 1.0)))])
     assert (restarts.overhead_s, restarts.read_s, restarts.counts) == (4.0, 1.0, {"memory": 1})
-    plain, *_ = _advise.measure(catalog)
-    measured, *_ = _advise.measure(catalog, restarts=restarts)
+    plain, *_ = _costs.measure(catalog)
+    measured, *_ = _costs.measure(catalog, restarts=restarts)
     by_tier = {c.tier: c for c in plain}
     for cost in measured:
         if cost.tier == "memory":

@@ -28,7 +28,7 @@ from helpers import (
 import jaxckpt
 from jaxckpt import cli
 from jaxckpt.format import _format
-from jaxckpt.tools import _advise, _inspect
+from jaxckpt.tools import _inspect, _mtbf, _young_daly
 
 STEPS = (1, 2, 3)  # persist_every=2 persists step 2; memory_keep=2 keeps steps 2 and 3
 
@@ -255,22 +255,22 @@ def test_verify_without_a_copy_in_reach_exits_3(capsys, saved):
 def test_young_and_daly_match_hand_computed_values():
     # C = 1 min, M = 1 day: sqrt(2*60*86400) = 3219.94 s; Daly: x = C/2M = 3.4722e-4,
     # 3219.94 * (1 + 0.018634/3 + 3.4722e-4/9) - 60 = 3180.06 s.
-    assert _advise.young_interval(60, 86400) == pytest.approx(3219.938, abs=1e-3)
-    assert _advise.daly_interval(60, 86400) == pytest.approx(3180.062, abs=1e-3)
+    assert _young_daly.young_interval(60, 86400) == pytest.approx(3219.938, abs=1e-3)
+    assert _young_daly.daly_interval(60, 86400) == pytest.approx(3180.062, abs=1e-3)
     # C = 10 min, M = 1 h: Young 2078.46 s, Daly 2078.46 * 1.105484 - 600 = 1697.71 s.
-    assert _advise.young_interval(600, 3600) == pytest.approx(2078.461, abs=1e-3)
-    assert _advise.daly_interval(600, 3600) == pytest.approx(1697.706, abs=1e-3)
+    assert _young_daly.young_interval(600, 3600) == pytest.approx(2078.461, abs=1e-3)
+    assert _young_daly.daly_interval(600, 3600) == pytest.approx(1697.706, abs=1e-3)
     # C >= 2M: checkpoint once per MTBF.
-    assert _advise.daly_interval(7200, 3600) == 3600
+    assert _young_daly.daly_interval(7200, 3600) == 3600
     # W = C/tau + (tau/2 + R)/M = 60/3600 + (1800 + 120)/86400.
-    assert _advise.waste_fraction(3600, 60, 120, 86400) == pytest.approx(0.0388889, abs=1e-7)
+    assert _young_daly.waste_fraction(3600, 60, 120, 86400) == pytest.approx(0.0388889, abs=1e-7)
     # Daly's interval is (near) the minimum of the first-order waste.
-    tau = _advise.daly_interval(60, 86400)
-    best = _advise.waste_fraction(tau, 60, 0, 86400)
-    assert best < _advise.waste_fraction(0.8 * tau, 60, 0, 86400)
-    assert best < _advise.waste_fraction(1.2 * tau, 60, 0, 86400)
+    tau = _young_daly.daly_interval(60, 86400)
+    best = _young_daly.waste_fraction(tau, 60, 0, 86400)
+    assert best < _young_daly.waste_fraction(0.8 * tau, 60, 0, 86400)
+    assert best < _young_daly.waste_fraction(1.2 * tau, 60, 0, 86400)
     with pytest.raises(ValueError, match="MTBF must be a positive"):
-        _advise.young_interval(60, 0)
+        _young_daly.young_interval(60, 0)
 
 
 def test_failure_log_gives_span_over_intervals():
@@ -282,12 +282,12 @@ def test_failure_log_gives_span_over_intervals():
         "2026-01-01 04:00:00",
         "2026-01-01T06:00:00+00:00",
     ]
-    mtbf, failures, span = _advise.mtbf_from_log(log)
+    mtbf, failures, span = _mtbf.mtbf_from_log(log)
     assert (failures, span, mtbf) == (4, 6 * 3600, 2 * 3600)
     with pytest.raises(ValueError, match="line 2: 'yesterday'"):
-        _advise.mtbf_from_log(["1", "yesterday"])
+        _mtbf.mtbf_from_log(["1", "yesterday"])
     with pytest.raises(ValueError, match="at least two"):
-        _advise.mtbf_from_log(["1"])
+        _mtbf.mtbf_from_log(["1"])
 
 
 def test_advise_uses_the_measured_costs_of_a_real_checkpoint(capsys, saved, tmp_path):
@@ -301,10 +301,10 @@ def test_advise_uses_the_measured_costs_of_a_real_checkpoint(capsys, saved, tmp_
         row = tiers[tier]
         assert row["cost_s"] == pytest.approx(cost)
         assert row["young_s"] == pytest.approx(math.sqrt(2 * cost * 7200))
-        assert row["daly_s"] == pytest.approx(_advise.daly_interval(cost, 7200))
+        assert row["daly_s"] == pytest.approx(_young_daly.daly_interval(cost, 7200))
         assert row["interval_steps"] == max(1, round(row["daly_s"] / 0.5))
         assert row["waste_fraction"] == pytest.approx(
-            _advise.waste_fraction(row["interval_steps"] * 0.5, cost, row["restore_s"], 7200)
+            _young_daly.waste_fraction(row["interval_steps"] * 0.5, cost, row["restore_s"], 7200)
         )
     rec = report["recommended"]
     assert rec["save_interval_steps"] == tiers["memory"]["interval_steps"]
