@@ -178,6 +178,9 @@ def restarts_from_launch_report(
     )
 
 
+# ---- per-tier costs -------------------------------------------------------------------
+
+
 def measure(
     catalog: _catalog.Catalog,
     *,
