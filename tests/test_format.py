@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.coord import _plan
-from jaxckpt.format import _chunking, _format
+from jaxckpt.format import _array_keys, _chunking, _format
 
 
 def manifest(owner: int, count: int = 2, step: int = 5) -> _format.PartManifest:
@@ -136,7 +136,7 @@ def jax_path(keys) -> str:
 
 
 def test_array_keys_are_escaped_tree_paths():
-    records = _format.with_array_keys(
+    records = _array_keys.with_array_keys(
         (
             leaf(("d", "params"), ("d", "Dense_0"), ("d", "kernel")),
             leaf(("d", "opt_state"), ("s", 0), ("a", "mu")),
@@ -156,7 +156,7 @@ def test_array_keys_are_escaped_tree_paths():
 
 def test_array_keys_stay_unique_and_short():
     long = "x" * 300
-    records = _format.with_array_keys(
+    records = _array_keys.with_array_keys(
         (leaf(("d", 0)), leaf(("d", "0")), leaf(("d", long)), leaf(("d", "0~1")))
     )
     keys = [r.array_key for r in records]
