@@ -109,8 +109,11 @@ class Publisher:
 class Restored(Protocol):
     """What a restore's measurements are made of (`_restore.Restorer`)."""
 
-    bytes_by_tier: dict[str, int]
-    failures: list[str]
+    @property
+    def bytes_by_tier(self) -> dict[str, int]: ...
+
+    @property
+    def failures(self) -> list[str]: ...
 
 
 def restore_line(metrics: dict[str, Any]) -> str:

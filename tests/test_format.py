@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.coord import _plan
-from jaxckpt.format import _chunking, _format
+from jaxckpt.format import _array_keys, _chunking, _format
 
 
 def manifest(owner: int, count: int = 2, step: int = 5) -> _format.PartManifest:
@@ -136,7 +136,7 @@ def jax_path(keys) -> str:
 
 
 def test_array_keys_are_escaped_tree_paths():
-    records = _format.with_array_keys(
+    records = _array_keys.with_array_keys(
         (
             leaf(("d", "params"), ("d", "Dense_0"), ("d", "kernel")),
             leaf(("d", "opt_state"), ("s", 0), ("a", "mu")),
@@ -156,7 +156,7 @@ def test_array_keys_are_escaped_tree_paths():
 
 def test_array_keys_stay_unique_and_short():
     long = "x" * 300
-    records = _format.with_array_keys(
+    records = _array_keys.with_array_keys(
         (leaf(("d", 0)), leaf(("d", "0")), leaf(("d", long)), leaf(("d", "0~1")))
     )
     keys = [r.array_key for r in records]
@@ -235,7 +235,7 @@ def test_a_chunk_in_several_parts_is_read_from_this_process_memory_first():
 
 def test_a_damaged_own_copy_of_a_chunk_in_several_parts_falls_back_to_another_part():
     from jaxckpt.format import _checksum
-    from jaxckpt.restore import _restore
+    from jaxckpt.restore import _chunk_reads
 
     good = np.arange(8, dtype=np.float32).reshape(4, 2)
     leaf = dataclasses.replace(manifest(0).leaves[0], shape=(4, 2), stored_shape=(4, 2))
@@ -254,13 +254,13 @@ def test_a_damaged_own_copy_of_a_chunk_in_several_parts_falls_back_to_another_pa
 
     readers = {("memory", 0): Reader(good + 1), ("peer", 1): Reader(good)}
     damaged = []
-    restorer = _restore.Restorer(
+    chunks = _chunk_reads.ChunkReads(
         plan,
         lambda source, owner: readers[(source.tier, owner)],
         0,
         on_damaged=lambda source, owner, why: damaged.append((source.tier, owner)),
     )
-    (got,) = restorer._read_regions(0, [(slice(0, 4), slice(0, 2))])
+    (got,) = chunks.read_regions(0, [(slice(0, 4), slice(0, 2))])
     np.testing.assert_array_equal(got, good)
-    assert restorer.bytes_by_tier == {"peer": good.nbytes}  # the other part's copy
-    assert damaged == [("memory", 0)] and restorer.failures
+    assert chunks.bytes_by_tier == {"peer": good.nbytes}  # the other part's copy
+    assert damaged == [("memory", 0)] and chunks.failures

@@ -120,7 +120,7 @@ def test_reshard_onto_other_meshes(memory_root, ckpt_dir, shape):
 
 
 def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypatch):
-    from jaxckpt.restore import _restore
+    from jaxckpt.restore import _chunk_reads
     from jaxckpt.tiers import _paths
 
     state = {
@@ -129,13 +129,13 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
         )
     }
     read = []
-    original = _restore.Restorer._read_chunk
+    original = _chunk_reads.ChunkReads._read_chunk
 
     def spy(self, leaf, index, owner=None):
         read.append(index)
         return original(self, leaf, index, owner)
 
-    monkeypatch.setattr(_restore.Restorer, "_read_chunk", spy)
+    monkeypatch.setattr(_chunk_reads.ChunkReads, "_read_chunk", spy)
     h = handler(memory_root)
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)
@@ -153,9 +153,9 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
         read.clear()
         item = _paths.ItemDir.parse(ckpt_dir / "1" / "train")
         plan = h._runs.global_view(item, h._runs.memory).plan(1)
-        readers = _restore.reader_factory(item.path, h._runs.memory, h._runs.peers, 1)
-        restorer = _restore.Restorer(plan, readers, 0)
-        (rows,) = restorer._read_regions(0, [(slice(3, 7), slice(0, 4))])
+        readers = _chunk_reads.reader_factory(item.path, h._runs.memory, h._runs.peers, 1)
+        chunks = _chunk_reads.ChunkReads(plan, readers, 0)
+        (rows,) = chunks.read_regions(0, [(slice(3, 7), slice(0, 4))])
         assert sorted(read) == [(1, 0), (2, 0), (3, 0)]
         np.testing.assert_array_equal(rows, np.asarray(state["w"])[3:7])
 

@@ -27,7 +27,7 @@ from test_multihost import job  # noqa: F401 -- the fixture
 
 import jaxckpt
 from jaxckpt.coord import _agreement
-from jaxckpt.format import _format
+from jaxckpt.format import _checked_json, _format
 from jaxckpt.tiers import _index
 
 
@@ -141,7 +141,7 @@ def test_an_index_of_a_newer_version_asks_for_an_upgrade():
     v1["version"] = 99
     del v1["crc32c"]
     with pytest.raises(ValueError, match="upgrade jaxckpt"):
-        _index.parse_step_index(_format.with_checksum(json.dumps(v1)).encode())
+        _index.parse_step_index(_checked_json.with_checksum(json.dumps(v1)).encode())
 
 
 def test_a_version_1_step_index_still_parses(tmp_path):
@@ -246,7 +246,7 @@ def v1_step_index_text(records: tuple[_format.LeafRecord, ...], entries: dict[in
         f'"{int(p)}":{zlib.decompress(base64.b64decode(e)).decode()}'
         for p, e in sorted(entries.items())
     )
-    return _format.with_checksum(f'{head[:-1]},"parts":{{{parts}}}}}')
+    return _checked_json.with_checksum(f'{head[:-1]},"parts":{{{parts}}}}}')
 
 
 def _persisted_steps_1_and_2(memory_root: str, ckpt_dir: Path) -> dict:

@@ -14,15 +14,15 @@ persistent tier (plain zarr3, any tensorstore kvstore):
     part_<owner>/arrays/<key>/      one zarr3 array per array leaf, chunk grid =
                                     the saved shard shape, holding only the chunks
                                     that <owner> wrote (its share of its shards); <key>
-                                    is the leaf's tree path (`array_key`), and the
-                                    array's attributes say what it holds
-                                    (`array_attributes`)
+                                    is the leaf's tree path, and the array's attributes
+                                    say what it holds (both: `_array_keys`)
 
 and the CheckpointManager's item directory always holds the step's index: one
 `index.json` (every part's manifest, the leaf records once; `_index`), written
 by one process; steps saved by earlier versions hold `index_<owner>.json` (the
-same manifest) per part instead, and are still read. Change a field only
-together with `FORMAT_VERSION` and a reader for the old version.
+same manifest) per part instead, and are still read. Each manifest carries its
+own checksum (`_checked_json`). Change a field only together with
+`FORMAT_VERSION` and a reader for the old version.
 
 Versions: 1 saved numpy arrays once (process 0) and scalars inside the leaf
 records. 2 saves every value that can differ per process (process-local
@@ -52,13 +52,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
-import string
-import zlib
 from collections.abc import Mapping
 from typing import Any, Final
 
 from jaxckpt import _resources
-from jaxckpt.format import _checksum
+from jaxckpt.format import _checked_json, _checksum
 
 FORMAT_NAME: Final = "jaxckpt"
 FORMAT_VERSION: Final = 3
@@ -223,61 +221,6 @@ class LeafRecord:
 
 _LEAF_FIELDS: Final = tuple(f.name for f in dataclasses.fields(LeafRecord))
 _LEAF_FIELD_SET: Final = frozenset(_LEAF_FIELDS)
-_KEY_CHARS: Final = frozenset(string.ascii_letters + string.digits + "_-")
-_MAX_KEY_CHARS: Final = 200  # a file name has at most 255 bytes
-
-
-def _escape(entry: str) -> str:
-    """`entry` with every character but letters, digits, `_` and `-` %-escaped (UTF-8)."""
-    return "".join(
-        c if c in _KEY_CHARS else "".join(f"%{b:02X}" for b in c.encode()) for c in entry
-    )
-
-
-def with_array_keys(records: tuple[LeafRecord, ...]) -> tuple[LeafRecord, ...]:
-    """`records` with every ARRAY and NUMPY leaf named: `array_key` is its tree path,
-    each entry escaped, joined by dots (`params.Dense_0.kernel`, `opt_state.0.mu.w`).
-
-    Keys are unique within a tree: one that repeats another (a dict with both 0 and
-    "0" as keys) or is too long for a file name gets `~<leaf index>` appended (`~`
-    is escaped everywhere else).
-    """
-    out, seen = [], set()
-    for i, record in enumerate(records):
-        if record.kind not in (ARRAY, NUMPY):
-            out.append(record)
-            continue
-        key = ".".join(_escape(str(k)) for _, k in record.keys) or "_"
-        if len(key) > _MAX_KEY_CHARS or key in seen:
-            key = f"{key[:_MAX_KEY_CHARS]}~{i}"
-        seen.add(key)
-        out.append(dataclasses.replace(record, array_key=key))
-    return tuple(out)
-
-
-def array_attributes(
-    record: LeafRecord, step: int, owner: int, sharding: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The zarr3 attributes of a leaf's array in `owner`'s part of `step`: enough to
-    use it without jaxckpt (`sharding`: the owner's own, of a per-process leaf)."""
-    sharding = sharding or record.sharding
-    described = {
-        "path": record.path,
-        "shape": list(record.shape) if record.shape is not None else None,
-        "dtype": record.dtype,
-        "key_impl": record.key_impl,
-        "sharding": sharding,
-        "per_process": record.per_process or None,
-        "step": step,
-        "owner": owner,
-        "chunks": (
-            "only this owner's share of its shards (split among their replicas); see its "
-            "manifest.json"
-            if record.replicas
-            else "only those this owner wrote (its replica 0 shards); see its manifest.json"
-        ),
-    }
-    return {FORMAT_NAME: {k: v for k, v in described.items() if v is not None}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,7 +372,7 @@ class PartManifest:
         body = json.dumps(d, separators=(",", ":")).replace(
             '"leaves":null', '"leaves":' + _leaves_json(self.leaves), 1
         )
-        return f"{body[:-1]}{_CRC_MEMBER}{_checksum.crc32c(body.encode())}}}"
+        return _checked_json.with_checksum(body)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> PartManifest:
@@ -444,7 +387,7 @@ class PartManifest:
         cached = _PARSED.get(key)
         if cached is not None and cached[0] == raw:
             return cached[1]
-        manifest = cls.from_dict(_checked(raw))
+        manifest = cls.from_dict(_checked_json.checked(raw))
         if len(_PARSED) >= _PARSED_MAX:
             _PARSED.pop(next(iter(_PARSED), (-1, -1)), None)
         _PARSED[key] = (raw, manifest)
@@ -466,9 +409,6 @@ def _leaves_json(leaves: tuple[LeafRecord, ...]) -> str:
 
 _LEAVES_JSON: dict[int, tuple[tuple[LeafRecord, ...], str]] = _resources.SHARED.cache({})
 
-# A version 3 manifest ends with `,"crc32c":<CRC-32C of the text before it, closed>}`:
-# written in one pass and checked without a second serialization.
-_CRC_MEMBER: Final = ',"crc32c":'
 # Parsed manifests by text: a restore reads the same manifests (index, memory, persisted
 # copies) several times, and a 4000-leaf one takes ~0.1 s to parse.
 _PARSED: dict[tuple[int, int], tuple[bytes, PartManifest]] = _resources.SHARED.cache({})
@@ -483,34 +423,3 @@ def saved_process_count(manifests: Mapping[int, PartManifest]) -> int:
     if isinstance(recorded, int):
         return recorded
     return max((m.process_count for m in manifests.values()), default=0)
-
-
-def with_checksum(body: str) -> str:
-    """A JSON object's text with its CRC-32C (of the text before it) as the last member."""
-    return f"{body[:-1]}{_CRC_MEMBER}{_checksum.crc32c(body.encode())}}}"
-
-
-def checked(raw: bytes) -> dict[str, Any]:
-    """The JSON object `with_checksum` wrote, its checksum checked (ValueError if damaged)."""
-    return _checked(raw)
-
-
-def _checked(raw: bytes) -> dict[str, Any]:
-    damaged = ValueError("The manifest does not match its checksum: the file is damaged.")
-    cut = raw.rfind(_CRC_MEMBER.encode())
-    if cut >= 0 and raw.endswith(b"}"):
-        try:
-            recorded = int(raw[cut + len(_CRC_MEMBER) : -1])
-        except ValueError:
-            raise damaged from None
-        if _checksum.crc32c(raw[:cut] + b"}") != recorded:
-            raise damaged
-        d = json.loads(raw)
-        d.pop("crc32c", None)
-        return d
-    d = json.loads(raw)  # versions 1-2: zlib CRC-32 of the sorted members
-    if d.pop("crc32", None) != zlib.crc32(
-        json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
-    ):
-        raise damaged
-    return d

@@ -16,7 +16,7 @@ from etils import epath
 from jaxckpt import _metrics, _resources
 from jaxckpt.coord import _multihost
 from jaxckpt.format import _format
-from jaxckpt.restore import _fill, _restore, _target
+from jaxckpt.restore import _chunk_reads, _fill, _restore, _target
 from jaxckpt.run import _choreography, _session
 from jaxckpt.tiers import _index, _paths, _slab, _storage
 
@@ -76,13 +76,13 @@ class RestoreOperation:
         # IMPORTANT: the step's slabs are read in place (mapped) and lent to the restored
         # arrays; a pin keeps the step from being retired (by any process sharing the
         # memory root) before they are marked lent, which keeps them from being reused.
-        plan, pin = _restore.pin_memory(memory, plan, pi)
+        plan, pin = _chunk_reads.pin_memory(memory, plan, pi)
         # 6. The reads, fastest source first, into the target's shardings.
-        readers = _restore.reader_factory(
+        readers = _chunk_reads.reader_factory(
             item.path, memory, op.peers, step, plan.manifests, pi, timeout_s
         )
 
-        def unavailable(e: _restore.ChunkUnavailableError) -> FileNotFoundError:
+        def unavailable(e: _chunk_reads.ChunkUnavailableError) -> FileNotFoundError:
             return FileNotFoundError(
                 f"{runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
             )
@@ -90,7 +90,7 @@ class RestoreOperation:
         def agree_on_reads(error: BaseException | None) -> None:
             # 7, held early: before a collective reshard (data-parallel replicas), so that
             # no process enters it alone; a read that failed is agreed on as it is raised.
-            if isinstance(error, _restore.ChunkUnavailableError):
+            if isinstance(error, _chunk_reads.ChunkUnavailableError):
                 error = unavailable(error)
             op.agree(error)
 
@@ -100,14 +100,14 @@ class RestoreOperation:
             pi,
             runs.redact,
             timeout_s=timeout_s,
-            on_damaged=_restore.quarantiner(memory, runs.peers, step, pi),
+            on_damaged=_chunk_reads.quarantiner(memory, runs.peers, step, pi),
             agree=agree_on_reads if count > 1 else None,
             from_persistent=from_persistent,
         )
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)
             result = _fill.fill(restorer, plan.leaves, args.abstract_state, ctx)
-        except _restore.ChunkUnavailableError as e:
+        except _chunk_reads.ChunkUnavailableError as e:
             raise unavailable(e) from e
         finally:
             restorer.finish()

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxckpt import _resources
 from jaxckpt.coord import _multihost, _replicas
-from jaxckpt.format import _chunking, _format, _sharding, _tree
+from jaxckpt.format import _array_keys, _chunking, _format, _sharding, _tree
 
 
 @dataclasses.dataclass
@@ -214,7 +214,7 @@ class _Taking:
         if self.cached:
             snap.leaves, _, snap.partners = self.cached
             return snap
-        snap.leaves = _format.with_array_keys(
+        snap.leaves = _array_keys.with_array_keys(
             tuple(dataclasses.replace(r, keys=k) for r, k in zip(self.records, keys, strict=True))
         )
         snap.partners = _replicas.partners_of(self.splits.values(), _multihost.process_count())

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.format import _checksum, _format
+from jaxckpt.format import _array_keys, _checksum, _format
 from jaxckpt.tiers import _memory_tier, _readers, _slab, _step_dirs, _zarr
 
 
@@ -98,7 +98,7 @@ async def write_chunks(
                 compression,
                 empty=empty,
                 crc32c=True,
-                attributes=_format.array_attributes(
+                attributes=_array_keys.array_attributes(
                     manifest.leaves[leaf],
                     manifest.step,
                     manifest.owner,

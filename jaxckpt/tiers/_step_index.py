@@ -53,7 +53,7 @@ from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, Va
 from typing import Any, Final
 
 from jaxckpt import _resources
-from jaxckpt.format import _checksum, _finite, _format
+from jaxckpt.format import _checked_json, _checksum, _finite, _format
 
 Index = Mapping[int, _format.PartManifest]  # owner -> index manifest
 
@@ -124,7 +124,7 @@ def step_index_text(leaves: Sequence[_format.LeafRecord], entries: Mapping[int, 
         found = _nonfinite_total(text)
         if found is not None:
             nonfinite = (nonfinite or 0) + found
-    header = _format.with_checksum(
+    header = _checked_json.with_checksum(
         json.dumps(
             {
                 "format": STEP_INDEX_FORMAT,
@@ -247,7 +247,7 @@ def read_step_index(read: Callable[[int, int | None], bytes], where: str, head: 
     text = head[_PREFIX_BYTES:header_stop]
     if len(text) < int(length) and len(head) >= HEAD_BYTES:
         text = read(_PREFIX_BYTES, header_stop)
-    return StepIndex(read, where, _format.checked(text.rstrip(b"\n")), header_stop, head)
+    return StepIndex(read, where, _checked_json.checked(text.rstrip(b"\n")), header_stop, head)
 
 
 def _unreadable_version(version: object) -> ValueError:
@@ -414,7 +414,7 @@ def _parse_v1(raw: bytes) -> Index:
     cached = _PARSED.get(key)
     if cached is not None and cached[0] == raw:
         return dict(cached[1])
-    d = _format.checked(raw)
+    d = _checked_json.checked(raw)
     if d.get("format") != STEP_INDEX_FORMAT or d.get("version") != _V1:
         raise _unreadable_version(d.get("version"))
     parts = _Parts(d)

@@ -89,7 +89,7 @@ def create(
     crc32c: bool = False,
 ) -> ts.Future:
     """Creates (replacing any old one) the zarr3 array of an array leaf, with
-    `attributes` (see `_format.array_attributes`) in its metadata and, with
+    `attributes` (see `_array_keys.array_attributes`) in its metadata and, with
     `crc32c`, a checksum after every chunk.
 
     With `empty`, the caller has removed any old array's `zarr.json`, and no old
