@@ -1,8 +1,8 @@
 """`_multihost` exchanges, with N threads playing N processes over an in-memory store.
 
 The store behaves like jax's coordination service key-value store (set refuses
-to overwrite, atomic increment, blocking get with a deadline, directory get
-and recursive delete); the real one is exercised by tests/workers/mp_agreement.py.
+to overwrite, blocking get with a deadline, directory get and recursive
+delete: `_kv.RelayStore`); the real one is exercised by tests/workers/mp_agreement.py.
 """
 
 from __future__ import annotations
@@ -15,16 +15,20 @@ from typing import Any
 
 import pytest
 
-from jaxckpt.coord import _exchange, _multihost
+from jaxckpt.coord import _exchange, _kv, _multihost
 
 
-class FakeStore:
-    """An in-memory stand-in for the coordination service's key-value store."""
+class FakeStore(_kv.RelayStore):
+    """The coordination service's key-value store, as jaxckpt's in-memory one models it
+    (`_kv.RelayStore`), that can be made to fail every call like a dead coordinator."""
 
     def __init__(self) -> None:
-        self.data: dict[str, str] = {}
-        self.cond = threading.Condition()
-        self.fail_with: str | None = None  # every call raises this, like a dead coordinator
+        super().__init__()
+        self.fail_with: str | None = None  # every call raises this
+
+    @property
+    def data(self) -> dict[str, str]:
+        return self._data
 
     def _check(self) -> None:
         if self.fail_with:
@@ -32,38 +36,19 @@ class FakeStore:
 
     def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
         self._check()
-        with self.cond:
-            if key in self.data and not allow_overwrite:
-                raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
-            self.data[key] = value
-            self.cond.notify_all()
-
-    def key_value_increment(self, key: str, increment: int) -> int:
-        self._check()
-        with self.cond:
-            value = int(self.data.get(key, "0")) + increment
-            self.data[key] = str(value)
-            self.cond.notify_all()
-            return value
+        super().key_value_set(key, value, allow_overwrite)
 
     def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
         self._check()
-        with self.cond:
-            if not self.cond.wait_for(lambda: key in self.data, timeout_in_ms / 1000):
-                raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
-            return self.data[key]
+        return super().blocking_key_value_get(key, timeout_in_ms)
 
     def key_value_dir_get(self, key: str) -> list[tuple[str, str]]:
         self._check()
-        with self.cond:
-            prefix = key.rstrip("/") + "/"
-            return sorted((k, v) for k, v in self.data.items() if k.startswith(prefix))
+        return super().key_value_dir_get(key)
 
     def key_value_delete(self, key: str) -> None:
         self._check()
-        with self.cond:
-            for k in [k for k in self.data if k == key or k.startswith(key.rstrip("/") + "/")]:
-                del self.data[k]
+        super().key_value_delete(key)
 
 
 class Job:

@@ -112,7 +112,7 @@ def exchange(
         done_with = list(retiring)
     posted_text = f"{_RETIRING}{json.dumps(done_with)}\n{text}" if done_with else text
     try:
-        if relay is not None and len(relay.members) > 1 and me != relay.leader:
+        if relay is not None and relay.posts_through_leader(me):
             outcome, share = _as_member(
                 relay, client, me, count, key, posted_text, each, timeout_s, deadline, clock
             )
@@ -218,7 +218,15 @@ def _as_member(
     (outcome, this process's share)."""
     try:
         outcome, share = _relay.through_leader(
-            relay, me, key, posted_text, each=each, ok_prefix=_OK, deadline=deadline, clock=clock
+            relay,
+            me,
+            key,
+            posted_text,
+            each=each,
+            ok_prefix=_OK,
+            grace_s=_GRACE_S,
+            deadline=deadline,
+            clock=clock,
         )
     except _relay.Unreachable as e:
         log.warning(

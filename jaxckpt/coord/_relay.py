@@ -38,7 +38,6 @@ MAX_MEMBERS: Final = 32  # a group's processes, its leader included (`group_size
 # groups of sqrt(N / 20) balance the coordinator's 2N/G calls against a leader's 2G.
 _CALLS_PER_LEADER_CALL: Final = 20
 BUNDLE: Final = "b:"  # prefix of a leader's posted value: its group's values
-_SHARE_WAIT_S: Final = 5.0  # a member waits this long for a share it knows is set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +45,10 @@ class Relay:
     """This process's place in its relay group.
 
     Attributes:
-      leader: the group's leader (its lowest process).
-      members: the group's processes, the leader included, in process order.
+      leader: the group's leader (its lowest process); a process whose leader is
+        another posts through it (`posts_through_leader`).
+      members: the processes the leader relays for, itself included, in process
+        order (on a member, what it needs: itself and its leader).
       store: the leader's store: its own `RelayStore` on the leader, a client of
         it over the peer data service on a member.
       leaders: on the decider, every process's leader (it waits for a missing
@@ -67,6 +68,10 @@ class Relay:
     def relays_for(self, me: int) -> bool:
         """Whether `me` leads a group with other processes in it."""
         return me == self.leader and len(self.members) > 1
+
+    def posts_through_leader(self, me: int) -> bool:
+        """Whether `me` is a member that posts to its leader's store."""
+        return me != self.leader
 
 
 def rack(domain: str) -> str:
@@ -135,11 +140,13 @@ def through_leader(
     *,
     each: bool,
     ok_prefix: str,
+    grace_s: float,
     deadline: float,
     clock: Callable[[], float],
 ) -> tuple[str | None, str | None]:
     """A member's part: posts `text` to its leader's store and waits there for the
-    outcome (and, with `each`, its share) until `deadline`. Returns (outcome, share),
+    outcome until `deadline` (and, with `each` and an outcome that starts with
+    `ok_prefix`, for its share, at most `grace_s` more). Returns (outcome, share),
     (None, None) if the leader relayed nothing in time.
 
     Raises:
@@ -151,7 +158,7 @@ def through_leader(
         share = None
         if outcome is not None and outcome.startswith(ok_prefix) and each:
             # Set before the outcome: there already, unless this process's value came late.
-            share = _kv.get(relay.store, f"{key}/to/{me}", clock() + _SHARE_WAIT_S, clock)
+            share = _kv.get(relay.store, f"{key}/to/{me}", clock() + grace_s, clock)
     except Exception as e:  # the peer client and the store raise their own types
         raise Unreachable(f"process {relay.leader}, the relay of this process's group: {e}") from e
     return outcome, share

@@ -247,7 +247,7 @@ class Peers:
             )
         return _relay.Relay(
             leader,
-            tuple(sorted({int(p) for p in told.get("members", (me, leader))})),
+            tuple(sorted({int(p) for p in told.get("members", (leader, me))})),
             store,
             tuple(int(p) for p in told.get("leaders", ())),
         )
