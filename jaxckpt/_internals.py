@@ -1,6 +1,6 @@
 """The only place jaxckpt reaches into JAX's or Orbax's private attributes.
 
-Neither library offers a public way to do these three things:
+Neither library offers a public way to do these four things:
 
 - `distributed_client`: the key-value store client of `jax.distributed`
   (`jax._src.distributed.global_state.client`), through which processes exchange
@@ -8,6 +8,10 @@ Neither library offers a public way to do these three things:
 - `manager_handlers`: the handlers a `CheckpointManager` holds
   (`mngr._checkpointer.handler._handler_registry`), so that
   `latest_restorable_step(mngr)` finds the manager's jaxckpt items;
+- `manager_finalize_threads`: the threads on which asynchronous CheckpointManagers
+  finish their saves and delete old steps (`checkpoint_manager._FinalizeThread`), so
+  that `wait_for_persistence` renames a part into a step directory only once no
+  manager is deleting (`tiers/_step_gate`);
 - `weakly_typed`: an array made weakly typed, dtype, values and sharding unchanged
   (`jax._src.lax.lax._convert_element_type`, what `jax.numpy` itself uses), so that a
   restored array is weakly typed where its target is (`_weak_type`).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import threading
 from typing import Any, Final
 
 # What is reached, for the test and for error messages: (library, dotted path).
@@ -30,8 +35,18 @@ COMPOSITE_REGISTRY: Final = (
     "orbax-checkpoint",
     "CompositeCheckpointHandler._handler_registry",
 )
+FINALIZE_THREAD: Final = (
+    "orbax-checkpoint",
+    "orbax.checkpoint.checkpoint_manager._FinalizeThread",
+)
 CONVERT_ELEMENT_TYPE: Final = ("jax", "jax._src.lax.lax._convert_element_type")
-REACHED: Final = (DISTRIBUTED_STATE, MANAGER_CHECKPOINTER, COMPOSITE_REGISTRY, CONVERT_ELEMENT_TYPE)
+REACHED: Final = (
+    DISTRIBUTED_STATE,
+    MANAGER_CHECKPOINTER,
+    COMPOSITE_REGISTRY,
+    FINALIZE_THREAD,
+    CONVERT_ELEMENT_TYPE,
+)
 
 
 def version(library: str) -> str:
@@ -92,6 +107,22 @@ def manager_handlers(mngr: Any) -> dict[str, Any]:
         raise moved(COMPOSITE_REGISTRY, "the manager's checkpointer.handler has none")
     entries = registry.get_all_entries()
     return {item: handler for (item, _), handler in entries.items() if item is not None}
+
+
+def manager_finalize_threads() -> list[threading.Thread]:
+    """The live threads on which asynchronous CheckpointManagers of this process finish
+    a save: wait for its commit, delete the steps its options let go, and meet the
+    other processes (after the primary process's deletions).
+
+    Raises:
+      RuntimeError: if this Orbax finishes its saves on threads of another kind.
+    """
+    try:
+        module = importlib.import_module("orbax.checkpoint.checkpoint_manager")
+        kind = module._FinalizeThread
+    except (ImportError, AttributeError) as e:
+        raise moved(FINALIZE_THREAD, e) from e
+    return [t for t in threading.enumerate() if isinstance(t, kind) and t.is_alive()]
 
 
 def weakly_typed(value: Any) -> Any:

@@ -68,6 +68,40 @@ def test_item_handlers_are_reachable_too(tmp_path) -> None:
     assert found.get("train") is handler, _where(_internals.COMPOSITE_REGISTRY)
 
 
+def test_an_asynchronous_managers_finalize_thread_is_found(tmp_path, monkeypatch) -> None:
+    """While an asynchronous manager deletes an old step on its finalize thread, that
+    thread is found; once the save is finished, none is."""
+    import shutil
+    import threading
+
+    deleting, release = threading.Event(), threading.Event()
+    rmtree = shutil.rmtree
+
+    def held(path, *args, **kwargs):
+        deleting.set()
+        assert release.wait(60)
+        return rmtree(path, *args, **kwargs)
+
+    where = _where(_internals.FINALIZE_THREAD)
+    options = ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=True)
+    with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as mngr:
+        mngr.save(0, args=ocp.args.Composite(x=ocp.args.StandardSave({"w": 1})))
+        mngr.wait_until_finished()
+        monkeypatch.setattr(shutil, "rmtree", held)
+        mngr.save(1, args=ocp.args.Composite(x=ocp.args.StandardSave({"w": 2})))
+        assert deleting.wait(60), "the manager did not delete step 0"
+        try:
+            threads = _internals.manager_finalize_threads()
+        except RuntimeError as e:
+            pytest.fail(f"{where}: {e}")
+        finally:
+            release.set()
+        assert len(threads) == 1, where
+        threads[0].join(60)
+        mngr.wait_until_finished()
+        assert _internals.manager_finalize_threads() == []
+
+
 def test_an_array_can_be_made_weakly_typed() -> None:
     import jax
     import jax.numpy as jnp

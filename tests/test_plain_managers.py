@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -69,6 +70,93 @@ def test_losing_every_memory_tier_leaves_the_newest_due_step_under_any_manager_s
         # The resumed job saves on from there, and the manager's deletions go on as set.
         mngr2.save(step + 1, args=ocp.args.Composite(train=jaxckpt.TieredSave(states[step])))
         mngr2.wait_until_finished()
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_late_persist_never_enters_a_step_the_manager_is_deleting(
+    memory_root, ckpt_dir, monkeypatch, use_async
+):
+    """Step 5's persist ends while the manager deletes step 5 (max_to_keep=1, in the
+    save of step 6): its part does not enter the step directory being deleted, the
+    deletion and every save succeed, and after every memory tier is lost step 5
+    restores from the kept area."""
+    from jaxckpt.tiers._persister import Persister
+
+    release, persisted = threading.Event(), threading.Event()
+    persist, rmtree = Persister._persist, shutil.rmtree
+    entered: list[bool] = []
+
+    def held(self, job):
+        if job.manifest.step == 5:
+            assert release.wait(60), "the manager never deleted step 5"
+        return persist(self, job)
+
+    def deleting(path, *args, **kwargs):
+        if os.path.basename(os.fspath(path)) == "5" and not release.is_set():
+            release.set()  # step 5's persist ends now, while its step is being deleted
+            assert persisted.wait(60), "step 5 was never persisted"
+            entered.append(os.path.exists(os.path.join(path, "train", "part_00000")))
+        return rmtree(path, *args, **kwargs)
+
+    def on_metrics(event):
+        if event["event"] == "persist" and event["step"] == 5:
+            persisted.set()
+
+    monkeypatch.setattr(Persister, "_persist", held)
+    monkeypatch.setattr(shutil, "rmtree", deleting)
+    mesh = mesh_1d()
+    states = {step: sharded_state(mesh, seed=step) for step in range(8)}
+    h = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=5), on_metrics=on_metrics
+    )
+    setup = {"max_to_keep": 1, "enable_async_checkpointing": use_async}
+    with _manager(ckpt_dir, h, setup) as mngr:
+        for step in range(8):
+            mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(states[step])))
+        h.wait_for_persistence()  # an asynchronous manager may still be deleting
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [7]
+    assert entered == [False]
+    shutil.rmtree(memory_root)  # every memory tier is lost
+
+    h2 = _handler(memory_root)
+    with _manager(ckpt_dir, h2, setup) as mngr2:
+        assert jaxckpt.latest_restorable_step(mngr2) == 5
+        assert_tree_equal(restore(mngr2, 5, abstract(states[5])), states[5])
+
+
+def test_a_part_whose_persist_ends_after_a_newer_save_began_enters_its_step_later(
+    memory_root, ckpt_dir, monkeypatch
+):
+    """max_to_keep=3 keeps step 5: its part, persisted once step 6's save has begun,
+    is in its step directory after wait_for_persistence, durable there."""
+    from jaxckpt.tiers._persister import Persister
+
+    release = threading.Event()
+    persist = Persister._persist
+
+    def held(self, job):
+        if job.manifest.step == 5:
+            assert release.wait(60)
+        return persist(self, job)
+
+    monkeypatch.setattr(Persister, "_persist", held)
+    mesh = mesh_1d()
+    states = {step: sharded_state(mesh, seed=step) for step in range(8)}
+    h = _handler(memory_root)
+    with _manager(ckpt_dir, h, {"max_to_keep": 3}) as mngr:
+        for step in range(8):
+            mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(states[step])))
+        mngr.wait_until_finished()
+        release.set()
+        h.wait_for_persistence()
+        assert (ckpt_dir / "5" / "train" / "part_00000").is_dir()
+    shutil.rmtree(memory_root)
+    shutil.rmtree(_kept.kept_dir(ckpt_dir))  # durable in its step directory alone
+    h2 = _handler(memory_root)
+    with _manager(ckpt_dir, h2, {"max_to_keep": 3}) as mngr2:
+        assert jaxckpt.latest_restorable_step(mngr2) == 5
+        assert_tree_equal(restore(mngr2, 5, abstract(states[5])), states[5])
 
 
 def test_the_kept_area_holds_hard_links_of_the_newest_durable_step_only(memory_root, ckpt_dir):

@@ -4,12 +4,14 @@ flight, the persistence queue and memory retention; their waits, close and error
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Awaitable
+from pathlib import Path
 
-from jaxckpt import _metrics
+from jaxckpt import _internals, _metrics
 from jaxckpt._options import TierOptions
 from jaxckpt.coord import _multihost
-from jaxckpt.tiers import _persister, _retention
+from jaxckpt.tiers import _persister, _retention, _store
 
 
 class Background:
@@ -20,6 +22,8 @@ class Background:
         # Set while closing: the manager has finished, so background waits for a
         # step's finalization end at once (a step not finalized by now never will be).
         self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self._roots: set[Path] = set()  # the checkpoint directories saved into
         self.in_flight = InFlight()
         self.persister = _persister.Persister(
             options.persist_compression,
@@ -33,19 +37,44 @@ class Background:
             options.memory_keep, options.timeout_s, self.persister.pending_steps, self._closing
         )
 
+    def saved_into(self, root: Path) -> None:
+        """A save into the checkpoint directory `root` began (its persisted parts may
+        wait to enter their step directories: `_step_gate`)."""
+        with self._lock:
+            self._roots.add(root)
+
     def wait(self, timeout_s: float) -> None:
         """Waits for the commits of the saves made so far (they queue the persistence: an
         asynchronous manager's save returns before its commit has run), then for the
-        retention and persistence they queued, and the retention that retires the
-        steps persistence made durable.
+        retention and persistence they queued, the persisted parts' entry into their
+        step directories, and the retention that retires the steps this made durable.
 
         Raises:
           TimeoutError: if it is not done within `timeout_s`.
         """
+        deadline = time.monotonic() + timeout_s
         self.in_flight.wait(timeout_s)
         self.retainer.wait(timeout_s)
         self.persister.drain(timeout_s)
+        # A manager finishing a save on its own thread may be deleting steps: a part
+        # enters its step directory once it is done.
+        for thread in _internals.manager_finalize_threads():
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                raise TimeoutError(
+                    f"[process {_multihost.process_index()}] the CheckpointManager did not "
+                    f"finish its save within {timeout_s:.0f} s; see its wait_until_finished()."
+                )
+        if self._settle():
+            self.retainer.again()  # the steps this made durable
         self.retainer.wait(timeout_s)  # the runs that steps made durable meanwhile queued
+
+    def _settle(self) -> bool:
+        """The persisted parts that waited enter their step directories (no manager is
+        deleting now); whether any did."""
+        with self._lock:
+            roots = list(self._roots)
+        return any([_store.at(root).settle(root) for root in roots])
 
     def close(self) -> None:
         """Drains retention and persistence (each bounded by the options' timeout)."""
@@ -57,6 +86,8 @@ class Background:
             try:
                 self.persister.close()
             finally:
+                if self._settle():  # the manager has finished
+                    self.retainer.again()
                 self.retainer.close()  # the runs the last persists queued (`again`)
         finally:
             self._closing.clear()

@@ -40,6 +40,10 @@ class SaveOperation:
         # At once, not through the commit: no step, no save (every process sees the same
         # directory, so all refuse alike, before any exchange).
         step = item.require_step(step)
+        # The manager deletes nothing before this save's handler calls return: persisted
+        # parts of older steps enter their step directories now (`_step_gate`).
+        item.store.begin_save(item.root, step)
+        session.background.saved_into(item.root)
         op = _choreography.SaveChoreography(session.runs, item, step, session.publisher)
         snapshot, save = None, None
         # 1. Open the run; refuse what the tier cannot take; the snapshot (validates every

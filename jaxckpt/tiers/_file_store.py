@@ -6,7 +6,8 @@ the durability marker, so every file and directory of the part (and the owner's
 index manifest) is fsynced before that rename, and the directories above it
 after. Before the rename the part is hard-linked into the kept area (`_kept`),
 which keeps the newest durable step out of the manager's reach; a step the
-manager deleted before its persist ended is persisted there only.
+manager deleted before its persist ended is persisted there only. The rename waits
+for a moment the manager deletes nothing (`_step_gate`) when a newer save has begun.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from absl import logging as log
 
 from jaxckpt import _faults, _resources
 from jaxckpt.format import _format
-from jaxckpt.tiers import _fs, _index, _kept, _persist_job, _step_dirs, _zarr
+from jaxckpt.tiers import _fs, _index, _kept, _persist_job, _step_dirs, _step_gate, _zarr
 
 # Checkpoint directories whose staging leftovers of this process index's killed
 # predecessor were removed (once, at this process's first persist there).
@@ -66,6 +67,7 @@ class FileStore:
             _fs.remove_entries(root / _step_dirs.STAGING_DIR, which=lambda p: suffix in p.name)
             _CLEANED.add(root)
         staging.mkdir(parents=True)
+        placing = False  # True once the staging directory belongs to its placement
         try:
             asyncio.run(
                 _persist_job.write_chunks(
@@ -90,12 +92,13 @@ class FileStore:
                     )
                 except FileNotFoundError:
                     gone = True
-            self._commit(job, manifest, staging, gone)
+            placing = self._commit(job, manifest, staging, gone)
             _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
             # fsync_s: flushing the part to stable storage.
             return _persist_job.persist_metrics(manifest, copy_s, fsync_s=fsync_s)
         finally:
-            _fs.remove_entry(staging)
+            if not placing:
+                _fs.remove_entry(staging)
 
     def _commit(
         self,
@@ -103,31 +106,30 @@ class FileStore:
         manifest: _format.PartManifest,
         staging: Path,
         gone: bool,
-    ) -> None:
-        """Renames the complete, fsynced part `staging` into place (unless its step is
-        `gone`), and into the kept area."""
+    ) -> bool:
+        """Renames the complete, fsynced part `staging` into the kept area and (unless
+        its step is `gone`) into place, now or, when a newer save has begun, at the
+        next moment the manager deletes nothing (`_step_gate`).
+
+        Returns:
+          Whether the placement waits: it then owns `staging` and removes it.
+        """
         final = job.final_item_dir
         root = final.parent.parent
         kept = _kept.KeptPart(root, final.parent.name, final.name, manifest.owner)
         try:
             keeping = kept.stage(staging)
-            # IMPORTANT: the rename is the durability marker; it comes after every byte
-            # of the part and its index manifest is on stable storage, and never
-            # recreates a step directory that garbage collection removed.
+            waits = False
             if not gone:
-                try:
-                    _fs.fsync_path(_index.index_path(final, manifest.owner))
-                    part = final / _format.part_dir_name(manifest.owner)
-                    _fs.replace_dir(staging, part, make_parents=False)
-                    # The new name, and the finalized step's own names, survive a
-                    # power loss.
-                    _fs.fsync_dirs(final, final.parent, root)
-                except FileNotFoundError:
-                    if job.resumed:  # nobody restores that step any more
-                        raise FileNotFoundError(
-                            f"Step {manifest.step} was deleted before it was persisted."
-                        ) from None
-                    gone = True
+                waits = not _step_gate.enter(
+                    root, manifest.step, lambda: self._place(job, manifest, staging)
+                )
+                # Placed now, or found its step gone.
+                gone = not waits and not self.is_persisted(final, manifest.owner)
+            if gone and job.resumed:  # nobody restores that step any more
+                raise FileNotFoundError(
+                    f"Step {manifest.step} was deleted before it was persisted."
+                )
             if gone and not keeping:
                 raise FileNotFoundError(
                     f"Step {manifest.step} was deleted before it was persisted (and "
@@ -157,8 +159,41 @@ class FileStore:
                         manifest.step,
                         _kept.kept_dir(root),
                     )
+            return waits
         finally:
             kept.discard()
+
+    def _place(
+        self, job: _persist_job.PersistJob, manifest: _format.PartManifest, staging: Path
+    ) -> None:
+        """Renames the part `staging` into its step directory, if the step still
+        exists, and removes what is left of `staging`."""
+        final = job.final_item_dir
+        # IMPORTANT: the rename is the durability marker; it comes after every byte
+        # of the part and its index manifest is on stable storage, and never
+        # recreates a step directory that garbage collection removed.
+        try:
+            _fs.fsync_path(_index.index_path(final, manifest.owner))
+            part = final / _format.part_dir_name(manifest.owner)
+            _fs.replace_dir(staging, part, make_parents=False)
+            # The new name, and the finalized step's own names, survive a power loss.
+            _fs.fsync_dirs(final, final.parent, final.parent.parent)
+        except FileNotFoundError:
+            log.info(
+                "jaxckpt: step %d was deleted by the manager before its part entered "
+                "its step directory",
+                manifest.step,
+            )
+        finally:
+            _fs.remove_entry(staging)
+
+    def begin_save(self, root: Path, step: int) -> None:
+        """The waiting parts of `root` enter their step directories (`_step_gate.begin`)."""
+        _step_gate.begin(root, step)
+
+    def settle(self, root: Path) -> bool:
+        """The waiting parts of `root` enter their step directories (`_step_gate.settle`)."""
+        return _step_gate.settle(root)
 
     def is_persisted(self, item_dir: Path, owner: int) -> bool:
         """Whether `owner`'s part of the step is durable: its directory exists (renamed

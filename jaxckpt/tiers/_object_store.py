@@ -182,6 +182,14 @@ class ObjectStore:
         if outcome[0] is not None:
             raise outcome[0]
 
+    def begin_save(self, root: Path, step: int) -> None:
+        """Nothing: a part is uploaded object by object, and deleting a step's objects
+        never fails on an upload made meanwhile (it may leave that upload behind)."""
+
+    def settle(self, root: Path) -> bool:
+        """Nothing: no part waits (`begin_save`)."""
+        return False
+
     def is_persisted(self, item_dir: Path, owner: int) -> bool:
         """Whether `owner`'s part of the step is durable: its manifest (written last) exists."""
         return (item_dir / _format.part_dir_name(owner) / _format.MANIFEST_FILE).exists()

@@ -24,7 +24,7 @@ from typing import Any
 
 from absl import logging as log
 
-from jaxckpt.tiers import _index, _memory_tier, _step_dirs, _store
+from jaxckpt.tiers import _index, _memory_tier, _step_dirs, _step_gate, _store
 from jaxckpt.tiers._persist_job import PersistJob
 
 
@@ -100,9 +100,11 @@ class Persister:
                 self._thread.start()
 
     def pending_steps(self) -> set[int]:
-        """Steps queued or being persisted; memory retention keeps them."""
+        """Steps queued or being persisted, or with a persisted part waiting to enter its
+        step directory (`_step_gate`); memory retention keeps them."""
         with self._lock:
-            return set(self._pending)
+            pending = set(self._pending)
+        return pending | _step_gate.waiting_steps()
 
     def take_errors(self) -> list[BaseException]:
         with self._lock:

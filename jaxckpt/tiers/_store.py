@@ -79,6 +79,18 @@ class PersistentStore(Protocol):
         """
         ...
 
+    def begin_save(self, root: Path, step: int) -> None:
+        """A save of `step` into `root` begins on this process, and the manager deletes
+        nothing until its handler calls have returned: parts of older steps that waited
+        to enter their step directories enter now, and from now on such parts wait
+        (`_step_gate`, filesystems)."""
+        ...
+
+    def settle(self, root: Path) -> bool:
+        """The manager of `root` deletes nothing now: the parts that waited to enter
+        their step directories enter now. Returns whether any did."""
+        ...
+
     def is_persisted(self, item_dir: Path, owner: int) -> bool:
         """Whether `owner`'s part of the step in `item_dir` is durable."""
         ...
