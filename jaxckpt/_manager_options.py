@@ -45,8 +45,16 @@ def manager_options(
 
     Raises:
       ValueError: if `options` sets a `temporary_path_class` that renames
-        directories for an S3 URL.
+        directories for an S3 URL, or `enable_background_delete=True` (the manager
+        would delete steps at any moment, also while a persisted part enters one).
     """
+    if options.get("enable_background_delete"):
+        raise ValueError(
+            "enable_background_delete=True is not supported with jaxckpt: the manager "
+            "would delete steps on a thread of its own at any moment, also while a "
+            f"persisted part enters its step directory in {directory}. Leave it out: "
+            "the manager then deletes old steps at the end of each save."
+        )
     if _storage.scheme(directory) == "s3":
         commit_file = ocp.path.atomicity.CommitFileTemporaryPath
         given = options.setdefault("temporary_path_class", commit_file)

@@ -159,6 +159,11 @@ def test_a_part_whose_persist_ends_after_a_newer_save_began_enters_its_step_late
         assert_tree_equal(restore(mngr2, 5, abstract(states[5])), states[5])
 
 
+def test_manager_options_refuse_a_manager_that_deletes_at_any_moment(ckpt_dir):
+    with pytest.raises(ValueError, match=r"enable_background_delete=True is not supported"):
+        jaxckpt.manager_options(ckpt_dir, max_to_keep=2, enable_background_delete=True)
+
+
 def test_the_kept_area_holds_hard_links_of_the_newest_durable_step_only(memory_root, ckpt_dir):
     """No byte is copied: the kept part's files are the step directory's inodes, and
     the kept copy of an older durable step goes once a newer one is complete."""
