@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import fsspec
 import orbax.checkpoint as ocp
 import pytest
 from helpers import abstract, assert_tree_equal, mesh_1d, restore, save, sharded_state
@@ -144,6 +145,47 @@ def test_garbage_collection_deletes_manifests_first(tmp_path, memory_root, store
             # Without its manifest the part is no longer durable (and memory holds step 1
             # only): step 0 cannot be restored any more, step 1 can.
             assert h.restorable_steps(_storage.as_path(url + "/0/train")) == [1]
+
+
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_a_step_the_manager_deletes_before_its_upload_leaves_no_objects_and_no_error(
+    kind, tmp_path, memory_root, store_env, monkeypatch, caplog
+):
+    """Without the handler's policy, max_to_keep=1 deletes step 2 (due) in the save of
+    step 3, before step 2's part is uploaded: the objects its upload put under the
+    deleted step are removed, a WARNING names the step, and nothing raises (the
+    options chose it)."""
+    release = threading.Event()
+    upload = _object_store.ObjectStore._upload_with_retries
+
+    def held(self, manifest, *args):
+        if manifest.step == 2:
+            assert release.wait(60)
+        return upload(self, manifest, *args)
+
+    def objects(url: str) -> list[str]:
+        _storage.forget_listings(_storage.as_path(url))
+        fs = fsspec.filesystem(kind)
+        return fs.find(fs._strip_protocol(url) + "/")
+
+    monkeypatch.setattr(_object_store.ObjectStore, "_upload_with_retries", held)
+    state = sharded_state(mesh_1d())
+    with running(kind, tmp_path) as emulator:
+        store_env(emulator)
+        url = emulator.url("run")
+        h = handler(memory_root, persist_every=2)
+        opts = jaxckpt.manager_options(url, max_to_keep=1, enable_async_checkpointing=False)
+        with ocp.CheckpointManager(url, item_handlers={"train": h}, options=opts) as mngr:
+            try:
+                for step in range(4):
+                    save(mngr, step, state)
+                assert mngr.all_steps() == [3]  # step 2 deleted in the save of step 3
+            finally:
+                release.set()  # step 2's part is uploaded now, under the deleted step
+            h.wait_for_persistence()  # no error
+        assert objects(url + "/2") == []
+        assert objects(url + "/3")  # the manager's step is untouched
+        assert "Step 2 was deleted by the manager before it was persisted" in caplog.text
 
 
 def test_manager_options_for_urls():

@@ -131,7 +131,7 @@ class FileStore:
                     f"Step {manifest.step} was deleted before it was persisted."
                 )
             if gone and not keeping:
-                raise FileNotFoundError(
+                raise _step_dirs.StepDeleted(
                     f"Step {manifest.step} was deleted before it was persisted (and "
                     f"{_kept.kept_dir(root)} cannot hold it: no hard links there)."
                 )

@@ -64,19 +64,27 @@ class ObjectStore:
         manifest = _persist_job.with_persist_time(manifest, copy_s)
         _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
         job.await_commit(timeout_s)
-        if not job.resumed:
-            _step_dirs.wait_finalized(
-                job.item_dir,
-                final,
-                manifest.step,
-                max(deadline - time.monotonic(), 1.0),
-                closing,
-                self.poll_s,
-            )
-        if not _index.has_index(final):
-            raise FileNotFoundError(
-                f"Step {manifest.step} was deleted (garbage-collected) before it was persisted."
-            )
+        try:
+            if not job.resumed:
+                _step_dirs.wait_finalized(
+                    job.item_dir,
+                    final,
+                    manifest.step,
+                    max(deadline - time.monotonic(), 1.0),
+                    closing,
+                    self.poll_s,
+                )
+            if not _index.has_index(final):
+                raise FileNotFoundError(final)
+        except FileNotFoundError:
+            # The manager deleted the step meanwhile: what was uploaded under it goes too.
+            removed = _storage.delete_tree(part)
+            raise _step_dirs.StepDeleted(
+                f"Step {manifest.step} was deleted by the manager before it was persisted "
+                f"({removed} objects uploaded for it removed): its options let it go. To "
+                "keep the newest durable step, build the manager with "
+                "jaxckpt.manager_options(url, handler=handler, ...)."
+            ) from None
         # IMPORTANT: the manifest object is the durability marker: written last, after
         # every chunk is stored and the manager has finalized the step.
         _storage.write_object(part / _format.MANIFEST_FILE, manifest.to_json())

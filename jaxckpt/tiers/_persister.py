@@ -176,8 +176,9 @@ class Persister:
         """Persists one job; records its failure. Returns its metrics if it succeeded."""
         try:
             return self._persist(job)
-        except _step_dirs.StepNeverFinalized as e:
-            # Not a persistence failure: the step's save failed, and said so.
+        except (_step_dirs.StepNeverFinalized, _step_dirs.StepDeleted) as e:
+            # Not a persistence failure: the step's save failed, and said so, or the
+            # manager's options let the step go.
             log.warning("jaxckpt: step %d is not persisted: %s", job.manifest.step, e)
             return None
         except BaseException as e:

@@ -100,6 +100,11 @@ class StepNeverFinalized(OSError):
     """The manager finished without finalizing a step: its save failed."""
 
 
+class StepDeleted(FileNotFoundError):
+    """The manager deleted a step, as its options say, before a part of it was persisted,
+    and the store has nowhere else to keep that part: the manager's choice, no failure."""
+
+
 def wait_finalized(
     item_dir: Path,
     final_item_dir: Path,

@@ -143,6 +143,20 @@ def delete_objects(directory: Path, keys: Sequence[str]) -> None:
         _result(done, f"Deleting {keys} under {directory}")
 
 
+def delete_tree(directory: Path) -> int:
+    """Deletes every object under the object-store directory `directory`: listed afresh
+    (the fsspec client, never a cached listing; only keys under `directory`, as some
+    emulators list more), then deleted by `delete_objects`. Returns how many."""
+    from etils.epath import backend
+
+    forget_listings(directory)
+    fs = backend.fsspec_backend.fs(str(directory))
+    prefix = fs._strip_protocol(str(directory)).rstrip("/") + "/"
+    keys = [name[len(prefix) :] for name in fs.find(prefix) if name.startswith(prefix)]
+    delete_objects(directory, keys)
+    return len(keys)
+
+
 def write_object(path: Path, data: str) -> None:
     """Writes one object on an object store (one PUT: visible whole or not at all),
     with tensorstore's bounded retries."""

@@ -73,7 +73,10 @@ class PersistentStore(Protocol):
 
         Raises:
           StepNeverFinalized: if the save failed after its part was in memory.
-          FileNotFoundError: if the step was deleted before it could be persisted.
+          StepDeleted: if the manager deleted the step before it could be persisted
+            and the store cannot keep the part elsewhere (the manager's choice: the
+            persister logs it, no failure; an object store removes what it uploaded).
+          FileNotFoundError: if a resumed job's step was deleted.
           OSError, TimeoutError, ValueError: if writing failed (a chunk that does not
             match its checksum, a store that does not answer within `timeout_s`).
         """
