@@ -16,7 +16,9 @@ def test_a_part_enters_at_once_until_a_newer_save_begins(tmp_path):
     assert not _step_gate.enter(root, 5, lambda: placed.append(51))
     assert placed == [5, 50]
     assert 5 in _step_gate.waiting_steps()
-    _step_gate.begin(root, 7)  # the manager deletes nothing at a save's beginning
+    _step_gate.begin(root, 7)  # a save's beginning places nothing: its commit settles
+    assert placed == [5, 50]
+    assert _step_gate.settle(root)
     assert placed == [5, 50, 51]
     assert 5 not in _step_gate.waiting_steps()
 
@@ -44,5 +46,5 @@ def test_directories_wait_apart_and_a_failed_placement_spares_the_rest(tmp_path)
 
     assert not _step_gate.enter(a, 1, broken)
     assert not _step_gate.enter(a, 2, lambda: placed.append("a2'"))
-    _step_gate.begin(a, 4)  # logs the failure, places the others
+    assert _step_gate.settle(a)  # logs the failure, places the others
     assert placed == ["b2", "a2", "a2'"]

@@ -4,7 +4,9 @@ slab staged (`_save.Save`), and the commit future with the exchange `agree`."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -40,8 +42,8 @@ class SaveOperation:
         # At once, not through the commit: no step, no save (every process sees the same
         # directory, so all refuse alike, before any exchange).
         step = item.require_step(step)
-        # The manager deletes nothing before this save's handler calls return: persisted
-        # parts of older steps enter their step directories now (`_step_gate`).
+        # From now on, persisted parts of older steps wait to enter their step
+        # directories: the manager may delete those steps once this commit has ended.
         item.store.begin_save(item.root, step)
         session.background.saved_into(item.root)
         op = _choreography.SaveChoreography(session.runs, item, step, session.publisher)
@@ -75,7 +77,7 @@ class SaveOperation:
                 )
                 save.stage()
         # 4. The commit future, with the exchange `agree` (or this process's refusal).
-        commit = op.commit(save.commit if save is not None else None)
+        commit = _placed_first(item, op.commit(save.commit if save is not None else None))
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
                 session.background.in_flight.track(commit),
@@ -92,3 +94,14 @@ class SaveOperation:
                 f.result()
 
         _aio.run_sync(run())  # also from a thread that runs an event loop (Jupyter)
+
+
+async def _placed_first(item: _paths.ItemDir, commit: Awaitable[None]) -> None:
+    """`commit`, after the persisted parts of older steps that waited enter their step
+    directories (`PersistentStore.settle`): the manager deletes nothing before this
+    commit has ended, and on the commit's thread the renames and flushes stay off the
+    training stall."""
+    try:
+        await asyncio.to_thread(item.store.settle, item.root)
+    finally:
+        await commit

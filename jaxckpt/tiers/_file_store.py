@@ -188,7 +188,7 @@ class FileStore:
             _fs.remove_entry(staging)
 
     def begin_save(self, root: Path, step: int) -> None:
-        """The waiting parts of `root` enter their step directories (`_step_gate.begin`)."""
+        """From now on parts of older steps of `root` wait (`_step_gate.begin`)."""
         _step_gate.begin(root, step)
 
     def settle(self, root: Path) -> bool:

@@ -1,24 +1,25 @@
 """When a persisted part may enter its step directory on a filesystem.
 
 An Orbax manager deletes a step directory (`rmtree`) only in the save of a newer
-step, once that save's handler calls have returned: in the same `save()` (a
+step, once that save's handler calls and its commit have ended: in the same `save()` (a
 synchronous manager) or on the save's finalize thread (an asynchronous one), which
 the manager's next `save()` and `close()` wait for. A part renamed into a step
 directory while `rmtree` empties it makes the deletion fail ("Directory not empty"),
 and with it the user's save. So a part enters its step directory at once only while
 no save of a newer step has begun on this process (`enter`); otherwise it waits,
 complete and fsynced in the persister's staging directory, for the next moment the
-manager deletes nothing (`settle`): the beginning of this process's next save
-(`begin`), `wait_for_persistence` once no manager of the process is finishing a save
+manager deletes nothing (`settle`): the commit of this process's next save
+(which ends before that save's deletions; on the commit's thread, off the training
+stall), `wait_for_persistence` once no manager of the process is finishing a save
 on its own thread (a synchronous manager deletes on the caller's thread, inside
 `save()`), or the handler's close. Its step may be gone by then; the kept area
 (`_kept`) holds the newest durable step meanwhile, as it does once the step is gone,
 and memory retention keeps the step (`waiting_steps`).
 
-Across processes the manager's barriers order the same moments: every process's
-handler calls of a save end before the barrier after which the primary process
-deletes, and that deletion ends before the barrier every process's next save waits
-for. A manager that deletes on a thread of its own at any time
+Across processes the same order holds: every process begins a save (`begin`) and
+settles before the commit's collective agreement, which the primary process's commit,
+and so its deletions, wait for; those deletions end before the manager's barrier that
+every process's next save waits for. A manager that deletes on a thread of its own at any time
 (`enable_background_delete=True`) gives no such moment and is not supported.
 """
 
@@ -56,7 +57,7 @@ def _root(root: Path) -> _Root:
 
 def enter(root: Path, step: int, place: Placement) -> bool:
     """Runs `place` now if no save of a step newer than `step` has begun in `root` on
-    this process; else keeps it for the next `begin` or `settle`.
+    this process; else keeps it for the next `settle`.
 
     Returns:
       Whether it ran now.
@@ -71,12 +72,10 @@ def enter(root: Path, step: int, place: Placement) -> bool:
 
 
 def begin(root: Path, step: int) -> None:
-    """A save of `step` begins in `root` (the manager deletes nothing now, and may
-    delete once the save's handler calls have returned): the waiting placements run,
-    and from now on a part of an older step waits."""
+    """A save of `step` begins in `root` (the manager may delete older steps once the
+    save's commit has ended): from now on a part of an older step waits."""
     gate = _root(root)
     with gate.lock:
-        _run(gate)
         gate.newest_begun = step if gate.newest_begun is None else max(gate.newest_begun, step)
 
 

@@ -83,10 +83,9 @@ class PersistentStore(Protocol):
         ...
 
     def begin_save(self, root: Path, step: int) -> None:
-        """A save of `step` into `root` begins on this process, and the manager deletes
-        nothing until its handler calls have returned: parts of older steps that waited
-        to enter their step directories enter now, and from now on such parts wait
-        (`_step_gate`, filesystems)."""
+        """A save of `step` into `root` begins on this process: from now on a part of an
+        older step waits to enter its step directory until `settle` (`_step_gate`,
+        filesystems); the manager may delete older steps once the save's commit ends."""
         ...
 
     def settle(self, root: Path) -> bool:
