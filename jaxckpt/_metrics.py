@@ -113,6 +113,9 @@ class Restored(Protocol):
     def bytes_by_tier(self) -> dict[str, int]: ...
 
     @property
+    def bytes_needed(self) -> int: ...
+
+    @property
     def failures(self) -> list[str]: ...
 
 
@@ -141,6 +144,9 @@ def restore_metrics(step: int, seconds: float, restorer: Restored) -> dict[str, 
         "step": step,
         "seconds": seconds,
         "bytes_by_tier": dict(by_tier),
+        # The bytes of the target's regions this process read: with `bytes_by_tier`, how
+        # much more a restore onto another mesh read than it needed (tiles: `_tiles`).
+        "bytes_needed": restorer.bytes_needed,
         "tier": max(by_tier, key=by_tier.__getitem__) if by_tier else "none",
         "fallbacks": len(restorer.failures),
     }

@@ -10,6 +10,7 @@ import re
 import socket
 from typing import Final
 
+from jaxckpt.format import _tiles
 from jaxckpt.tiers import _paths
 
 PERSIST_COMPRESSIONS: Final = (None, "zstd", "gzip", "blosc")
@@ -103,6 +104,13 @@ class TierOptions:
         32, which balances the coordinator's calls (two a group at ~50 us)
         against a leader's (two a member at ~1 ms): none below 80 processes.
         1 turns relays off. Process 0's value decides for the job.
+      tile_bytes: the smallest tile a saved chunk is cut into: a large chunk is cut
+        along every dimension (into up to 8 pieces each, while tiles stay at least
+        this big), each tile with its own checksum, so that a restore onto another
+        mesh reads and verifies only the tiles its shards need, from every tier.
+        None saves every chunk whole (a restore onto a finer mesh then reads whole
+        chunks). Smaller tiles read less onto much finer meshes and cost more
+        bookkeeping per byte.
     """
 
     memory_root: str
@@ -120,6 +128,7 @@ class TierOptions:
     memory_budget: int | None = None
     count_nonfinite: bool = True
     relay_group: int | None = None
+    tile_bytes: int | None = _tiles.DEFAULT_TILE_BYTES
 
     def __post_init__(self) -> None:
         # Every field is checked here, so that a bad value fails on this line, naming
@@ -179,6 +188,8 @@ class TierOptions:
                 )
         if self.relay_group is not None:
             _check_int("relay_group", self.relay_group, minimum=1)
+        if self.tile_bytes is not None:
+            _check_int("tile_bytes", self.tile_bytes, minimum=1)
         domain = self.failure_domain
         if domain is not None and (not isinstance(domain, str) or not domain.strip()):
             raise ValueError(

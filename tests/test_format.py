@@ -249,7 +249,7 @@ def test_a_damaged_own_copy_of_a_chunk_in_several_parts_falls_back_to_another_pa
         def __init__(self, data):
             self.data = data
 
-        def read(self, leaf, record, expected, timeout_s):
+        def read(self, leaf, record, expected, tile, timeout_s):
             return self.data
 
     readers = {("memory", 0): Reader(good + 1), ("peer", 1): Reader(good)}

@@ -129,13 +129,13 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
         )
     }
     read = []
-    original = _chunk_reads.ChunkReads._read_chunk
+    original = _chunk_reads.ChunkReads._read_tile
 
-    def spy(self, leaf, index, owner=None):
+    def spy(self, leaf, index, tile, owner=None):
         read.append(index)
-        return original(self, leaf, index, owner)
+        return original(self, leaf, index, tile, owner)
 
-    monkeypatch.setattr(_chunk_reads.ChunkReads, "_read_chunk", spy)
+    monkeypatch.setattr(_chunk_reads.ChunkReads, "_read_tile", spy)
     h = handler(memory_root)
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_memory_tier import commit_step
 
-from jaxckpt.format import _checksum, _format
+from jaxckpt.format import _checksum, _format, _tiles
 from jaxckpt.tiers import _landing, _slab
 from jaxckpt.tiers._memory_tier import MemoryTier
 
@@ -94,6 +94,17 @@ def _tier_with_spares(tmp_path, size: int, spare: str = "sparse") -> MemoryTier:
     return tier
 
 
+def _whole(leaf, chunk):
+    """A chunk saved whole, as the one tile a reader reads."""
+    (tile,) = _tiles.tiles(leaf, chunk)
+    return tile
+
+
+def _spans(chunks):
+    """The (offset, nbytes) of each chunk: what a landing reader receives ahead."""
+    return [(c.offset, c.nbytes) for c in chunks]
+
+
 def _spares(tier: MemoryTier) -> int:
     return sum(1 for _ in (tier.run_dir / ".free").iterdir())
 
@@ -108,10 +119,13 @@ def _restore(tier: MemoryTier, slab: bytes, chunks, order=None, prefetch=False) 
     assert landing is not None and landing.size == len(slab)
     calls: list[int] = []
     reader = _landing.LandingReader(
-        _fetcher(slab, calls), landing, chunks if prefetch else (), timeout_s=5.0
+        _fetcher(slab, calls), landing, _spans(chunks) if prefetch else (), timeout_s=5.0
     )
     leaf, device = _leaf(), jax.devices()[0]
-    read = {i: reader.read(0, leaf, chunks[i], 5.0) for i in order or range(len(chunks))}
+    read = {
+        i: reader.read(0, leaf, chunks[i], _whole(leaf, chunks[i]), 5.0)
+        for i in order or range(len(chunks))
+    }
     arrays = [jax.device_put(read[i], device) for i in range(len(chunks))]
     jax.block_until_ready(arrays)
     for i, a in enumerate(arrays):
@@ -174,13 +188,16 @@ def test_every_chunk_is_checked_as_it_arrives(tmp_path, prefetch):
     tier.prepare("ckpt", 0)
     landing = _landing.LandingSlab(tier, len(slab))
     reader = _landing.LandingReader(
-        _fetcher(bytes(damaged)), landing, chunks if prefetch else (), timeout_s=5.0
+        _fetcher(bytes(damaged)), landing, _spans(chunks) if prefetch else (), timeout_s=5.0
     )
     assert reader.verifies_checksums
     try:
-        assert reader.read(0, _leaf(), chunks[0], 5.0).tobytes() == values[0].tobytes()
+        assert (
+            reader.read(0, _leaf(), chunks[0], _whole(_leaf(), chunks[0]), 5.0).tobytes()
+            == values[0].tobytes()
+        )
         with pytest.raises(ValueError, match=r"checksum mismatch of chunk \(1, 0\) of w"):
-            reader.read(0, _leaf(), chunks[1], 5.0)
+            reader.read(0, _leaf(), chunks[1], _whole(_leaf(), chunks[1]), 5.0)
     finally:
         reader.finish()
 
@@ -192,7 +209,7 @@ def test_pages_of_chunks_never_received_are_freed(tmp_path):
     tier.prepare("ckpt", 0)
     landing = _landing.LandingSlab(tier, len(slab))
     reader = _landing.LandingReader(_fetcher(slab), landing)
-    got = reader.read(0, _leaf(), chunks[2], 5.0)
+    got = reader.read(0, _leaf(), chunks[2], _whole(_leaf(), chunks[2]), 5.0)
     kept = jax.device_put(got, jax.devices()[0])
     reader.finish()
     assert np.asarray(kept).tobytes() == values[2].tobytes()
@@ -251,7 +268,7 @@ def test_a_zero_size_chunk_at_the_offset_of_the_next_is_not_taken_for_it(tmp_pat
     landing = _landing.LandingSlab(tier, len(slab))
     # One stream: the empty chunk lands with the first byte of chunk 1 (after chunk 0).
     with mock.patch.object(_landing, "_STREAMS", 1):
-        reader = _landing.LandingReader(slow, landing, part, timeout_s=5.0)
+        reader = _landing.LandingReader(slow, landing, _spans(part), timeout_s=5.0)
     leaves = [_leaf(), _empty_leaf(), _leaf(), _leaf(), _leaf()]
     try:
         assert first_piece.wait(5.0)
@@ -259,7 +276,7 @@ def test_a_zero_size_chunk_at_the_offset_of_the_next_is_not_taken_for_it(tmp_pat
 
         def read(i: int) -> None:
             try:
-                got[i] = reader.read(0, leaves[i], part[i], 5.0)
+                got[i] = reader.read(0, leaves[i], part[i], _whole(leaves[i], part[i]), 5.0)
             except BaseException as e:
                 got[i] = e
 

@@ -105,7 +105,7 @@ def _make_part(
     )
     records = tuple(
         _format.ChunkRecord((i, 0), len(c), crc32c=crc, offset=off)
-        for i, (c, crc, off) in enumerate(zip(chunks, crcs, offsets, strict=True))
+        for i, (c, (crc,), off) in enumerate(zip(chunks, crcs, offsets, strict=True))
     )
     manifest = _format.PartManifest(
         step=step,

@@ -34,7 +34,7 @@ def test_write_then_read_back(tmp_path, reuse):
     offsets, size = _slab.layout([c.nbytes for c in chunks])
     crcs = _slab.write(path, chunks, offsets, size)
     assert path.stat().st_size == size
-    assert crcs == [_checksum.crc32c(c) for c in chunks]
+    assert crcs == [[_checksum.crc32c(c)] for c in chunks]
     reader = _slab.Reader(path)
     for c, o in zip(chunks, offsets, strict=True):
         view = reader.view(o, c.nbytes)
@@ -92,14 +92,14 @@ def test_a_copy_without_checksums_then_checksums_in_place(tmp_path):
     for _ in range(2):  # a new file (written), then the same one again (mapped)
         assert _slab.write(path, chunks, offsets, size, checksum=False) == []
         got = _slab.checksums(path, offsets, [c.nbytes for c in chunks])
-        assert got == [_checksum.crc32c(c) for c in chunks]
+        assert got == [[_checksum.crc32c(c)] for c in chunks]
     # A damaged byte changes the checksum computed in place.
     with open(path, "r+b") as f:
         f.seek(offsets[1])
         f.write(b"\x00\x01")
-    assert _slab.checksums(path, offsets, [c.nbytes for c in chunks])[1] != _checksum.crc32c(
-        chunks[1]
-    )
+    assert _slab.checksums(path, offsets, [c.nbytes for c in chunks])[1] != [
+        _checksum.crc32c(chunks[1])
+    ]
     _slab.forget_all()
 
 
@@ -117,7 +117,7 @@ def test_a_refilled_slab_keeps_its_mapping_until_it_is_unlinked(tmp_path):
     moved = tmp_path / "free-slab"
     path.rename(moved)  # retired, then taken by the next save
     data = [np.arange(512, dtype=np.float32) + 1]
-    assert _slab.write(moved, data, offsets, size) == [_checksum.crc32c(data[0])]
+    assert _slab.write(moved, data, offsets, size) == [[_checksum.crc32c(data[0])]]
     assert _slab._KEPT[(moved.stat().st_dev, ino)].mapping is kept  # no new mapping
     np.testing.assert_array_equal(
         _slab.Reader(moved).view(0, data[0].nbytes).view(np.float32), data[0]

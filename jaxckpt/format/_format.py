@@ -45,6 +45,12 @@ and `nonfinite` (in 3; `nonfinite` absent: not counted), and a leaf's
 grid says everything a reader needs, and each part's `chunks` say who holds
 which slice (a jaxckpt from before these leaf fields refuses them; leaf fields
 a reader does not know are ignored from them on).
+4 cuts each chunk of a large leaf into tiles (`_tiles`): the leaf's `tile_shape`
+gives the grid, a chunk's bytes are its tiles one after the other (each in C
+order), and the chunk's `tiles` holds each tile's CRC-32C instead of one
+`crc32c` for the chunk. A chunk of a leaf without `tile_shape` is saved as in 3.
+(Readers of 3 would take tiled bytes for a chunk in C order: hence the version.)
+Versions 1-3 are still read, and their chunks are one tile each.
 """
 
 from __future__ import annotations
@@ -59,8 +65,8 @@ from jaxckpt import _resources
 from jaxckpt.format import _checked_json, _checksum
 
 FORMAT_NAME: Final = "jaxckpt"
-FORMAT_VERSION: Final = 3
-READABLE_VERSIONS: Final = (1, 2, 3)
+FORMAT_VERSION: Final = 4
+READABLE_VERSIONS: Final = (1, 2, 3, 4)
 MANIFEST_FILE: Final = "manifest.json"
 ARRAYS_DIR: Final = "arrays"
 
@@ -107,6 +113,8 @@ class ChunkRecord:
       crc32c: CRC-32C of its bytes (format version 3).
       offset: where it starts in the part's slab file (format version 3).
       crc32: zlib CRC-32 of its bytes (format versions 1-2 only).
+      tiles: the CRC-32C of each of its tiles, in byte order (format version 4, a
+        leaf with a `tile_shape`; `crc32c` is then None): see `_tiles`.
     """
 
     index: tuple[int, ...]
@@ -114,17 +122,22 @@ class ChunkRecord:
     crc32c: int | None = None
     offset: int | None = None
     crc32: int | None = None
+    tiles: tuple[int, ...] | None = None
 
     @property
-    def checksum(self) -> tuple[str, int | None]:
+    def checksum(self) -> tuple[str, Any]:
         """(kind, value) of the recorded checksum."""
+        if self.tiles is not None:
+            return ("tiles", self.tiles)
         return ("crc32c", self.crc32c) if self.crc32c is not None else ("crc32", self.crc32)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"index": list(self.index), "nbytes": self.nbytes}
+        d: dict[str, Any] = {"index": list(self.index), "nbytes": self.nbytes}
         for k in ("crc32c", "offset", "crc32"):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
+        if self.tiles is not None:
+            d["tiles"] = list(self.tiles)
         return d
 
     @classmethod
@@ -138,6 +151,7 @@ class ChunkRecord:
             crc32c=opt("crc32c"),
             offset=opt("offset"),
             crc32=opt("crc32"),
+            tiles=tuple(int(c) for c in d["tiles"]) if d.get("tiles") is not None else None,
         )
 
 
@@ -173,6 +187,8 @@ class LeafRecord:
         (`chunk_shape` is the shard shape with that dimension divided); None:
         the shard is one chunk, saved whole by one of its holders.
       slices: chunks per shard along `cut` (None where not cut).
+      tile_shape: the tile grid each chunk is cut into (format version 4; None: chunks
+        are saved whole): see `_tiles`.
     """
 
     path: str
@@ -193,6 +209,7 @@ class LeafRecord:
     replicas: int | None = None
     cut: int | None = None
     slices: int | None = None
+    tile_shape: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Flags and empty fields are written only when set, so version-1 records read
@@ -213,7 +230,7 @@ class LeafRecord:
     def from_dict(cls, d: Mapping[str, Any]) -> LeafRecord:
         kw = {k: v for k, v in d.items() if k in _LEAF_FIELD_SET}  # later fields: ignored
         kw["keys"] = tuple((str(t), v) for t, v in kw.get("keys", ()))
-        for k in ("shape", "stored_shape", "chunk_shape"):
+        for k in ("shape", "stored_shape", "chunk_shape", "tile_shape"):
             if kw.get(k) is not None:
                 kw[k] = tuple(int(i) for i in kw[k])
         return cls(**kw)

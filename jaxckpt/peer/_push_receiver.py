@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from jaxckpt import _resources
-from jaxckpt.format import _checksum, _format
+from jaxckpt.format import _format, _tiles
 from jaxckpt.peer import _wire
 from jaxckpt.tiers import _fs, _memory_tier, _slab
 
@@ -228,7 +228,7 @@ class PushReceiver:
 class _SlabCheck:
     """Verifies a pushed slab's chunks against their manifest while the slab arrives.
 
-    Each chunk is checked (its CRC-32C, or a legacy CRC-32) as soon as all of its
+    Each chunk is checked (its tiles' CRC-32Cs, or a legacy CRC-32) as soon as all of its
     bytes are in, on a shared pool, while later chunks still arrive.
     """
 
@@ -247,11 +247,19 @@ class _SlabCheck:
             self._jobs.append(_verify_pool.submit(self._verify, first, self._next))
 
     def _verify(self, first: int, stop: int) -> list[tuple[int, _format.ChunkRecord]]:
-        return [
-            (leaf, c)
-            for leaf, c in self._chunks[first:stop]
-            if not _checksum.matches(c.crc32c, c.crc32, self._data[_end(c) - c.nbytes : _end(c)])
-        ]
+        return [(leaf, c) for leaf, c in self._chunks[first:stop] if self._is_damaged(leaf, c)]
+
+    def _is_damaged(self, leaf: int, chunk: _format.ChunkRecord) -> bool:
+        """Whether a tile of `chunk` fails its checksum (or the manifest cannot say
+        where its tiles are: a leaf it does not have, a tile grid that does not fit)."""
+        leaves = self._manifest.leaves
+        if not 0 <= leaf < len(leaves):
+            return True
+        try:
+            data = self._data[_end(chunk) - chunk.nbytes : _end(chunk)]
+            return _tiles.damaged(leaves[leaf], chunk, data) is not None
+        except ValueError:
+            return True
 
     def wait(self) -> None:
         """Returns once no queued check runs any more."""

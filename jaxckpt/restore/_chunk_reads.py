@@ -1,11 +1,13 @@
 """Reading one planned step's verified chunks: where from, and the fallback on failure.
 
-A chunk is read from the parts that hold it, each from its sources fastest first
-(`_plan.StepPlan`): own memory, a peer's memory, persistent storage
-(`reader_factory`). Its bytes are checked against their CRC-32C; on any error the
-next source is tried, and a copy whose bytes failed their checksum is told to
-`on_damaged` once (`quarantiner`) so that it is not offered again. A step in this
-process's memory tier is pinned while it is read (`pin_memory`).
+A region of a leaf is read tile by tile (`_tiles`: a chunk saved whole is one tile):
+only the tiles that intersect it, each from the parts that hold its chunk, each
+part from its sources fastest first (`_plan.StepPlan`): own memory, a peer's
+memory, persistent storage (`reader_factory`). A tile's bytes are checked against
+its CRC-32C; on any error the next source is tried for that tile alone, and a copy
+whose bytes failed their checksum is told to `on_damaged` once (`quarantiner`) so
+that it is not offered again. A step in this process's memory tier is pinned while
+it is read (`pin_memory`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from absl import logging as log
 
 from jaxckpt import _resources
 from jaxckpt.coord import _plan
-from jaxckpt.format import _checksum, _chunking, _format
+from jaxckpt.format import _chunking, _format, _tiles
 from jaxckpt.tiers import _landing, _memory_tier, _quarantine, _readers, _storage
 
 ReaderFor = Callable[[_plan.Source, int], _readers.ChunkReader]  # (source, owner) -> reader
@@ -92,8 +94,8 @@ def reader_factory(
                 return _readers.RangeReader(fetch)
             # Its own part is what a process restoring after a node loss needs whole.
             own = owner == process_index
-            chunks = [c for cs in manifest.chunks.values() for c in cs] if own else []
-            return _landing.LandingReader(fetch, landing, chunks, timeout_s)
+            spans = _landing.spans_of(manifest) if own else []
+            return _landing.LandingReader(fetch, landing, spans, timeout_s)
         if source.tier == _plan.PERSISTENT:
             return _readers.ZarrReader(_storage.kvstore(item_dir / _format.part_dir_name(owner)))
         raise ValueError(f"No reader for {source.describe()}.")
@@ -140,6 +142,8 @@ class ChunkReads:
 
     Attributes:
       bytes_by_tier: bytes read from each tier.
+      bytes_needed: bytes of the distinct regions asked for (`read_regions`): what a
+        read of exactly the target's bytes would read.
       failures: what went wrong with each source that a chunk fell back from.
     """
 
@@ -163,6 +167,7 @@ class ChunkReads:
         self._chunk_records: dict[tuple[int, int], dict[tuple[int, ...], _format.ChunkRecord]] = {}
         self._lock = threading.Lock()
         self.bytes_by_tier: dict[str, int] = {}
+        self.bytes_needed = 0
         self.failures: list[str] = []
         self._timeout_s = timeout_s
         self._dead: set[_plan.Source] = set()  # sources that did not answer in time
@@ -195,31 +200,46 @@ class ChunkReads:
             found = self._chunk_records[key] = {c.index: c for c in saved}
         return found
 
-    def _read_chunk(
-        self, leaf: int, index: tuple[int, ...], owner: int | None = None
+    def _tiles_of(self, leaf: int, index: tuple[int, ...], owner: int | None) -> list[_tiles.Tile]:
+        """The tiles of chunk `index` of `leaf`, as the first part that holds it records
+        them (every copy of a chunk is cut alike)."""
+        owners = (owner,) if owner is not None else self._owners_of((leaf, index), True)
+        for o in owners:
+            chunk = self._saved_chunks(o, leaf).get(index)
+            if chunk is not None:
+                return _tiles.tiles(self._plan.leaves[leaf], chunk)
+        record = self._plan.leaves[leaf]
+        raise ChunkUnavailableError(
+            f"Chunk {index} of {record.path} is in no part of step {self._plan.step}"
+            + (f" (looked in the part of process {owner})." if owner is not None else ".")
+        )
+
+    def _read_tile(
+        self, leaf: int, index: tuple[int, ...], tile: int, owner: int | None = None
     ) -> np.ndarray:
-        """A verified chunk: from `owner`'s part (a per-process leaf), else from the parts
-        that hold it, in the plan's order (`StepPlan.chunk_owners`), each from its
-        sources fastest first."""
+        """Verified tile `tile` of chunk `index`: from `owner`'s part (a per-process
+        leaf), else from the parts that hold it, in the plan's order
+        (`StepPlan.chunk_owners`), each from its sources fastest first."""
         record = self._plan.leaves[leaf]
         key = (leaf, index)
         owners = (owner,) if owner is not None else self._owners_of(key, False)
         tried: list[str] = []
-        data = self._read_from(leaf, record, index, owners, tried)
+        data = self._read_from(leaf, record, index, tile, owners, tried)
         if data is None and owner is None and tried:  # its own copy failed: any other
             others = tuple(o for o in self._owners_of(key, True) if o not in owners)
             owners += others
-            data = self._read_from(leaf, record, index, others, tried)
+            data = self._read_from(leaf, record, index, tile, others, tried)
         if data is not None:
             return data
+        where = f"chunk {index}" if tile == 0 else f"tile {tile} of chunk {index}"
         if not tried:
             raise ChunkUnavailableError(
-                f"Chunk {index} of {record.path} is in no part of step {self._plan.step}"
+                f"{where.capitalize()} of {record.path} is in no part of step {self._plan.step}"
                 + (f" (looked in the part of process {owner})." if owner is not None else ".")
             )
         parts = ", ".join(str(o) for o in owners)
         raise ChunkUnavailableError(
-            f"[process {self._process_index}] No verified copy of chunk {index} of {record.path} "
+            f"[process {self._process_index}] No verified copy of {where} of {record.path} "
             f"(part of process {parts}) at step {self._plan.step}: " + "; ".join(tried)
         )
 
@@ -228,15 +248,20 @@ class ChunkReads:
         leaf: int,
         record: _format.LeafRecord,
         index: tuple[int, ...],
+        tile: int,
         owners: tuple[int, ...],
         tried: list[str],
     ) -> np.ndarray | None:
-        """The chunk from the first of `owners`' parts that holds it and gives verified
-        bytes; None (each failure added to `tried`) where none does."""
+        """The tile from the first of `owners`' parts that holds its chunk and gives
+        verified bytes; None (each failure added to `tried`) where none does."""
         for o in owners:
             expected = self._saved_chunks(o, leaf).get(index)
             if expected is not None:
-                data = self._read_copy(leaf, record, index, o, expected, tried)
+                tiles = _tiles.tiles(record, expected)
+                if tile >= len(tiles):
+                    tried.append(f"part of process {o}: its chunk {index} has no tile {tile}")
+                    continue
+                data = self._read_copy(leaf, record, o, expected, tiles[tile], tried)
                 if data is not None:
                     return data
         return None
@@ -245,13 +270,14 @@ class ChunkReads:
         self,
         leaf: int,
         record: _format.LeafRecord,
-        index: tuple[int, ...],
         owner: int,
         expected: _format.ChunkRecord,
+        tile: _tiles.Tile,
         tried: list[str],
     ) -> np.ndarray | None:
-        """The chunk from the first source of `owner`'s part that gives verified bytes;
+        """The tile from the first source of `owner`'s part that gives verified bytes;
         None (each failure added to `tried`) where none does."""
+        what = _tiles.describe(expected, tile)
         sources = self._plan.sources.get(owner, ())
         if not sources:
             tried.append(f"part of process {owner}: no source holds it")
@@ -261,7 +287,7 @@ class ChunkReads:
                 continue
             try:
                 reader = self._reader(source, owner)
-                data = reader.read(leaf, record, expected, self._timeout_s)
+                data = reader.read(leaf, record, expected, tile, self._timeout_s)
             except TimeoutError as e:
                 self._dead.add(source)
                 # The reader's own message states the bound it waited for (a peer's range
@@ -278,11 +304,9 @@ class ChunkReads:
                 continue
             # A reader that checks as it receives has raised on a mismatch already.
             checked = getattr(reader, "verifies_checksums", False)
-            if not checked and not _checksum.matches(expected.crc32c, expected.crc32, data):
+            if not checked and not tile.matches(data):
                 tried.append(f"{source.describe()}: checksum mismatch")
-                self._damaged_copy(
-                    source, owner, f"checksum mismatch of chunk {index} of {record.path}"
-                )
+                self._damaged_copy(source, owner, f"checksum mismatch of {what} of {record.path}")
                 continue
             with self._lock:
                 self.bytes_by_tier[source.tier] = (
@@ -291,8 +315,8 @@ class ChunkReads:
                 self.failures.extend(tried)
             if tried:
                 log.warning(
-                    "jaxckpt: chunk %s of %s: fell back to %s after %s",
-                    index,
+                    "jaxckpt: %s of %s: fell back to %s after %s",
+                    what,
                     record.path,
                     source.describe(),
                     tried,
@@ -332,27 +356,42 @@ class ChunkReads:
             and record.stored_dtype
         )
         shape, chunk_shape = record.stored_shape, record.chunk_shape
-        overlapping = [list(_chunking.chunks_overlapping(r, shape, chunk_shape)) for r in regions]
-        needed = sorted({i for found in overlapping for i in found})
         itemsize = np.dtype(record.stored_dtype).itemsize
-        nbytes = len(needed) * itemsize * math.prod(chunk_shape)
+        # Each region's tiles: those of the chunks it overlaps that it intersects.
+        tiles_of: dict[tuple[int, ...], list[_tiles.Tile]] = {}
+        wanted: list[list[tuple[tuple[int, ...], _tiles.Tile]]] = []
+        for region in regions:
+            found: list[tuple[tuple[int, ...], _tiles.Tile]] = []
+            for i in _chunking.chunks_overlapping(region, shape, chunk_shape):
+                if i not in tiles_of:
+                    tiles_of[i] = self._tiles_of(leaf, i, owner)
+                found.extend((i, t) for t in _tiles.overlapping(tiles_of[i], region))
+            wanted.append(found)
+        needed = sorted({(i, t.index): t for found in wanted for i, t in found}.items())
+        nbytes = sum(t.nbytes for _, t in needed)
+        with self._lock:
+            self.bytes_needed += itemsize * sum(
+                math.prod(s.stop - s.start for s in r) for r in regions
+            )
         if len(needed) > 1 and nbytes >= _PARALLEL_BYTES:
-            read = list(_POOL.map(lambda i: self._read_chunk(leaf, i, owner), needed))
+            read = list(_POOL.map(lambda k: self._read_tile(leaf, k[0][0], k[0][1], owner), needed))
         else:
-            read = [self._read_chunk(leaf, i, owner) for i in needed]
-        chunks = dict(zip(needed, read, strict=True))
+            read = [self._read_tile(leaf, i, k, owner) for (i, k), _ in needed]
+        got = {key: data for (key, _), data in zip(needed, read, strict=True)}
         out = []
-        for region, found in zip(regions, overlapping, strict=True):
-            if len(found) == 1 and _chunking.is_chunk(region, found[0], shape, chunk_shape):
-                out.append(chunks[found[0]])  # the target shard is one whole chunk: no copy
+        for region, found in zip(regions, wanted, strict=True):
+            if len(found) == 1 and _chunking.region_key(found[0][1].region) == _chunking.region_key(
+                region
+            ):
+                out.append(got[found[0][0], found[0][1].index])  # exactly one tile: no copy
                 continue
             # Aligned as a slab is: JAX on CPU keeps it without another copy.
             dims = [s.stop - s.start for s in region]
             buf = _readers.aligned_empty(math.prod(dims) * itemsize)
             buf = buf.view(record.stored_dtype).reshape(dims)
-            for i in found:
-                where = _chunking.chunk_region(i, shape, chunk_shape)
-                both = _chunking.intersect(region, where)
-                buf[_chunking.relative(both, region)] = chunks[i][_chunking.relative(both, where)]
+            for i, tile in found:
+                both = _chunking.intersect(region, tile.region)
+                data = got[i, tile.index]
+                buf[_chunking.relative(both, region)] = data[_chunking.relative(both, tile.region)]
             out.append(buf)
         return out

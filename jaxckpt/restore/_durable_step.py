@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.format import _checksum, _chunking, _format
+from jaxckpt.format import _chunking, _format
 from jaxckpt.tiers import _index, _paths, _readers, _step_dirs, _storage
 
 
@@ -74,14 +74,14 @@ class DurableStep:
                 where = f"chunk {chunk.index} of {rec.path} in process {owner}'s part of step "
                 where += f"{self.step} ({part})"
                 try:
-                    data = reader.read(i, rec, chunk, self.timeout_s)
+                    data = _readers.read_chunk(reader, i, rec, chunk, self.timeout_s)
+                except _readers.ChecksumMismatchError as e:
+                    raise ValueError(
+                        f"export: {where} does not match its checksum ({e}): the copy is "
+                        "damaged (`jaxckpt verify` checks every copy)."
+                    ) from e
                 except (OSError, ValueError, TimeoutError) as e:  # tensorstore: ValueError
                     raise ValueError(f"export: {where} cannot be read: {e}") from e
-                if not _checksum.matches(chunk.crc32c, chunk.crc32, data):
-                    raise ValueError(
-                        f"export: {where} does not match its checksum: the copy is damaged "
-                        "(`jaxckpt verify` checks every copy)."
-                    )
                 yield _chunking.chunk_region(chunk.index, rec.stored_shape, rec.chunk_shape), data
 
     def fill(self, i: int, dest: np.ndarray) -> None:

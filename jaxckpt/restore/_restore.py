@@ -70,6 +70,11 @@ class Restorer:
         return self.chunks.bytes_by_tier
 
     @property
+    def bytes_needed(self) -> int:
+        """Bytes of the distinct regions read (what reading exactly them would read)."""
+        return self.chunks.bytes_needed
+
+    @property
     def failures(self) -> list[str]:
         """What went wrong with each source that a chunk fell back from."""
         return self.chunks.failures

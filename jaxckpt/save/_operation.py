@@ -65,7 +65,7 @@ class SaveOperation:
             memory = op.open()
             memory.require_writable(step)
             snapshot = _snapshot.take(
-                state, _multihost.process_index(), options.pinned_host_staging
+                state, _multihost.process_index(), options.pinned_host_staging, options.tile_bytes
             )
         # 2. Exchange `meet`: the peers (collective, once per run), a refusing process too.
         op.meet()

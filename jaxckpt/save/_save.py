@@ -32,7 +32,7 @@ from absl import logging as log
 from jaxckpt import _faults, _metrics
 from jaxckpt._options import TierOptions
 from jaxckpt.coord import _multihost
-from jaxckpt.format import _finite, _format
+from jaxckpt.format import _chunking, _finite, _format, _tiles
 from jaxckpt.run import _choreography
 from jaxckpt.save import _snapshot
 from jaxckpt.tiers import (
@@ -106,7 +106,7 @@ class Save:
         if self._snapshot.staging == "cpu_view" and not self._options.hold_cpu_arrays:
             release = [s.release() for s in self._snapshot.shards]
             self._staged = self._memory.stage_slab(
-                self._step, self._process, release, checksum=False
+                self._step, self._process, release, checksum=False, tiles=self._tile_regions()
             )
             self.metrics.host_staging = "slab"
             self.metrics.slab_copy_s = self._staged.seconds
@@ -139,7 +139,12 @@ class Save:
         if staged is None:
             chunks_data = [s.release() for s in snapshot.shards]
             staged = await asyncio.to_thread(
-                memory.stage_slab, step, pi, chunks_data, tally=self._tally
+                memory.stage_slab,
+                step,
+                pi,
+                chunks_data,
+                tally=self._tally,
+                tiles=self._tile_regions(),
             )
         staging = staged.staging
         try:
@@ -148,12 +153,13 @@ class Save:
                 sizes = [s.nbytes for s in snapshot.shards]
                 slab = staging / _slab.SLAB_FILE
                 crcs = await asyncio.to_thread(
-                    _slab.checksums, slab, staged.offsets, sizes, self._tally
+                    _slab.checksums, slab, staged.offsets, sizes, self._tally, self._tile_sizes()
                 )
             chunks: dict[int, list[_format.ChunkRecord]] = {}
             for s, crc, offset in zip(snapshot.shards, crcs, staged.offsets, strict=True):
+                record = snapshot.leaves[s.leaf]
                 chunks.setdefault(s.leaf, []).append(
-                    _format.ChunkRecord(s.index, s.nbytes, crc32c=crc, offset=offset)
+                    _tiles.chunk_record(record, s.index, s.nbytes, offset, crc)
                 )
             nonfinite = self._nonfinite()
             memory_s = time.perf_counter() - start + (self.metrics.slab_copy_s or 0.0)
@@ -187,6 +193,24 @@ class Save:
                 raise memory.full_error(e, step, pi) from e
             raise
         return manifest, part
+
+    def _tile_regions(self) -> list[list[_chunking.Region] | None]:
+        """Each shard's tiles, as regions of the shard in byte order (None: saved whole)."""
+        leaves = self._snapshot.leaves
+        return [
+            None
+            if (shape := leaves[s.leaf].tile_shape) is None
+            else _tiles.regions_in_chunk(s.shape, shape)
+            for s in self._snapshot.shards
+        ]
+
+    def _tile_sizes(self) -> list[list[int] | None]:
+        """Each shard's tiles' byte sizes, in byte order (None: saved whole)."""
+        leaves = self._snapshot.leaves
+        return [
+            _tiles.byte_sizes(s.shape, leaves[s.leaf].tile_shape, s.itemsize)
+            for s in self._snapshot.shards
+        ]
 
     def _nonfinite(self) -> dict[int, int] | None:
         """Leaf index -> NaN/Inf count of this part's floating leaves that hold any

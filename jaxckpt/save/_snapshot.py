@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxckpt import _resources
 from jaxckpt.coord import _multihost, _replicas
-from jaxckpt.format import _array_keys, _chunking, _format, _sharding, _tree
+from jaxckpt.format import _array_keys, _chunking, _format, _sharding, _tiles, _tree
 
 
 @dataclasses.dataclass
@@ -42,10 +42,14 @@ class HostShard:
     data: np.ndarray | None
     holds: Any = None
     nbytes: int = dataclasses.field(init=False)
+    shape: tuple[int, ...] = dataclasses.field(init=False)  # kept once `data` is released
+    itemsize: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         assert self.data is not None
         self.nbytes = self.data.nbytes
+        self.shape = tuple(self.data.shape)
+        self.itemsize = self.data.dtype.itemsize
 
     def release(self) -> np.ndarray:
         """The shard's data, which it lets go of: once the caller drops it as well,
@@ -76,7 +80,12 @@ class Snapshot:
         return sum(s.nbytes for s in self.shards)
 
 
-def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Snapshot:
+def take(
+    state: Any,
+    process_index: int,
+    pinned_host: bool | None = None,
+    tile_bytes: int | None = _tiles.DEFAULT_TILE_BYTES,
+) -> Snapshot:
     """Validates `state` and copies this process's share of it to host.
 
     Args:
@@ -86,6 +95,8 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
       pinned_host: stage device shards through `pinned_host` memory
         (`TierOptions.pinned_host_staging`; None: where the devices have it and
         are not CPUs).
+      tile_bytes: the smallest tile a chunk is cut into (`TierOptions.tile_bytes`;
+        None: chunks stay whole).
 
     Raises:
       TypeError: for an unsupported leaf, naming its path.
@@ -97,6 +108,7 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
     multi_process = _multihost.process_count() > 1
     structure = (
         treedef,
+        tile_bytes,
         tuple(
             _signature(k, leaf, multi_process) for (_, leaf), k in zip(pairs, kinds, strict=True)
         ),
@@ -111,7 +123,7 @@ def take(state: Any, process_index: int, pinned_host: bool | None = None) -> Sna
     for i, ((path, leaf), kind) in enumerate(zip(pairs, kinds, strict=True)):
         taking.leaf(i, path, leaf, kind)
     taking.copy_to_host(pinned_host)
-    snap = taking.finish(structure, [keys for _, keys, _ in triples])
+    snap = taking.finish(structure, [keys for _, keys, _ in triples], tile_bytes)
     snap.stall_s = time.perf_counter() - start
     return snap
 
@@ -208,15 +220,18 @@ class _Taking:
                 HostShard(i, (0,) * data.ndim, _whole_on_host(data, parts), holds[done - 1])
             )
 
-    def finish(self, structure: Any, keys: list[Any]) -> Snapshot:
+    def finish(self, structure: Any, keys: list[Any], tile_bytes: int | None) -> Snapshot:
         """The snapshot with its leaf records (and partners), cached for the same tree."""
         snap = self.snap
         if self.cached:
             snap.leaves, _, snap.partners = self.cached
             return snap
-        snap.leaves = _array_keys.with_array_keys(
-            tuple(dataclasses.replace(r, keys=k) for r, k in zip(self.records, keys, strict=True))
+        leaves = tuple(
+            dataclasses.replace(r, keys=k) for r, k in zip(self.records, keys, strict=True)
         )
+        if tile_bytes is not None:
+            leaves = _tiles.with_tile_shapes(leaves, tile_bytes)
+        snap.leaves = _array_keys.with_array_keys(leaves)
         snap.partners = _replicas.partners_of(self.splits.values(), _multihost.process_count())
         if len(_RECORDS) >= 4:
             _RECORDS.pop(next(iter(_RECORDS), None), None)

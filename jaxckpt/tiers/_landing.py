@@ -15,9 +15,10 @@ recorded offset):
   along each range a stream receives, while it runs: the page faults of a fresh
   replacement node overlap the transfer instead of following it.
 
-The reader receives a prefetched part in a few consecutive runs of chunks, one
-request each (`LandingReader`): each chunk's CRC-32C is computed MiB by MiB as it
-lands, and the chunk is handed over as soon as its last byte has.
+The reader receives a prefetched part in a few consecutive runs of tiles, one
+request each (`LandingReader`): each tile's CRC-32C is computed MiB by MiB as it
+lands, and the tile is handed over as soon as its last byte has (a chunk saved
+whole is one tile: `_tiles`).
 
 The file is unlinked as soon as it is mapped: nothing else can take it, nothing is
 left behind by a crash, and its pages live exactly as long as a view of the mapping
@@ -46,7 +47,7 @@ from typing import Final
 import numpy as np
 from absl import logging as log
 
-from jaxckpt.format import _checksum, _format
+from jaxckpt.format import _checksum, _format, _tiles
 from jaxckpt.tiers import _memory_tier, _readers, _slab
 
 _STEP: Final = 4 << 20  # pages made ready per call, ahead of the receives
@@ -236,11 +237,11 @@ class LandingReader:
         bytes from `offset`, at most `PIECE` bytes at a time, calling
         `progress(received so far)` after each (`fetch_range` with a progress).
       landing: where they land.
-      prefetch: chunks to receive at once, before the restore asks for them (a
-        restore onto the saving mesh needs every chunk of its own part): cut into
-        `_STREAMS` consecutive runs, each received with one request for the bytes
-        it spans, its pages made ahead of it; others are received when asked for,
-        one request each.
+      prefetch: the (offset, nbytes) of tiles to receive at once, before the restore
+        asks for them (a restore onto the saving mesh needs every tile of its own
+        part: `spans_of`): cut into `_STREAMS` consecutive runs, each received with
+        one request for the bytes it spans, its pages made ahead of it; others are
+        received when asked for, one request each.
       timeout_s: the longest a prefetched chunk's receive may wait.
     """
 
@@ -250,7 +251,7 @@ class LandingReader:
         self,
         fetch: Callable[..., None],
         landing: LandingSlab,
-        prefetch: Sequence[_format.ChunkRecord] = (),
+        prefetch: Sequence[tuple[int, int]] = (),
         timeout_s: float = 120.0,
     ):
         self._fetch = fetch
@@ -265,10 +266,10 @@ class LandingReader:
         # next one instead of waiting for the peer again, chunk after chunk.
         self._no_answer: BaseException | None = None
         self._streams: list[threading.Thread] = []
-        chunks = sorted((c for c in prefetch if c.offset is not None), key=lambda c: c.offset or 0)
-        self._prefetched = {_key(c) for c in chunks}
-        groups = _groups(chunks, _STREAMS)
-        landing.make_ahead((g[0].offset or 0, (g[-1].offset or 0) + g[-1].nbytes) for g in groups)
+        spans = sorted(prefetch)
+        self._prefetched = set(spans)
+        groups = _groups(spans, _STREAMS)
+        landing.make_ahead((g[0][0], g[-1][0] + g[-1][1]) for g in groups)
         for group in groups:
             thread = threading.Thread(
                 target=self._stream, args=(group, timeout_s), name="jaxckpt-landing-recv"
@@ -277,11 +278,10 @@ class LandingReader:
             thread.start()
             self._streams.append(thread)
 
-    def _receive(self, chunk: _format.ChunkRecord, timeout_s: float) -> tuple[np.ndarray, int]:
-        """Receives one chunk into its place (one request); (its bytes, their CRC-32C)."""
-        assert chunk.offset is not None
-        into = self._landing.view(chunk.offset, chunk.nbytes)
-        self._landing.ensure(chunk.offset, chunk.nbytes)
+    def _receive(self, offset: int, nbytes: int, timeout_s: float) -> tuple[np.ndarray, int]:
+        """Receives one tile into its place (one request); (its bytes, their CRC-32C)."""
+        into = self._landing.view(offset, nbytes)
+        self._landing.ensure(offset, nbytes)
         crc, seen = 0, 0
 
         def progress(done: int) -> None:
@@ -289,35 +289,32 @@ class LandingReader:
             crc = _checksum.crc32c(into[seen:done], crc)  # the MiB just received
             seen = done
 
-        self._fetch(chunk.offset, into.data, timeout_s, progress)
-        if seen != chunk.nbytes:
+        self._fetch(offset, into.data, timeout_s, progress)
+        if seen != nbytes:
             crc = _checksum.crc32c(into[seen:], crc)
         return into, crc
 
-    def _stream(self, chunks: Sequence[_format.ChunkRecord], timeout_s: float) -> None:
-        """Receives consecutive `chunks` (in offset order) with one request for the byte
-        range they span: each chunk's CRC-32C is computed MiB by MiB as its bytes land
-        and the chunk is handed over (`read`) as soon as its last byte has, while the
+    def _stream(self, spans: Sequence[tuple[int, int]], timeout_s: float) -> None:
+        """Receives consecutive tiles (`spans`, in offset order) with one request for the
+        byte range they span: each tile's CRC-32C is computed MiB by MiB as its bytes land
+        and the tile is handed over (`read`) as soon as its last byte has, while the
         rest streams on. The pages of each piece exist before it is received."""
-        first, last = chunks[0], chunks[-1]
-        assert first.offset is not None and last.offset is not None
-        start, end = first.offset, last.offset + last.nbytes
+        start, end = spans[0][0], spans[-1][0] + spans[-1][1]
         into = self._landing.view(start, end - start)
-        at, crc, seen = 0, 0, 0  # the chunk being received, its CRC so far, bytes checked
+        at, crc, seen = 0, 0, 0  # the tile being received, its CRC so far, bytes checked
 
         def progress(done: int) -> None:
             nonlocal at, crc, seen
-            while at < len(chunks) and seen < done:
-                c = chunks[at]
-                assert c.offset is not None
-                lo, hi = max(seen, c.offset - start), min(done, c.offset - start + c.nbytes)
+            while at < len(spans) and seen < done:
+                offset, nbytes = spans[at]
+                lo, hi = max(seen, offset - start), min(done, offset - start + nbytes)
                 if hi > lo:
                     crc = _checksum.crc32c(into[lo:hi], crc)
                 seen = max(seen, hi)
-                if hi < c.offset - start + c.nbytes:
-                    break  # the rest of this chunk is still on its way
+                if hi < offset - start + nbytes:
+                    break  # the rest of this tile is still on its way
                 with self._cond:
-                    self._arrived[_key(c)] = crc
+                    self._arrived[spans[at]] = crc
                     self._cond.notify_all()
                 at, crc = at + 1, 0
             seen = done
@@ -328,46 +325,46 @@ class LandingReader:
             self._fetch(start, into.data, timeout_s, progress)
             progress(end - start)  # a fetch that did not report its last piece
         except BaseException as e:
-            with self._cond:  # the chunks not arrived: asked for again, one by one
-                for c in chunks:
-                    if _key(c) not in self._arrived:
-                        self._prefetched.discard(_key(c))
+            with self._cond:  # the tiles not arrived: asked for again, one by one
+                for span in spans:
+                    if span not in self._arrived:
+                        self._prefetched.discard(span)
                 if isinstance(e, (TimeoutError, ConnectionError)):
                     self._no_answer = e
                 self._cond.notify_all()
             log.warning("jaxckpt: receiving part of a peer's slab ahead failed: %s", e)
 
     def read(
-        self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        chunk: _format.ChunkRecord,
+        tile: _tiles.Tile,
+        timeout_s: float,
     ) -> np.ndarray:
-        offset = _readers.slab_offset(record, chunk)
-        key = (offset, chunk.nbytes)
+        offset = _readers.slab_offset(record, chunk) + tile.offset
+        key = (offset, tile.nbytes)
+        what = _tiles.describe(chunk, tile)
         with self._cond:
             if not self._cond.wait_for(
                 lambda: key in self._arrived or key not in self._prefetched, timeout_s
             ):
                 raise TimeoutError(
-                    f"Chunk {chunk.index} of {record.path} did not arrive within {timeout_s:g} s."
+                    f"{what.capitalize()} of {record.path} did not arrive within {timeout_s:g} s."
                 )
             crc = self._arrived.get(key)
             no_answer = self._no_answer
         if crc is None and no_answer is not None:
             raise TimeoutError(f"The peer gave no answer: {no_answer}") from no_answer
         if crc is None:  # not prefetched, or its stream failed: received now
-            into, got = self._receive(chunk, timeout_s)
+            into, got = self._receive(offset, tile.nbytes, timeout_s)
         else:
-            into, got = self._landing.view(offset, chunk.nbytes), crc
-        matches = (
-            got == chunk.crc32c
-            if chunk.crc32c is not None
-            else _checksum.matches(None, chunk.crc32, into)
-        )
+            into, got = self._landing.view(offset, tile.nbytes), crc
+        matches = got == tile.crc32c if tile.crc32c is not None else tile.matches(into)
         if not matches:
-            raise _readers.ChecksumMismatchError(
-                f"checksum mismatch of chunk {chunk.index} of {record.path}"
-            )
-        data = _readers.from_bytes(into, record, chunk)
-        self._landing.keep(offset, chunk.nbytes)
+            raise _readers.ChecksumMismatchError(f"checksum mismatch of {what} of {record.path}")
+        data = _readers.from_bytes(into, record, tile)
+        self._landing.keep(offset, tile.nbytes)
         return data
 
     def finish(self) -> None:
@@ -376,28 +373,31 @@ class LandingReader:
         self._landing.finish()
 
 
-def _key(chunk: _format.ChunkRecord) -> tuple[int, int]:
-    """A prefetched chunk's bytes in the slab, (offset, nbytes): what tells it apart
+def spans_of(manifest: _format.PartManifest) -> list[tuple[int, int]]:
+    """The (offset, nbytes) in its slab of every tile of a part: what tells a tile apart
     (a zero-size chunk shares its offset with the next chunk)."""
-    assert chunk.offset is not None
-    return chunk.offset, chunk.nbytes
+    return [
+        (c.offset + t.offset, t.nbytes)
+        for leaf, chunks in manifest.chunks.items()
+        for c in chunks
+        if c.offset is not None
+        for t in _tiles.tiles(manifest.leaves[leaf], c)
+    ]
 
 
-def _groups(
-    chunks: Sequence[_format.ChunkRecord], count: int
-) -> list[Sequence[_format.ChunkRecord]]:
-    """`chunks` (in offset order) cut into up to `count` consecutive runs of about
+def _groups(spans: Sequence[tuple[int, int]], count: int) -> list[Sequence[tuple[int, int]]]:
+    """`spans` (in offset order) cut into up to `count` consecutive runs of about
     equal bytes."""
-    total = sum(c.nbytes for c in chunks)
-    out: list[Sequence[_format.ChunkRecord]] = []
+    total = sum(n for _, n in spans)
+    out: list[Sequence[tuple[int, int]]] = []
     start, run = 0, 0
-    for i, c in enumerate(chunks):
-        run += c.nbytes
+    for i, (_, n) in enumerate(spans):
+        run += n
         if run >= total / count and len(out) < count - 1:
-            out.append(chunks[start : i + 1])
+            out.append(spans[start : i + 1])
             start, run = i + 1, 0
-    if start < len(chunks):
-        out.append(chunks[start:])
+    if start < len(spans):
+        out.append(spans[start:])
     return out
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from absl import logging as log
 
 from jaxckpt.coord import _liveness
-from jaxckpt.format import _finite, _format
+from jaxckpt.format import _chunking, _finite, _format
 from jaxckpt.tiers import _fs, _memory_budget, _quarantine, _slab
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -193,11 +193,13 @@ class MemoryTier:
         chunks: Sequence[np.ndarray],
         checksum: bool = True,
         tally: _finite.Tally | None = None,
+        tiles: Sequence[Sequence[_chunking.Region] | None] | None = None,
     ) -> StagedSlab:
         """A new staging directory for part (step, owner) whose slab holds `chunks`
         (in a retired slab if there is one: `take_free_slab`), with their CRC-32Cs
         if `checksum` (else `_slab.checksums` computes them later, in place) and
-        their NaN/Inf counted into `tally` in the same pass.
+        their NaN/Inf counted into `tally` in the same pass; `tiles[i]`: the tiles of
+        chunk i (`_slab.write`).
 
         Raises:
           OSError: if the slab cannot be written (the staging directory is removed);
@@ -209,7 +211,9 @@ class MemoryTier:
             slab = staging / _slab.SLAB_FILE
             offsets, size = _slab.layout([c.nbytes for c in chunks])
             self.take_free_slab(slab, size)
-            crcs = _slab.write(slab, chunks, offsets, size, checksum=checksum, tally=tally)
+            crcs = _slab.write(
+                slab, chunks, offsets, size, checksum=checksum, tally=tally, tiles=tiles
+            )
         except BaseException as e:
             # The slab's writes are done when `_slab.write` returns or raises.
             _fs.remove_entry(staging)
@@ -460,7 +464,7 @@ class StagedSlab:
 
     staging: Path
     offsets: list[int]
-    crcs: list[int] | None  # None: not computed yet (`_slab.checksums`)
+    crcs: list[list[int]] | None  # per chunk, per tile; None: not computed yet (`_slab.checksums`)
     seconds: float  # the write took
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.format import _array_keys, _checksum, _format
+from jaxckpt.format import _array_keys, _chunking, _format, _tiles
 from jaxckpt.tiers import _memory_tier, _readers, _slab, _step_dirs, _zarr
 
 
@@ -78,17 +78,18 @@ async def write_chunks(
       ValueError: if a chunk does not match its checksum (nothing of it is written).
     """
     slab = _slab.Reader(source / _slab.SLAB_FILE)
-    views: dict[int, list[tuple[tuple[int, ...], np.ndarray]]] = {}
+    views: dict[int, list[tuple[_chunking.Region, np.ndarray]]] = {}
     for leaf, chunks in manifest.chunks.items():
         record = manifest.leaves[leaf]
         for chunk in chunks:
-            view = _readers.chunk_view(slab, record, chunk)
-            if not _checksum.matches(chunk.crc32c, chunk.crc32, view):
-                raise ValueError(
-                    f"Chunk {chunk.index} of leaf {record.path} in {source} does not match "
-                    "its checksum; the part was not persisted."
-                )
-            views.setdefault(leaf, []).append((chunk.index, view))
+            for tile in _tiles.tiles(record, chunk):
+                view = _readers.tile_view(slab, record, chunk, tile)
+                if not tile.matches(view):
+                    raise ValueError(
+                        f"{_tiles.describe(chunk, tile).capitalize()} of leaf {record.path} in "
+                        f"{source} does not match its checksum; the part was not persisted."
+                    )
+                views.setdefault(leaf, []).append((tile.region, view))
     await _zarr.settle(
         [
             _zarr.write_chunks(

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Final
 
-from jaxckpt.format import _format
+from jaxckpt.format import _format, _tiles
 from jaxckpt.tiers import _slab
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def damage(part_dir: Path) -> str | None:
         (leaf, c)
         for leaf, cs in sorted(manifest.chunks.items())
         for c in cs
-        if c.offset is not None and c.crc32c is not None
+        if c.offset is not None and (c.crc32c is not None or c.tiles is not None)
     ]
     slab = part_dir / _slab.SLAB_FILE
     size = slab.stat().st_size
@@ -90,10 +90,18 @@ def damage(part_dir: Path) -> str | None:
                 f"chunk {c.index} of {manifest.leaves[leaf].path} ends at byte "
                 f"{c.offset + c.nbytes}, past the end of its slab ({size} bytes)"
             )
-    crcs = _slab.checksums(slab, [c.offset or 0 for _, c in chunks], [c.nbytes for _, c in chunks])
-    for (leaf, c), crc in zip(chunks, crcs, strict=True):
-        if crc != c.crc32c:
-            return f"checksum mismatch of chunk {c.index} of {manifest.leaves[leaf].path}"
+    tiles = [_tiles.tiles(manifest.leaves[leaf], c) for leaf, c in chunks]
+    crcs = _slab.checksums(
+        slab,
+        [c.offset or 0 for _, c in chunks],
+        [c.nbytes for _, c in chunks],
+        tiles=[[t.nbytes for t in ts] for ts in tiles],
+    )
+    for (leaf, c), got, expected in zip(chunks, crcs, tiles, strict=True):
+        for crc, tile in zip(got, expected, strict=True):
+            if crc != tile.crc32c:
+                what = _tiles.describe(c, tile)
+                return f"checksum mismatch of {what} of {manifest.leaves[leaf].path}"
     return None
 
 

@@ -4,6 +4,11 @@ A tier is just a way to get a chunk's bytes: a view of a slab in this host's
 memory tier, a byte range of a peer's slab, or a read of a persisted zarr3
 array through tensorstore. Readers never block longer than their timeout.
 
+A reader reads one tile of a chunk at a time (`_tiles`: a chunk saved whole is one
+tile), so that a restore onto another mesh reads only the tiles it needs: a tile
+is a slab view, one byte range of a peer's slab, or one inner chunk of a
+persisted zarr3 array.
+
 A slab reader returns a view of the mapped slab (no copy). The restore pins
 the step in the memory tier while it reads, so the slab cannot be retired
 meanwhile, and lends the slab first (`MemoryTier.lend`): a lent slab is never
@@ -21,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxckpt.format import _chunking, _format
+from jaxckpt.format import _chunking, _format, _tiles
 from jaxckpt.tiers import _slab, _zarr
 
 
@@ -32,26 +37,27 @@ class ChecksumMismatchError(ValueError):
 
 class ChunkReader(Protocol):
     def read(
-        self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        chunk: _format.ChunkRecord,
+        tile: _tiles.Tile,
+        timeout_s: float,
     ) -> np.ndarray:
-        """The chunk's values (a private copy), in the chunk's own shape."""
+        """The values of `tile` of `chunk`, in the tile's own shape."""
         ...
 
 
-def from_bytes(data: Any, record: _format.LeafRecord, chunk: _format.ChunkRecord) -> np.ndarray:
-    assert (
-        record.stored_dtype is not None
-        and record.stored_shape is not None
-        and record.chunk_shape is not None
-    )
-    shape = _chunking.chunk_shape_at(chunk.index, record.stored_shape, record.chunk_shape)
+def from_bytes(data: Any, record: _format.LeafRecord, tile: _tiles.Tile) -> np.ndarray:
+    """`tile`'s values from its bytes (`data`, at least `tile.nbytes` long)."""
+    assert record.stored_dtype is not None
     dtype = np.dtype(record.stored_dtype)
-    if dtype.itemsize * math.prod(shape) != chunk.nbytes:
+    if dtype.itemsize * math.prod(tile.shape) != tile.nbytes:
         raise ValueError(
-            f"Chunk {chunk.index} of {record.path} records {chunk.nbytes} bytes, but its "
-            f"shape {shape} of {dtype} needs {dtype.itemsize * math.prod(shape)}."
+            f"A piece of {record.path} at {tile.region} records {tile.nbytes} bytes, but its "
+            f"shape {tile.shape} of {dtype} needs {dtype.itemsize * math.prod(tile.shape)}."
         )
-    return np.frombuffer(data, np.uint8, count=chunk.nbytes).view(dtype).reshape(shape)
+    return np.frombuffer(data, np.uint8, count=tile.nbytes).view(dtype).reshape(tile.shape)
 
 
 def slab_offset(record: _format.LeafRecord, chunk: _format.ChunkRecord) -> int:
@@ -60,12 +66,46 @@ def slab_offset(record: _format.LeafRecord, chunk: _format.ChunkRecord) -> int:
     return chunk.offset
 
 
-def chunk_view(
-    slab: _slab.Reader, record: _format.LeafRecord, chunk: _format.ChunkRecord
+def tile_view(
+    slab: _slab.Reader, record: _format.LeafRecord, chunk: _format.ChunkRecord, tile: _tiles.Tile
 ) -> np.ndarray:
-    """A chunk as a view of a mapped slab (no copy: for a slab that cannot change
+    """A tile as a view of a mapped slab (no copy: for a slab that cannot change
     meanwhile, such as a pinned step's)."""
-    return from_bytes(slab.view(slab_offset(record, chunk), chunk.nbytes), record, chunk)
+    return from_bytes(
+        slab.view(slab_offset(record, chunk) + tile.offset, tile.nbytes), record, tile
+    )
+
+
+def read_chunk(
+    reader: ChunkReader,
+    leaf: int,
+    record: _format.LeafRecord,
+    chunk: _format.ChunkRecord,
+    timeout_s: float,
+) -> np.ndarray:
+    """A whole chunk in its own shape (C order), every tile checked against its checksum.
+
+    Raises:
+      ChecksumMismatchError: naming the first tile whose bytes do not match.
+    """
+    pieces = _tiles.tiles(record, chunk)
+    out: np.ndarray | None = None
+    origin: _chunking.Region = ()
+    for tile in pieces:
+        data = reader.read(leaf, record, chunk, tile, timeout_s)
+        if not getattr(reader, "verifies_checksums", False) and not tile.matches(data):
+            raise ChecksumMismatchError(
+                f"checksum mismatch of {_tiles.describe(chunk, tile)} of {record.path}"
+            )
+        if len(pieces) == 1:
+            return data
+        if out is None:
+            assert record.stored_shape is not None and record.chunk_shape is not None
+            origin = _chunking.chunk_region(chunk.index, record.stored_shape, record.chunk_shape)
+            out = np.empty([s.stop - s.start for s in origin], data.dtype)
+        out[_chunking.relative(tile.region, origin)] = data
+    assert out is not None
+    return out
 
 
 class SlabReader:
@@ -78,9 +118,14 @@ class SlabReader:
         self._lent = lent
 
     def read(
-        self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        chunk: _format.ChunkRecord,
+        tile: _tiles.Tile,
+        timeout_s: float,
     ) -> np.ndarray:
-        view = chunk_view(self._slab, record, chunk)
+        view = tile_view(self._slab, record, chunk, tile)
         return view if self._lent else view.copy()
 
 
@@ -93,11 +138,16 @@ class RangeReader:
         self._fetch = fetch  # (offset, into, timeout_s): fills `into`
 
     def read(
-        self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        chunk: _format.ChunkRecord,
+        tile: _tiles.Tile,
+        timeout_s: float,
     ) -> np.ndarray:
-        buf = aligned_empty(chunk.nbytes)
-        self._fetch(slab_offset(record, chunk), buf.data, timeout_s)
-        return from_bytes(buf, record, chunk)
+        buf = aligned_empty(tile.nbytes)
+        self._fetch(slab_offset(record, chunk) + tile.offset, buf.data, timeout_s)
+        return from_bytes(buf, record, tile)
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -108,18 +158,24 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 
 
 class ZarrReader:
-    """Chunks of a persisted part: its zarr3 arrays read through tensorstore."""
+    """Chunks of a persisted part: its zarr3 arrays read through tensorstore, a tile at a
+    time (a tiled leaf's array keeps each tile as an inner chunk of zarr3's
+    `sharding_indexed` codec: one ranged read, checked by its `crc32c` codec too)."""
 
     def __init__(self, part_kvstore: dict[str, Any]):
         self._part = part_kvstore
         self._arrays: dict[int, Any] = {}
 
     def read(
-        self, leaf: int, record: _format.LeafRecord, chunk: _format.ChunkRecord, timeout_s: float
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        chunk: _format.ChunkRecord,
+        tile: _tiles.Tile,
+        timeout_s: float,
     ) -> np.ndarray:
-        assert record.stored_shape is not None and record.chunk_shape is not None
-        if leaf not in self._arrays:
+        array = self._arrays.get(leaf)
+        if array is None:
             kvstore = _zarr.array_kvstore(self._part, record)
-            self._arrays[leaf] = _zarr.open_array(kvstore, record).result(timeout=timeout_s)
-        region = _chunking.chunk_region(chunk.index, record.stored_shape, record.chunk_shape)
-        return np.asarray(self._arrays[leaf][region].read().result(timeout=timeout_s))
+            array = self._arrays[leaf] = _zarr.open_array(kvstore, record).result(timeout=timeout_s)
+        return np.asarray(array[tile.region].read().result(timeout=timeout_s))

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxckpt import _resources
 from jaxckpt.format import _checksum, _finite
+from jaxckpt.format._chunking import Region
 
 SLAB_FILE: Final = "slab"
 ALIGN: Final = 64  # a cache line: every chunk starts aligned for vectorized copies
@@ -60,10 +61,16 @@ def write(
     size: int,
     checksum: bool = True,
     tally: _finite.Tally | None = None,
-) -> list[int]:
-    """Writes `chunks` at `offsets` into the slab file at `path`; their CRC-32Cs
-    (none if not `checksum`: see `checksums`). With `checksum`, `tally` counts each
-    block's NaN/Inf in the same pass.
+    tiles: Sequence[Sequence[Region] | None] | None = None,
+) -> list[list[int]]:
+    """Writes `chunks` at `offsets` into the slab file at `path`; the CRC-32Cs of each
+    chunk's tiles (none if not `checksum`: see `checksums`). With `checksum`, `tally`
+    counts each block's NaN/Inf in the same pass.
+
+    `tiles[i]`: the regions of chunk i (in its own coordinates) that are its tiles,
+    in byte order (`_tiles.regions_in_chunk`); each is copied into place, one after
+    the other, in C order. None (or no `tiles`): the chunk is one tile, copied as it
+    is.
 
     An existing file (a reused slab) is resized, its pages allocated up front
     unless they all exist (`posix_fallocate`: a full tmpfs fails here with
@@ -92,20 +99,42 @@ def write(
             def put(block: np.ndarray, offset: int) -> None:
                 _pwrite_all(fd, block, offset)
 
-        def fill(i: int) -> int:
+        def fill(i: int) -> list[int]:
+            regions = tiles[i] if tiles is not None else None
+            if regions is not None:
+                return fill_tiles(i, regions)
             src, crc = _as_bytes(chunks[i]), 0
             if not checksum:
                 put(src, offsets[i])  # one call: a large copy streams past the cache
-                return crc
+                return [crc]
             for start in range(0, src.nbytes, _BLOCK):
                 block = src[start : start + _BLOCK]
                 put(block, offsets[i] + start)
                 crc = _checksum.crc32c(block, crc)
                 if tally is not None:
                     tally.add(i, block)
-            return crc
+            return [crc]
 
-        def fill_all(indices: range) -> list[int]:
+        def fill_tiles(i: int, regions: Sequence[Region]) -> list[int]:
+            crcs, offset = [], offsets[i]
+            for region in regions:
+                crc = 0
+                for block in _row_blocks(chunks[i][region]):
+                    if dest is not None:  # a strided copy straight into place
+                        into = dest[offset : offset + block.nbytes]
+                        into.view(block.dtype).reshape(block.shape)[...] = block
+                    else:
+                        into = _as_bytes(block)
+                        _pwrite_all(fd, into, offset)
+                    if checksum:
+                        crc = _checksum.crc32c(into, crc)  # while it is still in cache
+                        if tally is not None:
+                            tally.add(i, into)
+                    offset += block.nbytes
+                crcs.append(crc)
+            return crcs if checksum else []
+
+        def fill_all(indices: range) -> list[list[int]]:
             return [fill(i) for i in indices]
 
         futures = [_pool.submit(fill_all, r) for r in _batches([c.nbytes for c in chunks])]
@@ -124,14 +153,18 @@ def checksums(
     offsets: Sequence[int],
     sizes: Sequence[int],
     tally: _finite.Tally | None = None,
-) -> list[int]:
-    """The CRC-32Cs of the byte ranges [offset, offset + size) of the slab at `path`,
-    computed in parallel (of a slab `write` filled without them); `tally` counts each
-    block's NaN/Inf in the same pass."""
+    tiles: Sequence[Sequence[int] | None] | None = None,
+) -> list[list[int]]:
+    """The CRC-32Cs of the tiles of each byte range [offset, offset + size) of the slab
+    at `path`, computed in parallel (of a slab `write` filled without them); `tally`
+    counts each block's NaN/Inf in the same pass.
+
+    `tiles[i]`: the byte sizes of range i's tiles, one after the other (None, or no
+    `tiles`: the range is one tile)."""
     with open(path, "rb") as f:
         total = os.fstat(f.fileno()).st_size
         if not total:
-            return [0] * len(sizes)
+            return [[0] for _ in sizes]
         kept = kept_view(f.fileno(), total, keep=False)
         if kept is not None:  # the one `write` filled it through: no mapping to set up
             return _checksums_of(kept, offsets, sizes, tally)
@@ -152,9 +185,9 @@ def _checksums_of(
     offsets: Sequence[int],
     sizes: Sequence[int],
     tally: _finite.Tally | None,
-) -> list[int]:
-    def crc(i: int) -> int:
-        chunk = data[offsets[i] : offsets[i] + sizes[i]]
+    tiles: Sequence[Sequence[int] | None] | None = None,
+) -> list[list[int]]:
+    def crc(i: int, chunk: np.ndarray) -> int:
         if tally is None:
             return _checksum.crc32c(chunk)
         value = 0
@@ -164,8 +197,19 @@ def _checksums_of(
             tally.add(i, block)
         return value
 
-    def crcs(indices: range) -> list[int]:
-        return [crc(i) for i in indices]
+    def crcs_of(i: int) -> list[int]:
+        chunk = data[offsets[i] : offsets[i] + sizes[i]]
+        spans = tiles[i] if tiles is not None else None
+        if spans is None:
+            return [crc(i, chunk)]
+        out, start = [], 0
+        for n in spans:
+            out.append(crc(i, chunk[start : start + n]))
+            start += n
+        return out
+
+    def crcs(indices: range) -> list[list[int]]:
+        return [crcs_of(i) for i in indices]
 
     futures = [_pool.submit(crcs, r) for r in _batches(sizes)]
     concurrent.futures.wait(futures)
@@ -271,6 +315,15 @@ def allocate(fd: int, size: int) -> None:
     ENOSPC, never later with a SIGBUS on a mapped page."""
     if os.fstat(fd).st_blocks * 512 < size:
         os.posix_fallocate(fd, 0, size)
+
+
+def _row_blocks(tile: np.ndarray) -> list[np.ndarray]:
+    """`tile` cut along its first axis into blocks of about `_BLOCK` bytes (C order:
+    one after the other, they are its bytes in order)."""
+    if tile.ndim == 0 or tile.nbytes <= _BLOCK:
+        return [tile]
+    rows = max(1, _BLOCK * tile.shape[0] // tile.nbytes)
+    return [tile[r : r + rows] for r in range(0, tile.shape[0], rows)]
 
 
 def _batches(sizes: Sequence[int]) -> list[range]:

@@ -5,6 +5,12 @@ chunk grid is the saved shard shape, so every saved shard is exactly one chunk.
 A compression codec may be added, and every array ends with zarr3's standard
 `crc32c` codec, so that any zarr3 reader verifies every chunk it reads. (The
 memory and peer tiers keep slabs instead: `_slab`.)
+
+A leaf saved in tiles (`_tiles`) keeps each chunk as one zarr3 shard
+(`sharding_indexed`) whose inner chunks are its tiles, each followed by its
+CRC-32C: a restore that needs some tiles of a chunk reads only those (a ranged
+read each, on a file or an object store), and the checksum zarr3 verifies is the
+tile's own (`ChunkRecord.tiles`).
 """
 
 from __future__ import annotations
@@ -98,6 +104,26 @@ def create(
     written now replace the old ones, and a manifest never lists the others.
     """
     assert record.stored_shape is not None and record.chunk_shape is not None
+    codecs = (
+        [{"name": "bytes", "configuration": {"endian": "little"}}]
+        + _COMPRESSION_CODECS[compression]
+        + ([{"name": "crc32c"}] if crc32c else [])
+    )
+    if record.tile_shape is not None:
+        codecs = [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": list(record.tile_shape),
+                    "codecs": codecs,
+                    "index_codecs": [
+                        {"name": "bytes", "configuration": {"endian": "little"}},
+                        {"name": "crc32c"},
+                    ],
+                    "index_location": "end",
+                },
+            }
+        ]
     metadata = {
         "shape": list(record.stored_shape),
         "chunk_grid": {
@@ -106,9 +132,7 @@ def create(
         },
         "chunk_key_encoding": {"name": "default"},
         "data_type": record.stored_dtype,
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]
-        + _COMPRESSION_CODECS[compression]
-        + ([{"name": "crc32c"}] if crc32c else []),
+        "codecs": codecs,
         "fill_value": _fill_value(record.stored_dtype),
     }
     if attributes:
@@ -126,7 +150,10 @@ def open_array(kvstore: dict[str, Any], record: _format.LeafRecord | None = None
         spec["dtype"] = record.stored_dtype
         spec["schema"] = {
             "domain": {"shape": list(record.stored_shape)},
-            "chunk_layout": {"read_chunk": {"shape": list(record.chunk_shape)}},
+            "chunk_layout": {
+                "read_chunk": {"shape": list(record.tile_shape or record.chunk_shape)},
+                "write_chunk": {"shape": list(record.chunk_shape)},
+            },
         }
     return ts.open(spec, open=True, context=_context_for(kvstore))
 
@@ -151,23 +178,24 @@ async def settle(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
 async def write_chunks(
     kvstore: dict[str, Any],
     record: _format.LeafRecord,
-    chunks: Sequence[tuple[tuple[int, ...], np.ndarray]],
+    pieces: Sequence[tuple[_chunking.Region, np.ndarray]],
     compression: str | None = None,
     *,
     empty: bool = False,
     attributes: dict[str, Any] | None = None,
     crc32c: bool = False,
 ) -> None:
-    """Writes whole chunks of one leaf into a new zarr3 array (options as in `create`)."""
-    assert record.stored_shape is not None and record.chunk_shape is not None
+    """Writes whole chunks of one leaf into a new zarr3 array (options as in `create`):
+    `pieces` are (region, values) that together cover each chunk written: whole chunks,
+    or the tiles of a tiled leaf's chunks (written in one transaction, so that each
+    chunk, a zarr3 shard, is encoded and stored once)."""
     array = await create(
         kvstore, record, compression, empty=empty, attributes=attributes, crc32c=crc32c
     )
-    await settle(
-        [
-            array[_chunking.chunk_region(index, record.stored_shape, record.chunk_shape)].write(
-                data
-            )
-            for index, data in chunks
-        ]
-    )
+    if record.tile_shape is None:
+        await settle([array[region].write(data) for region, data in pieces])
+        return
+    txn = ts.Transaction()
+    staged = array.with_transaction(txn)
+    await settle([staged[region].write(data) for region, data in pieces])
+    await txn.commit_async()

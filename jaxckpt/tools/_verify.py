@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt.coord import _plan
-from jaxckpt.format import _checksum, _format
+from jaxckpt.format import _format
 from jaxckpt.tiers import _readers, _slab, _storage, _store
 from jaxckpt.tools import _catalog, _table, _trust
 
@@ -134,9 +134,16 @@ async def _verify_copy(
             try:
                 if silent:
                     raise TimeoutError(silent[0])
-                data = await asyncio.to_thread(
-                    reader.read, leaf, rec, chunk, timeout if timeout is not None else 1e9
+                await asyncio.to_thread(
+                    _readers.read_chunk,
+                    reader,
+                    leaf,
+                    rec,
+                    chunk,
+                    timeout if timeout is not None else 1e9,
                 )
+            except _readers.ChecksumMismatchError:
+                problems.append(f"{where}: checksum mismatch")
             except TimeoutError as e:
                 if not silent:
                     silent.append(str(e) or f"no answer within {_table.duration(timeout)}")
@@ -146,9 +153,6 @@ async def _verify_copy(
                     problems.append(f"{where}: checksum mismatch")
                 else:
                     problems.append(f"{where}: unreadable ({str(e).splitlines()[0][:200]})")
-            else:
-                if not _checksum.matches(chunk.crc32c, chunk.crc32, data):
-                    problems.append(f"{where}: checksum mismatch")
         on_chunk(chunk.nbytes)
 
     await asyncio.gather(*(check(leaf, c) for leaf, c in records))
