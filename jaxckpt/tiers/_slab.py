@@ -167,12 +167,12 @@ def checksums(
             return [[0] for _ in sizes]
         kept = kept_view(f.fileno(), total, keep=False)
         if kept is not None:  # the one `write` filled it through: no mapping to set up
-            return _checksums_of(kept, offsets, sizes, tally)
+            return _checksums_of(kept, offsets, sizes, tally, tiles)
         mapped = mmap.mmap(
             f.fileno(), total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
         )
     try:
-        return _checksums_of(np.frombuffer(mapped, np.uint8), offsets, sizes, tally)
+        return _checksums_of(np.frombuffer(mapped, np.uint8), offsets, sizes, tally, tiles)
     finally:
         # Every checksum is done or failed. A failure's traceback may still hold a view:
         # then the mapping goes with it.

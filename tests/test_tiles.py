@@ -1,0 +1,251 @@
+"""Tiles: a chunk cut along every dimension, each tile checksummed and read alone.
+
+Pure tile arithmetic, the slab's tile-major layout, and restores onto other meshes
+that read (and verify) only the tiles their shards need, from memory and from
+persistent storage: bytes read over bytes needed, counted by the restore's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from helpers import assert_tree_equal, manager, restore, save
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt.format import _checksum, _format, _tiles
+from jaxckpt.tiers import _slab
+
+# ---- pure arithmetic ------------------------------------------------------------------
+
+
+def test_a_chunk_under_two_tiles_stays_whole():
+    assert _tiles.tile_shape_for((128, 256), 4, 128 << 10) is None
+    assert _tiles.tile_shape_for((7,), 4, 1) is None  # odd: cannot be split evenly
+
+
+def test_tiles_split_every_dimension_up_to_eight_ways_largest_first():
+    # 32 MiB of float32 and tiles of at least 256 KiB: both axes split 8 ways.
+    assert _tiles.tile_shape_for((2048, 4096), 4, 256 << 10) == (256, 512)
+    # Larger tiles: the wider axis is split first, then the other.
+    assert _tiles.tile_shape_for((2048, 4096), 4, 4 << 20) == (1024, 1024)
+    # A typed key's data dimension (the last here) is never split.
+    assert _tiles.tile_shape_for((4096, 2), 4, 1, splittable=1) == (512, 2)
+    # An extent that stops being even stops being split.
+    assert _tiles.tile_shape_for((6, 1 << 20), 1, 1) == (3, 1 << 17)
+
+
+def _record(shape, chunk, tile, dtype="float32"):
+    return _format.LeafRecord(
+        "['w']",
+        _format.ARRAY,
+        shape=shape,
+        dtype=dtype,
+        stored_shape=shape,
+        stored_dtype=dtype,
+        chunk_shape=chunk,
+        tile_shape=tile,
+    )
+
+
+def test_the_tiles_of_a_chunk_cover_it_once_in_byte_order():
+    record = _record((100, 60), (50, 60), (16, 32))
+    chunk = _format.ChunkRecord((1, 0), 50 * 60 * 4, offset=0, tiles=tuple(range(8)))
+    tiles = _tiles.tiles(record, chunk)
+    covered = np.zeros((100, 60), int)
+    offset = 0
+    for t in tiles:
+        covered[t.region] += 1
+        assert t.offset == offset and t.nbytes == 4 * np.prod(t.shape)
+        offset += t.nbytes
+    assert offset == chunk.nbytes
+    assert (covered[50:] == 1).all() and (covered[:50] == 0).all()
+    # Tiles at the chunk's end are cut short: 50 rows = 16 + 16 + 16 + 2.
+    assert [t.shape for t in tiles[-2:]] == [(2, 32), (2, 28)]
+    assert _tiles.overlapping(tiles, (slice(60, 70), slice(0, 10))) == [tiles[0], tiles[2]]
+
+
+def test_a_chunk_whose_tile_checksums_do_not_fit_its_grid_is_refused():
+    record = _record((64, 64), (64, 64), (32, 32))
+    chunk = _format.ChunkRecord((0, 0), 64 * 64 * 4, offset=0, tiles=(1, 2, 3))
+    with pytest.raises(ValueError, match=r"\['w'\] records 3 tile checksums.*makes 4"):
+        _tiles.tiles(record, chunk)
+
+
+def test_chunk_and_leaf_records_round_trip_their_tiles():
+    record = _record((64, 64), (64, 64), (32, 32))
+    chunk = _format.ChunkRecord((0, 0), 16384, offset=64, tiles=(1, 2, 3, 4))
+    assert _format.LeafRecord.from_dict(record.to_dict()) == record
+    assert _format.ChunkRecord.from_dict(chunk.to_dict()) == chunk
+
+
+# ---- the slab ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["new-file", "reused-slab"])
+def test_a_slab_holds_each_tile_whole_one_after_the_other(tmp_path, reuse):
+    rng = np.random.default_rng(0)
+    chunks = [rng.standard_normal((40, 64)).astype(np.float32), np.arange(9, dtype=np.int64)]
+    regions = [_tiles.regions_in_chunk((40, 64), (16, 32)), None]
+    path = tmp_path / "slab"
+    if reuse:
+        path.write_bytes(b"\xff" * 65536)
+    offsets, size = _slab.layout([c.nbytes for c in chunks])
+    crcs = _slab.write(path, chunks, offsets, size, tiles=regions)
+    raw = path.read_bytes()
+    tiles = [chunks[0][r] for r in regions[0]]
+    expected = b"".join(t.tobytes() for t in tiles)
+    assert raw[offsets[0] : offsets[0] + len(expected)] == expected
+    assert crcs == [
+        [_checksum.crc32c(np.ascontiguousarray(t)) for t in tiles],
+        [_checksum.crc32c(chunks[1])],
+    ]
+    # Filled without checksums (the CPU path), checksummed in place: the same ones.
+    assert _slab.write(path, chunks, offsets, size, checksum=False, tiles=regions) == []
+    sizes = [[t.nbytes for t in tiles], None]
+    assert _slab.checksums(path, offsets, [c.nbytes for c in chunks], tiles=sizes) == crcs
+    _slab.forget_all()
+
+
+# ---- restores onto other meshes: bytes read over bytes needed -----------------------------
+
+TILE_BYTES = 4096
+ROWS, COLS = 256, 256  # float32: 256 KiB; on 2 shards, 128 KiB chunks of 32x32 tiles
+
+
+def _mesh(shape, names):
+    n = int(np.prod(shape))
+    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
+# (saved on, restored onto): mesh shape, axis names, spec.
+DIRECTIONS = {
+    "finer-2-to-8": (((2,), ("x",), P("x")), ((8,), ("x",), P("x"))),
+    "coarser-8-to-2": (((8,), ("x",), P("x")), ((2,), ("x",), P("x"))),
+    "rows-to-columns": (((2,), ("x",), P("x")), ((8,), ("x",), P(None, "x"))),
+    "axis-order": (((2, 4), ("x", "y"), P("x", "y")), ((2, 4), ("x", "y"), P("y", "x"))),
+    "replicated-to-sharded": (((8,), ("x",), P()), ((8,), ("x",), P("x", None))),
+    "sharded-to-replicated": (((2,), ("x",), P("x")), ((8,), ("x",), P())),
+}
+
+
+def _weights(mesh_spec):
+    shape, names, spec = mesh_spec
+    values = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
+    return jax.device_put(values, NamedSharding(_mesh(shape, names), spec))
+
+
+def _target(mesh_spec):
+    shape, names, spec = mesh_spec
+    return jax.ShapeDtypeStruct(
+        (ROWS, COLS), np.float32, sharding=_mesh_sharding(shape, names, spec)
+    )
+
+
+def _mesh_sharding(shape, names, spec):
+    return NamedSharding(_mesh(shape, names), spec)
+
+
+def _read_over_needed(metrics) -> float:
+    return sum(metrics["bytes_by_tier"].values()) / metrics["bytes_needed"]
+
+
+@pytest.mark.parametrize("tier", ["memory", "persistent"])
+@pytest.mark.parametrize("direction", sorted(DIRECTIONS))
+def test_a_restore_onto_another_mesh_reads_only_the_tiles_it_needs(tmp_path, direction, tier):
+    saved_on, onto = DIRECTIONS[direction]
+    memory_root = str(tmp_path / "memory")
+    state = {"w": _weights(saved_on)}
+    h = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=1, tile_bytes=TILE_BYTES)
+    )
+    with manager(tmp_path / "ckpt", h) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+        if tier == "persistent":
+            shutil.rmtree(memory_root)
+        restored = restore(mngr, 1, {"w": _target(onto)})
+        metrics = h.last_restore_metrics
+    assert_tree_equal(restored, state)
+    assert restored["w"].sharding.is_equivalent_to(_target(onto).sharding, 2)
+    assert set(metrics["bytes_by_tier"]) == {tier}
+    assert _read_over_needed(metrics) <= 1.1, metrics
+
+
+def test_without_tiles_a_finer_mesh_reads_whole_chunks(tmp_path):
+    """The measure above can fail: saved whole, each chunk is read whole."""
+    saved_on, onto = DIRECTIONS["rows-to-columns"]
+    h = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(str(tmp_path / "memory"), tile_bytes=None)
+    )
+    with manager(tmp_path / "ckpt", h) as mngr:
+        save(mngr, 1, {"w": _weights(saved_on)})
+        mngr.wait_until_finished()
+        restore(mngr, 1, {"w": _target(onto)})
+        assert _read_over_needed(h.last_restore_metrics) > 1.9
+
+
+def _memory_part(memory_root: str, step: int) -> Path:
+    (manifest,) = [
+        p
+        for p in Path(memory_root).glob(f"**/part_00000/{_format.MANIFEST_FILE}")
+        if ".staging" not in p.parts and f"{step}" in p.parent.parent.name
+    ]
+    return manifest.parent
+
+
+def test_a_damaged_tile_falls_back_alone(tmp_path):
+    """One flipped byte in one tile of a memory copy: that tile alone is read from the
+    persistent tier, every other byte still from memory."""
+    saved_on, _ = DIRECTIONS["finer-2-to-8"]
+    memory_root = str(tmp_path / "memory")
+    state = {"w": _weights(saved_on)}
+    h = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=1, tile_bytes=TILE_BYTES)
+    )
+    with manager(tmp_path / "ckpt", h) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+        part = _memory_part(memory_root, 1)
+        manifest = _format.PartManifest.from_json((part / _format.MANIFEST_FILE).read_text())
+        record = manifest.leaves[0]
+        chunk = manifest.chunks[0][1]
+        tile = _tiles.tiles(record, chunk)[5]
+        assert chunk.offset is not None
+        with open(part / _slab.SLAB_FILE, "r+b") as f:
+            f.seek(chunk.offset + tile.offset + 7)
+            byte = f.read(1)[0]
+            f.seek(chunk.offset + tile.offset + 7)
+            f.write(bytes([byte ^ 0x10]))
+        restored = restore(mngr, 1, {"w": _target(saved_on)})
+        metrics = h.last_restore_metrics
+    assert_tree_equal(restored, state)
+    assert metrics["fallbacks"] == 1
+    assert metrics["bytes_by_tier"] == {
+        "persistent": tile.nbytes,
+        "memory": ROWS * COLS * 4 - tile.nbytes,
+    }
+
+
+def test_the_persistent_copy_keeps_tiles_as_checksummed_inner_chunks(tmp_path):
+    saved_on, _ = DIRECTIONS["finer-2-to-8"]
+    h = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(str(tmp_path / "memory"), persist_every=1, tile_bytes=TILE_BYTES)
+    )
+    with manager(tmp_path / "ckpt", h) as mngr:
+        save(mngr, 1, {"w": _weights(saved_on)})
+        mngr.wait_until_finished()
+        h.wait_for_persistence()
+    meta = json.loads((tmp_path / "ckpt/1/train/part_00000/arrays/w/zarr.json").read_text())
+    (codec,) = meta["codecs"]
+    assert codec["name"] == "sharding_indexed"
+    assert codec["configuration"]["chunk_shape"] == [32, 32]
+    assert [c["name"] for c in codec["configuration"]["codecs"]] == ["bytes", "crc32c"]
