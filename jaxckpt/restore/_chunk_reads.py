@@ -34,7 +34,24 @@ OnDamaged = Callable[[_plan.Source, int, str], None]
 # Chunks of one leaf are read in parallel from this many bytes on (below, the
 # hand-off to a thread costs more than it saves).
 _PARALLEL_BYTES = 4 << 20
+_TASK_BYTES = 2 << 20  # tiles read (and copied into place) by one task
 _POOL: Final = _resources.SHARED.pool(min(8, os.cpu_count() or 1), "jaxckpt-restore")
+
+
+def _batches(
+    keys: Sequence[tuple[tuple[int, ...], int]],
+    tiles: Mapping[tuple[tuple[int, ...], int], _tiles.Tile],
+) -> list[Sequence[tuple[tuple[int, ...], int]]]:
+    """`keys` (tiles) cut into consecutive runs of about `_TASK_BYTES`, one task each."""
+    out, start, run = [], 0, 0
+    for k, key in enumerate(keys):
+        run += tiles[key].nbytes
+        if run >= _TASK_BYTES:
+            out.append(keys[start : k + 1])
+            start, run = k + 1, 0
+    if start < len(keys):
+        out.append(keys[start:])
+    return out
 
 
 class ChunkUnavailableError(OSError):
@@ -165,6 +182,7 @@ class ChunkReads:
         self._owners_of = plan.chunk_owner(process_index)  # its own part first
         self._readers: dict[tuple[_plan.Source, int], _readers.ChunkReader] = {}
         self._chunk_records: dict[tuple[int, int], dict[tuple[int, ...], _format.ChunkRecord]] = {}
+        self._tile_lists: dict[tuple[int, int, tuple[int, ...]], list[_tiles.Tile]] = {}
         self._lock = threading.Lock()
         self.bytes_by_tier: dict[str, int] = {}
         self.bytes_needed = 0
@@ -207,12 +225,22 @@ class ChunkReads:
         for o in owners:
             chunk = self._saved_chunks(o, leaf).get(index)
             if chunk is not None:
-                return _tiles.tiles(self._plan.leaves[leaf], chunk)
+                return self._chunk_tiles(o, leaf, chunk)
         record = self._plan.leaves[leaf]
         raise ChunkUnavailableError(
             f"Chunk {index} of {record.path} is in no part of step {self._plan.step}"
             + (f" (looked in the part of process {owner})." if owner is not None else ".")
         )
+
+    def _chunk_tiles(
+        self, owner: int, leaf: int, chunk: _format.ChunkRecord
+    ) -> list[_tiles.Tile]:
+        """The tiles of `owner`'s copy of `chunk` of `leaf` (worked out once)."""
+        key = (owner, leaf, chunk.index)
+        found = self._tile_lists.get(key)
+        if found is None:
+            found = self._tile_lists[key] = _tiles.tiles(self._plan.leaves[leaf], chunk)
+        return found
 
     def _read_tile(
         self, leaf: int, index: tuple[int, ...], tile: int, owner: int | None = None
@@ -257,7 +285,7 @@ class ChunkReads:
         for o in owners:
             expected = self._saved_chunks(o, leaf).get(index)
             if expected is not None:
-                tiles = _tiles.tiles(record, expected)
+                tiles = self._chunk_tiles(o, leaf, expected)
                 if tile >= len(tiles):
                     tried.append(f"part of process {o}: its chunk {index} has no tile {tile}")
                     continue
@@ -367,31 +395,48 @@ class ChunkReads:
                     tiles_of[i] = self._tiles_of(leaf, i, owner)
                 found.extend((i, t) for t in _tiles.overlapping(tiles_of[i], region))
             wanted.append(found)
-        needed = sorted({(i, t.index): t for found in wanted for i, t in found}.items())
-        nbytes = sum(t.nbytes for _, t in needed)
         with self._lock:
             self.bytes_needed += itemsize * sum(
                 math.prod(s.stop - s.start for s in r) for r in regions
             )
-        if len(needed) > 1 and nbytes >= _PARALLEL_BYTES:
-            read = list(_POOL.map(lambda k: self._read_tile(leaf, k[0][0], k[0][1], owner), needed))
-        else:
-            read = [self._read_tile(leaf, i, k, owner) for (i, k), _ in needed]
-        got = {key: data for (key, _), data in zip(needed, read, strict=True)}
-        out = []
-        for region, found in zip(regions, wanted, strict=True):
-            if len(found) == 1 and _chunking.region_key(found[0][1].region) == _chunking.region_key(
-                region
-            ):
-                out.append(got[found[0][0], found[0][1].index])  # exactly one tile: no copy
+        # A region that is exactly one tile is that tile (no copy); every other one gets a
+        # buffer, aligned as a slab is (JAX on CPU keeps it without another copy), which
+        # each tile is copied into right after it is read and checked, while it is in cache.
+        needed: dict[tuple[tuple[int, ...], int], _tiles.Tile] = {}
+        into: dict[tuple[tuple[int, ...], int], list[int]] = {}  # tile -> regions it fills
+        is_tile: dict[tuple[tuple[int, ...], int], list[int]] = {}  # tile -> regions it is
+        out: list[np.ndarray | None] = []
+        for r, (region, found) in enumerate(zip(regions, wanted, strict=True)):
+            for i, t in found:
+                needed[i, t.index] = t
+            if len(found) == 1 and found[0][1].region == region:
+                is_tile.setdefault((found[0][0], found[0][1].index), []).append(r)
+                out.append(None)
                 continue
-            # Aligned as a slab is: JAX on CPU keeps it without another copy.
+            for i, t in found:
+                into.setdefault((i, t.index), []).append(r)
             dims = [s.stop - s.start for s in region]
             buf = _readers.aligned_empty(math.prod(dims) * itemsize)
-            buf = buf.view(record.stored_dtype).reshape(dims)
-            for i, tile in found:
-                both = _chunking.intersect(region, tile.region)
-                data = got[i, tile.index]
-                buf[_chunking.relative(both, region)] = data[_chunking.relative(both, tile.region)]
-            out.append(buf)
-        return out
+            out.append(buf.view(record.stored_dtype).reshape(dims))
+
+        def read(keys: Sequence[tuple[tuple[int, ...], int]]) -> None:
+            for key in keys:
+                tile = needed[key]
+                data = self._read_tile(leaf, key[0], key[1], owner)
+                for r in into.get(key, ()):
+                    region, buf = regions[r], out[r]
+                    assert buf is not None
+                    both = _chunking.intersect(region, tile.region)
+                    buf[_chunking.relative(both, region)] = data[
+                        _chunking.relative(both, tile.region)
+                    ]
+                for r in is_tile.get(key, ()):
+                    out[r] = data
+
+        keys = sorted(needed)
+        if len(keys) > 1 and sum(t.nbytes for t in needed.values()) >= _PARALLEL_BYTES:
+            for _ in _POOL.map(read, _batches(keys, needed)):
+                pass  # (raises the first failure)
+        else:
+            read(keys)
+        return [buf for buf in out if buf is not None]
