@@ -15,9 +15,13 @@ import time
 from pathlib import Path
 
 import fsspec
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from helpers import abstract, assert_tree_equal, mesh_1d, restore, save, sharded_state
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from object_stores import Emulator, reset_clients, running
 
 import jaxckpt
@@ -352,3 +356,29 @@ def test_a_step_index_on_an_object_store_is_read_in_ranges(kind, tmp_path, store
         small = _index.step_index_text(parts[0].leaves, {0: _index.entry(parts[0])})
         _storage.write_object(item_dir / _format.STEP_INDEX_FILE, small)  # under a first read
         assert _index.read_index(item_dir)[0].save_id == "save-0"
+
+
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_tiled_chunks_persist_and_restore_onto_another_mesh(kind, tmp_path, memory_root, store_env):
+    """A leaf saved in tiles (zarr3 shards whose inner chunks are the tiles) is uploaded,
+    and read back tile by tile onto another mesh."""
+    values = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
+    two = Mesh(np.array(jax.devices()[:2]), ("x",))
+    state = {"w": jax.device_put(values, NamedSharding(two, P("x")))}
+    with running(kind, tmp_path) as emulator:
+        store_env(emulator)
+        url = emulator.url("run")
+        h = handler(memory_root, persist_every=1, tile_bytes=4096)
+        with manager(url, h) as mngr:
+            save(mngr, 1, state)
+            h.wait_for_persistence()
+        shutil.rmtree(memory_root)
+        h = handler(memory_root, persist_every=1, tile_bytes=4096)
+        columns = NamedSharding(mesh_1d(), P(None, "data"))
+        with manager(url, h) as mngr:
+            restored = restore(
+                mngr, 1, {"w": jax.ShapeDtypeStruct((256, 256), np.float32, sharding=columns)}
+            )
+            assert h.last_restore_metrics["tier"] == "persistent"
+    np.testing.assert_array_equal(restored["w"], values)
+    assert restored["w"].sharding == columns

@@ -15,7 +15,10 @@ The GCS emulator is run with fixes (`_GCS_SERVER`) without which it measures two
   tensorstore) waits 1 s before sending the body of every object over 1 MiB;
 - it serializes the metadata of every object it holds (soft-deleted ones included,
   kept for 7 days) into a JSON file on every write and delete: each request costs
-  O(objects stored), and a run slows down as the bucket fills (2-4x over 4 repeats).
+  O(objects stored), and a run slows down as the bucket fills (2-4x over 4 repeats);
+- it sends no object generation with a download (`x-goog-generation`, which real GCS
+  always sends): tensorstore's read of a tile of a zarr3 shard (the shard's index, then
+  the tile at the index's generation) fails without it.
 
 Here the backlog is 1024; the handler speaks HTTP/1.1 (answering 100-continue) with one
 request per connection (the server is single-threaded: a kept-alive connection would
@@ -58,6 +61,24 @@ class Handler(gcs.RequestHandler):
     def end_headers(self):
         self.send_header("Connection", "close")  # one request per connection
         super().end_headers()
+
+from gcp_storage_emulator.handlers import objects
+
+original = objects.download
+
+def download(request, response, storage, *args, **kwargs):
+    original(request, response, storage, *args, **kwargs)
+    try:
+        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+    except Exception:
+        return
+    response["x-goog-generation"] = str(obj["generation"])
+
+objects.download = download
+for _, methods in gcs.HANDLERS:
+    for method, handler in list(methods.items()):
+        if handler is original:
+            methods[method] = download
 
 http.server.HTTPServer.request_queue_size = 1024
 gcs.RequestHandler = Handler

@@ -232,9 +232,7 @@ class ChunkReads:
             + (f" (looked in the part of process {owner})." if owner is not None else ".")
         )
 
-    def _chunk_tiles(
-        self, owner: int, leaf: int, chunk: _format.ChunkRecord
-    ) -> list[_tiles.Tile]:
+    def _chunk_tiles(self, owner: int, leaf: int, chunk: _format.ChunkRecord) -> list[_tiles.Tile]:
         """The tiles of `owner`'s copy of `chunk` of `leaf` (worked out once)."""
         key = (owner, leaf, chunk.index)
         found = self._tile_lists.get(key)

@@ -120,7 +120,9 @@ def create(
                         {"name": "bytes", "configuration": {"endian": "little"}},
                         {"name": "crc32c"},
                     ],
-                    "index_location": "end",
+                    # At the start: a plain range read (some object stores, the GCS
+                    # emulator among them, ignore a suffix range such as "bytes=-516").
+                    "index_location": "start",
                 },
             }
         ]

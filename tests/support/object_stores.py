@@ -31,6 +31,34 @@ BUCKET_PREFIX = "jaxckpt-test"
 START_TIMEOUT_S = 30.0
 _REQUEST = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+"')
 
+# gcp-storage-emulator, with the one thing of real GCS it lacks that tensorstore needs:
+# an object's generation on every download (`x-goog-generation`). Tensorstore reads a
+# tile of a zarr3 shard as two conditional reads (the shard's index, then the tile, at
+# the index's generation), which fail without it ("Malformed StorageGeneration"). Real
+# GCS sends it always. (Conditions on it are still ignored: nothing here races a write.)
+_GCS_WITH_GENERATIONS = """
+import sys
+from gcp_storage_emulator import __main__ as cli, server
+from gcp_storage_emulator.handlers import objects
+
+original = objects.download
+
+def download(request, response, storage, *args, **kwargs):
+    original(request, response, storage, *args, **kwargs)
+    try:
+        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+    except Exception:
+        return  # not found: the original answered so
+    response["x-goog-generation"] = str(obj["generation"])
+
+objects.download = download
+for _, methods in server.HANDLERS:
+    for method, handler in list(methods.items()):
+        if handler is original:
+            methods[method] = download
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
 
 class Emulator:
     """One running emulator; `url(path)` names a location in its bucket."""
@@ -68,8 +96,8 @@ class Emulator:
         bin_dir = Path(sys.executable).parent
         env = dict(os.environ)
         if self.kind == "gcs":
-            exe = shutil.which("gcp-storage-emulator", path=str(bin_dir)) or "gcp-storage-emulator"
-            cmd = [exe, "start", "--host=127.0.0.1", f"--port={self.port}"]
+            cmd = [sys.executable, "-c", _GCS_WITH_GENERATIONS, "start", "--host=127.0.0.1"]
+            cmd.append(f"--port={self.port}")
             if self.data_dir is None:
                 cmd.append("--in-memory")
             else:
