@@ -374,7 +374,8 @@ class ChunkReads:
         self, leaf: int, regions: Sequence[_chunking.Region], owner: int | None = None
     ) -> list[np.ndarray]:
         """The verified saved bytes of each of `regions` of `leaf` (in its stored shape and
-        dtype), each chunk read once (`owner`: the part to read a per-process leaf from)."""
+        dtype): only the tiles they intersect are read, each once (`owner`: the part to
+        read a per-process leaf from)."""
         record = self._plan.leaves[leaf]
         assert (
             record.stored_shape is not None
@@ -437,4 +438,5 @@ class ChunkReads:
                 pass  # (raises the first failure)
         else:
             read(keys)
+        assert all(buf is not None for buf in out)
         return [buf for buf in out if buf is not None]
