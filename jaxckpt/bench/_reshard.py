@@ -70,7 +70,7 @@ def _rows(n: int) -> Layout:
 @dataclasses.dataclass(frozen=True)
 class Direction:
     """One change of layout: saved by `save_processes` in `save`, restored by
-    `restore_processes` onto `target` (each process with `devices_per_process(...)`)."""
+    `restore_processes` onto `target` (the devices split evenly among the processes)."""
 
     name: str
     what: str
@@ -78,22 +78,31 @@ class Direction:
     target: Layout
     save_processes: int = 1
     restore_processes: int = 1
+    # A multi-process direction: the saving job's nodes lost before the restoring job
+    # starts (their memory roots removed), and the nodes the restoring job runs on
+    # (a lost one named again starts with an empty memory root: a replacement node).
+    lost: tuple[str, ...] = ()
+    restart_nodes: tuple[str, ...] = ()
 
     @property
     def multiprocess(self) -> bool:
         return self.save_processes > 1 or self.restore_processes > 1
 
-    def devices_per_process(self, processes: int) -> int:
-        """Devices each process starts with (one process: every device any mesh uses)."""
+    def devices_per_process(self, saving: bool) -> int:
+        """Devices each process of the saving (or restoring) job starts with; one process
+        starts with every device any one-process direction's mesh uses."""
         if not self.multiprocess:
             return ONE_PROCESS_DEVICES
-        return self.save.devices // processes
+        if saving:
+            return self.save.devices // self.save_processes
+        return self.target.devices // self.restore_processes
 
     @property
     def tiers(self) -> tuple[str, ...]:
-        """The tiers it is restored from: own memory, or peers' after a node loss; then
-        the persistent tier after every memory tier is lost."""
-        return ("peer" if self.multiprocess else "memory", "persistent")
+        """The tiers it is restored from: the memory tiers (own, and peers' with several
+        processes; "peer" after a node loss), then the persistent tier once every memory
+        tier lost the step."""
+        return ("peer" if self.lost else "memory", "persistent")
 
 
 ONE_PROCESS_DEVICES: Final = 64
@@ -119,9 +128,38 @@ DIRECTIONS: Final = (
         _rows(8),
         Layout(8, (8,), ("x",), ()),
     ),
-    # Eight shards throughout: only the processes change (4 x 2 devices <-> 2 x 4).
-    Direction("procs_4_2", "4 -> 2 processes (8 shards)", _rows(8), _rows(8), 4, 2),
-    Direction("procs_2_4", "2 -> 4 processes (8 shards)", _rows(8), _rows(8), 2, 4),
+    # Two devices a process, as hosts of one kind: fewer hosts hold fewer shards.
+    Direction(
+        "procs_4_2",
+        "4 -> 2 processes (8 -> 4 shards)",
+        _rows(8),
+        _rows(4),
+        4,
+        2,
+        lost=("node1", "node3"),
+        restart_nodes=("node0", "node2"),
+    ),
+    Direction(
+        "procs_2_4",
+        "2 -> 4 processes (4 -> 8 shards)",
+        _rows(4),
+        _rows(8),
+        2,
+        4,
+        lost=("node0",),
+        restart_nodes=("node0", "node1", "node2", "node3"),
+    ),
+    # Another axis sharded across processes: each process needs half of every saved
+    # chunk (the one-process directions need every byte of the state in that process).
+    Direction(
+        "rows_to_columns",
+        "P('x', None) -> P(None, 'x'), 2 processes",
+        _rows(4),
+        Layout(4, (4,), ("x",), (None, "x")),
+        2,
+        2,
+        restart_nodes=("node0", "node1"),
+    ),
 )
 BY_NAME: Final = {d.name: d for d in DIRECTIONS}
 # The issue's two timing targets: from own memory, 2 -> 8 shards, against the floor; the
@@ -149,7 +187,8 @@ def values(leaf: int, region: Region) -> np.ndarray:
 def region_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
     """A device's index (slices, None for whole) as (start, stop) per dimension."""
     return tuple(
-        (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape, strict=True)
+        (s.start or 0, dim if s.stop is None else s.stop)
+        for s, dim in zip(index, shape, strict=True)
     )
 
 

@@ -33,12 +33,6 @@ from jaxckpt.bench import _run as _driver
 FORMAT_VERSION: Final = 1  # of the JSON report; bump on incompatible changes
 _DEFAULTS: Final = {"state_mib": 64.0, "repeats": 3, "deadline_s": 1800.0}
 _QUICK: Final = {"state_mib": 4.0, "repeats": 1, "deadline_s": 900.0}
-# The nodes a job that changes the process count restarts on, after a node loss: the
-# saving job's nodes less the lost ones, plus fresh ones (their memory roots empty).
-_RESTART: Final = {
-    "procs_4_2": {"lost": ("node1", "node3"), "nodes": ("node0", "node2")},
-    "procs_2_4": {"lost": ("node0",), "nodes": ("node0", "node1", "node2", "node3")},
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +157,6 @@ def _resized(
 ) -> list[dict[str, Any]]:
     """A direction that changes the process count: the saving job, a node loss, the
     restoring job (the results are the restoring job's)."""
-    restart = _RESTART[d.name]
     job = {**cfg, "directions": [d.name], "replicas": 1}
     _say(f"{d.what}: {d.save_processes} processes save")
     _job(
@@ -171,22 +164,23 @@ def _resized(
             **job,
             "role": "save",
             "processes": d.save_processes,
-            "devices_per_process": d.devices_per_process(d.save_processes),
+            "devices_per_process": d.devices_per_process(saving=True),
         },
         base,
         logs / "save",
         deadline,
     )
-    for node in restart["lost"]:
+    for node in d.lost:
         shutil.rmtree(base / node, ignore_errors=True)
-    _say(f"{d.what}: {', '.join(restart['lost'])} lost, {d.restore_processes} processes restore")
+    lost = f"{', '.join(d.lost)} lost, " if d.lost else ""
+    _say(f"{d.what}: {lost}{d.restore_processes} processes restore")
     return _job(
         {
             **job,
             "role": "restore",
             "processes": d.restore_processes,
-            "devices_per_process": d.devices_per_process(d.restore_processes),
-            "nodes": list(restart["nodes"]),
+            "devices_per_process": d.devices_per_process(saving=False),
+            "nodes": list(d.restart_nodes),
         },
         base,
         logs / "restore",
@@ -194,9 +188,7 @@ def _resized(
     )
 
 
-def _job(
-    cfg: dict[str, Any], base: Path, logs: Path, deadline: float
-) -> list[dict[str, Any]]:
+def _job(cfg: dict[str, Any], base: Path, logs: Path, deadline: float) -> list[dict[str, Any]]:
     base.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
     return _driver._run_processes(cfg, base, logs, deadline)

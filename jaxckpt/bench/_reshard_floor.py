@@ -37,7 +37,9 @@ class Floor:
       mapped: whether reads map the file (tmpfs) or read it into host memory (disk).
     """
 
-    def __init__(self, directory: Path, leaves: Sequence[tuple[tuple[int, ...], Any]], mapped: bool):
+    def __init__(
+        self, directory: Path, leaves: Sequence[tuple[tuple[int, ...], Any]], mapped: bool
+    ):
         self.leaves = list(leaves)
         self.mapped = mapped
         self.path = directory / f".floor-{uuid.uuid4().hex[:8]}"
@@ -76,9 +78,7 @@ class Floor:
                     nbytes = _reshard.region_bytes(region)
                     block = data[offset : offset + nbytes]
                     _checksum.crc32c(memoryview(block))  # type: ignore[arg-type]
-                    by_region[region] = block.view(np.float32).reshape(
-                        [b - a for a, b in region]
-                    )
+                    by_region[region] = block.view(np.float32).reshape([b - a for a, b in region])
                 shards = [
                     jax.device_put(by_region[_reshard.region_of(tuple(index), shape)], device)
                     for device, index in sharding.addressable_devices_indices_map(shape).items()
@@ -97,7 +97,9 @@ class Floor:
             # Not closed here: the arrays put on CPU devices may keep its pages (as a
             # restore from memory keeps the slab's); it is unmapped when they are freed.
             return np.frombuffer(mmap.mmap(fd, self.nbytes, access=mmap.ACCESS_READ), np.uint8)
-        data = np.empty(self.nbytes, np.uint8)
+        # Page-aligned (anonymous pages), as a restore's landing buffer: a CPU device may
+        # then keep the bytes without a copy of its own.
+        data = np.frombuffer(mmap.mmap(-1, self.nbytes), np.uint8)
         view, done = memoryview(data), 0
         while done < self.nbytes:
             done += os.preadv(fd, [view[done:]], done)

@@ -196,9 +196,11 @@ def _restores(
         seconds, restored = _timed(
             tag,
             sync,
-            lambda: ours.mngr.restore(
-                STEP, args=ocp.args.Composite(train=jaxckpt.TieredRestore(target))
-            ).train,
+            lambda: (
+                ours.mngr.restore(
+                    STEP, args=ocp.args.Composite(train=jaxckpt.TieredRestore(target))
+                ).train
+            ),
             cold,
         )
         metrics = ours.metrics("restore", STEP)[-1]
