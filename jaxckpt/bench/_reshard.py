@@ -12,6 +12,7 @@ does, in the worker processes, and `_reshard_cli` starts them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 from collections.abc import Sequence
@@ -222,7 +223,7 @@ def figures(results: Sequence[dict[str, Any]]) -> list[Figure]:
             continue
         for tier in d.tiers:
             ident = f"r.{d.name}.{tier}"
-            worst = max(procs, key=lambda p, t=tier: _read(p, t) / max(1, p["needed_bytes"]))
+            worst = max(procs, key=functools.partial(_overread, tier=tier))
             out.append(
                 Figure(
                     f"{ident}.bytes",
@@ -258,6 +259,11 @@ def figures(results: Sequence[dict[str, Any]]) -> list[Figure]:
                 )
             )
     return out
+
+
+def _overread(p: dict[str, Any], tier: str) -> float:
+    """A process's bytes read from `tier` over the bytes it needs."""
+    return _read(p, tier) / max(1, p["needed_bytes"])
 
 
 def _read(p: dict[str, Any], tier: str) -> int:

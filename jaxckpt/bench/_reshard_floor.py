@@ -99,8 +99,9 @@ class Floor:
             return np.frombuffer(mmap.mmap(fd, self.nbytes, access=mmap.ACCESS_READ), np.uint8)
         # Page-aligned (anonymous pages), as a restore's landing buffer: a CPU device may
         # then keep the bytes without a copy of its own.
-        data = np.frombuffer(mmap.mmap(-1, self.nbytes), np.uint8)
-        view, done = memoryview(data), 0
+        pages = mmap.mmap(-1, self.nbytes)
+        data = np.frombuffer(pages, np.uint8)
+        view, done = memoryview(pages), 0
         while done < self.nbytes:
             done += os.preadv(fd, [view[done:]], done)
         return data

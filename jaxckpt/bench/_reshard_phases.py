@@ -68,11 +68,10 @@ def _state(d: _reshard.Direction, rows: int) -> dict[str, jax.Array]:
     shape = (rows, _reshard.COLUMNS)
 
     def leaf(i: int) -> jax.Array:
-        return jax.make_array_from_callback(
-            shape,
-            sharding,
-            lambda index: _reshard.values(i, _reshard.region_of(index, shape)).astype(np.float32),
-        )
+        def shard(index: Any) -> np.ndarray:
+            return _reshard.values(i, _reshard.region_of(tuple(index), shape)).astype(np.float32)
+
+        return jax.make_array_from_callback(shape, sharding, shard)
 
     return {f"w{i}": leaf(i) for i in range(_reshard.LEAVES)}
 
