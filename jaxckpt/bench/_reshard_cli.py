@@ -23,12 +23,15 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from jaxckpt.bench import _figure, _machine, _reshard
-from jaxckpt.bench import _run as _driver
+
+# How the driver runs one job: (config, memory base, log dir, deadline) -> each process's
+# result (`_run._run_processes`, passed in by `_run.main`).
+Launch = Callable[[dict[str, Any], Path, Path, float], list[dict[str, Any]]]
 
 FORMAT_VERSION: Final = 1  # of the JSON report; bump on incompatible changes
 _DEFAULTS: Final = {"state_mib": 64.0, "repeats": 3, "deadline_s": 1800.0}
@@ -73,8 +76,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
     return names
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the jobs; prints the figures and every process's restores; 0 on success."""
+def main(argv: Sequence[str] | None, launch: Launch) -> int:
+    """Runs the jobs through `launch`; prints the figures and every process's restores;
+    returns 0 on success, 1 if a job failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -96,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = start + (args.deadline or preset["deadline_s"])
     machine = _machine.machine(str(memory_base), str(work_dir))
     try:
-        procs = _jobs(cfg, names, memory_base, deadline)
+        procs = _jobs(launch, cfg, names, memory_base, deadline)
     except (RuntimeError, TimeoutError) as e:
         print(f"[bench] {e}", file=sys.stderr)
         return 1
@@ -126,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _jobs(
-    cfg: dict[str, Any], names: list[str], memory_base: Path, deadline: float
+    launch: Launch, cfg: dict[str, Any], names: list[str], memory_base: Path, deadline: float
 ) -> list[dict[str, Any]]:
     """Runs one job for the one-process directions, two for each other; every job's
     processes' results."""
@@ -145,21 +149,27 @@ def _jobs(
                 "devices_per_process": _reshard.ONE_PROCESS_DEVICES,
                 "replicas": 0,
             }
-            procs += _job(job, memory_base / "single", logs / "single", deadline)
+            procs += _job(launch, job, memory_base / "single", logs / "single", deadline)
         for d in directions:
             if d.multiprocess:
-                procs += _resized(cfg, d, memory_base / d.name, logs / d.name, deadline)
+                procs += _resized(launch, cfg, d, memory_base / d.name, logs / d.name, deadline)
     return procs
 
 
 def _resized(
-    cfg: dict[str, Any], d: _reshard.Direction, base: Path, logs: Path, deadline: float
+    launch: Launch,
+    cfg: dict[str, Any],
+    d: _reshard.Direction,
+    base: Path,
+    logs: Path,
+    deadline: float,
 ) -> list[dict[str, Any]]:
     """A direction that changes the process count: the saving job, a node loss, the
     restoring job (the results are the restoring job's)."""
     job = {**cfg, "directions": [d.name], "replicas": 1}
     _say(f"{d.what}: {d.save_processes} processes save")
     _job(
+        launch,
         {
             **job,
             "role": "save",
@@ -175,6 +185,7 @@ def _resized(
     lost = f"{', '.join(d.lost)} lost, " if d.lost else ""
     _say(f"{d.what}: {lost}{d.restore_processes} processes restore")
     return _job(
+        launch,
         {
             **job,
             "role": "restore",
@@ -188,10 +199,13 @@ def _resized(
     )
 
 
-def _job(cfg: dict[str, Any], base: Path, logs: Path, deadline: float) -> list[dict[str, Any]]:
+def _job(
+    launch: Launch, cfg: dict[str, Any], base: Path, logs: Path, deadline: float
+) -> list[dict[str, Any]]:
+    """One job's processes run to the end (memory roots under `base`); their results."""
     base.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
-    return _driver._run_processes(cfg, base, logs, deadline)
+    return launch(cfg, base, logs, deadline)
 
 
 def _say(message: str) -> None:

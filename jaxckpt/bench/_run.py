@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--reshard" in argv:
         from jaxckpt.bench import _reshard_cli  # its own jobs, one after another
 
-        return _reshard_cli.main(argv)
+        return _reshard_cli.main(argv, _run_processes)
     parser = _flags.build_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     if args.processes is None:
