@@ -1,7 +1,7 @@
 """The `jaxckpt bench` command line: its flags, and their checks before anything starts.
 
-The flags are those of `_run` (the driver); `--gpu` and `--scale` hand the whole
-command line to `_gpu` and `_scale`, which have their own.
+The flags are those of `_run` (the driver); `--gpu`, `--scale` and `--reshard` hand the
+whole command line to `_gpu`, `_scale_cli` and `_reshard_cli`, which have their own.
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ def _add_modes(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: coordination at thousands of processes, simulated "
         "(`jaxckpt bench --scale --help`)",
+    )
+    p.add_argument(
+        "--reshard",
+        action="store_true",
+        help="instead: restores onto another mesh, process count or axis order, against "
+        "their floor and Orbax's (`jaxckpt bench --reshard --help`)",
     )
     p.add_argument(
         "--layout",

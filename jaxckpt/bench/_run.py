@@ -74,13 +74,15 @@ def _envs(
 ) -> list[dict[str, str]]:
     package_parent = str(Path(__file__).resolve().parent.parent.parent)
     envs = []
-    for i in range(cfg["processes"]):
+    # Process i runs on node i, unless `nodes` names them (a job restarted on other nodes).
+    nodes = cfg.get("nodes") or [f"node{i}" for i in range(cfg["processes"])]
+    for i, node in enumerate(nodes):
         env = {
             **store_env,
             ENV_PROCESS_ID: str(i),
             ENV_COORDINATOR: f"127.0.0.1:{port}",
-            ENV_MEMORY_ROOT: str(memory_base / f"node{i}"),
-            "JAXCKPT_FAILURE_DOMAIN": f"node{i}",
+            ENV_MEMORY_ROOT: str(memory_base / node),
+            "JAXCKPT_FAILURE_DOMAIN": node,
             "PYTHONPATH": os.pathsep.join(
                 [package_parent, *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
@@ -260,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jaxckpt.bench import _scale_cli  # no JAX devices, no processes: a simulation
 
         return _scale_cli.main(argv)
+    if "--reshard" in argv:
+        from jaxckpt.bench import _reshard_cli  # its own jobs, one after another
+
+        return _reshard_cli.main(argv, _run_processes)
     parser = _flags.build_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     if args.processes is None:

@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxckpt.bench import _hsdp
 
         result = _hsdp.run(cfg, Path(os.environ[ENV_MEMORY_ROOT]))
+    elif cfg.get("layout") == "reshard":
+        from jaxckpt.bench import _reshard_phases
+
+        result = _reshard_phases.run(cfg, Path(os.environ[ENV_MEMORY_ROOT]))
     else:
         from jaxckpt.bench import _phases
 
