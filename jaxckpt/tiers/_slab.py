@@ -84,68 +84,69 @@ def write(
     """
     reuse = path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    dest: np.ndarray | None = None
     try:
         os.ftruncate(fd, size)
         if reuse and size:
             allocate(fd, size)
-            dest = kept_view(fd, size)
-
-            def put(block: np.ndarray, offset: int) -> None:
-                assert dest is not None
-                dest[offset : offset + block.nbytes] = block
-        else:
-
-            def put(block: np.ndarray, offset: int) -> None:
-                _pwrite_all(fd, block, offset)
-
-        def fill(i: int) -> list[int]:
-            regions = tiles[i] if tiles is not None else None
-            if regions is not None:
-                return fill_tiles(i, regions)
-            src, crc = _as_bytes(chunks[i]), 0
-            if not checksum:
-                put(src, offsets[i])  # one call: a large copy streams past the cache
-                return [crc]
-            for start in range(0, src.nbytes, _BLOCK):
-                block = src[start : start + _BLOCK]
-                put(block, offsets[i] + start)
-                crc = _checksum.crc32c(block, crc)
-                if tally is not None:
-                    tally.add(i, block)
-            return [crc]
-
-        def fill_tiles(i: int, regions: Sequence[Region]) -> list[int]:
-            crcs, offset = [], offsets[i]
-            for region in regions:
-                crc = 0
-                for block in _row_blocks(chunks[i][region]):
-                    if dest is not None:  # a strided copy straight into place
-                        into = dest[offset : offset + block.nbytes]
-                        into.view(block.dtype).reshape(block.shape)[...] = block
-                    else:
-                        into = _as_bytes(block)
-                        _pwrite_all(fd, into, offset)
-                    if checksum:
-                        crc = _checksum.crc32c(into, crc)  # while it is still in cache
-                        if tally is not None:
-                            tally.add(i, into)
-                    offset += block.nbytes
-                crcs.append(crc)
-            return crcs if checksum else []
+        fill = _Fill(fd, kept_view(fd, size) if reuse and size else None, checksum, tally)
 
         def fill_all(indices: range) -> list[list[int]]:
-            return [fill(i) for i in indices]
+            return [
+                fill.chunk(i, chunks[i], tiles[i] if tiles is not None else None, offsets[i])
+                for i in indices
+            ]
 
         futures = [_pool.submit(fill_all, r) for r in _batches([c.nbytes for c in chunks])]
         # IMPORTANT: every copy is done (or failed) before the file is closed or unmapped:
         # a copy still running would write through a closed (maybe reused) descriptor.
         concurrent.futures.wait(futures)
-        dest = None
+        fill.dest = None
         crcs = [crc for f in futures for crc in f.result()]
         return crcs if checksum else []
     finally:
         os.close(fd)  # a mapping is kept (`kept_view`)
+
+
+@dataclasses.dataclass
+class _Fill:
+    """Copies chunks into a slab: through its shared mapping (`dest`), else with
+    `pwrite`; with `checksum`, each block's CRC-32C (and NaN/Inf count) right after
+    its copy, while it is still in cache."""
+
+    fd: int
+    dest: np.ndarray | None
+    checksum: bool
+    tally: _finite.Tally | None
+
+    def chunk(
+        self, i: int, data: np.ndarray, tiles: Sequence[Region] | None, offset: int
+    ) -> list[int]:
+        """Copies chunk `i` to `offset`, its `tiles` one after the other (None: the chunk
+        as it is); the CRC-32C of each tile."""
+        pieces = [_as_bytes(data)] if tiles is None else [data[r] for r in tiles]
+        crcs = []
+        for piece in pieces:
+            crc = 0
+            # Without checksums, one call: a large copy streams past the cache.
+            for block in _row_blocks(piece) if self.checksum else [piece]:
+                into = self._put(block, offset)
+                if self.checksum:
+                    crc = _checksum.crc32c(into, crc)
+                    if self.tally is not None:
+                        self.tally.add(i, into)
+                offset += block.nbytes
+            crcs.append(crc)
+        return crcs
+
+    def _put(self, block: np.ndarray, offset: int) -> np.ndarray:
+        """Copies `block` (any strides) to `offset`; its bytes as placed."""
+        if self.dest is not None:
+            into = self.dest[offset : offset + block.nbytes]
+            into.view(block.dtype).reshape(block.shape)[...] = block
+            return into
+        data = _as_bytes(block)
+        _pwrite_all(self.fd, data, offset)
+        return data
 
 
 def checksums(
