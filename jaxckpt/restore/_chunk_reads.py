@@ -350,6 +350,34 @@ class ChunkReads:
             return data
         return None
 
+    def _prefetch(
+        self,
+        leaf: int,
+        keys: Sequence[tuple[tuple[int, ...], int]],
+        tiles: Mapping[tuple[tuple[int, ...], int], _tiles.Tile],
+        owner: int | None,
+    ) -> None:
+        """Starts reading `keys` (tiles) at once where the first source of the first part
+        that holds them can (a persisted array: tensorstore reads them concurrently, each
+        a ranged read); each is still checked, and falls back alone, when it is read."""
+        by_copy: dict[tuple[_plan.Source, int, tuple[int, ...]], list[_tiles.Tile]] = {}
+        for i, k in keys:
+            owners = (owner,) if owner is not None else self._owners_of((leaf, i), False)
+            for o in owners:
+                sources = [s for s in self._plan.sources.get(o, ()) if s not in self._dead]
+                if sources and i in self._saved_chunks(o, leaf):
+                    by_copy.setdefault((sources[0], o, i), []).append(tiles[i, k])
+                    break
+        for (source, o, i), wanted in by_copy.items():
+            try:
+                reader = self._reader(source, o)
+            except Exception:
+                continue  # the reads say why, and fall back
+            prefetch = getattr(reader, "prefetch", None)
+            if prefetch is not None:
+                chunk = self._saved_chunks(o, leaf)[i]
+                prefetch(leaf, self._plan.leaves[leaf], chunk, wanted)
+
     def _damaged_copy(self, source: _plan.Source, owner: int, why: str) -> None:
         """Tells `on_damaged` (once per copy) that `source`'s copy of `owner`'s part
         failed a checksum, so that it is quarantined and not offered again."""
@@ -433,6 +461,7 @@ class ChunkReads:
                     out[r] = data
 
         keys = sorted(needed)
+        self._prefetch(leaf, keys, needed, owner)
         if len(keys) > 1 and sum(t.nbytes for t in needed.values()) >= _PARALLEL_BYTES:
             for _ in _POOL.map(read, _batches(keys, needed)):
                 pass  # (raises the first failure)

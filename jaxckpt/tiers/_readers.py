@@ -20,7 +20,8 @@ that could not be lent gives private copies, as every other reader does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -165,6 +166,35 @@ class ZarrReader:
     def __init__(self, part_kvstore: dict[str, Any]):
         self._part = part_kvstore
         self._arrays: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        # Reads started ahead (`prefetch`), taken by `read`: (leaf, chunk, tile) -> future.
+        self._started: dict[tuple[int, tuple[int, ...], int], Any] = {}
+
+    def _array(self, leaf: int, record: _format.LeafRecord, timeout_s: float) -> Any:
+        array = self._arrays.get(leaf)
+        if array is None:
+            kvstore = _zarr.array_kvstore(self._part, record)
+            array = _zarr.open_array(kvstore, record).result(timeout=timeout_s)
+            self._arrays[leaf] = array
+        return array
+
+    def prefetch(
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        chunk: _format.ChunkRecord,
+        tiles: Sequence[_tiles.Tile],
+        timeout_s: float = 120.0,
+    ) -> None:
+        """Starts reading `tiles` of `chunk`, all at once (tensorstore runs them
+        concurrently); `read` takes each. A failure here is raised by that `read`."""
+        try:
+            array = self._array(leaf, record, timeout_s)
+        except Exception:
+            return  # `read` opens it again and raises
+        with self._lock:
+            for tile in tiles:
+                self._started[leaf, chunk.index, tile.index] = array[tile.region].read()
 
     def read(
         self,
@@ -174,8 +204,8 @@ class ZarrReader:
         tile: _tiles.Tile,
         timeout_s: float,
     ) -> np.ndarray:
-        array = self._arrays.get(leaf)
-        if array is None:
-            kvstore = _zarr.array_kvstore(self._part, record)
-            array = self._arrays[leaf] = _zarr.open_array(kvstore, record).result(timeout=timeout_s)
-        return np.asarray(array[tile.region].read().result(timeout=timeout_s))
+        with self._lock:
+            started = self._started.pop((leaf, chunk.index, tile.index), None)
+        if started is None:
+            started = self._array(leaf, record, timeout_s)[tile.region].read()
+        return np.asarray(started.result(timeout=timeout_s))
