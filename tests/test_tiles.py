@@ -8,6 +8,7 @@ tests/test_reshard_multiprocess.py.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -235,3 +236,53 @@ def test_the_persistent_copy_keeps_tiles_as_checksummed_inner_chunks(tmp_path):
     assert codec["name"] == "sharding_indexed"
     assert codec["configuration"]["chunk_shape"] == [32, 32]
     assert [c["name"] for c in codec["configuration"]["codecs"]] == ["bytes", "crc32c"]
+
+
+def _run_plan(values: np.ndarray, tile: int):
+    """A one-part plan of a 1-D leaf saved as one chunk of tiles of `tile` elements, and
+    the chunk's bytes as a slab holds them."""
+    from test_format import manifest
+
+    from jaxckpt.coord import _plan
+
+    n = values.size
+    leaf = dataclasses.replace(
+        manifest(0).leaves[0], shape=(n,), stored_shape=(n,), chunk_shape=(n,), tile_shape=(tile,)
+    )
+    crcs = tuple(_checksum.crc32c(values[k : k + tile]) for k in range(0, n, tile))
+    chunk = _format.ChunkRecord((0,), values.nbytes, offset=0, tiles=crcs)
+    index = {0: dataclasses.replace(manifest(0), leaves=(leaf,), chunks={0: (chunk,)})}
+    return _plan.plan_step(5, index, me=0, held={0: {0}}, persisted=set())
+
+
+class _ViewsOf:
+    """A reader of tiles from one buffer: views of it (in place), or copies."""
+
+    def __init__(self, data: np.ndarray, copies: bool):
+        self.data, self.copies = data, copies
+
+    def read(self, leaf, record, chunk, tile, timeout_s):
+        view = self.data.view(np.uint8)[tile.offset : tile.offset + tile.nbytes]
+        view = view.view(np.float32).reshape(tile.shape)
+        return view.copy() if self.copies else view
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["in-place", "copies"])
+def test_a_region_that_is_a_run_of_tiles_is_a_view_of_them_where_read_in_place(copies):
+    """Tiles that split the first dimension only lie one after the other: a region made
+    of several is a view of where they were read (a mapped slab), without a copy; read
+    into copies, it is assembled from them."""
+    from jaxckpt.restore import _chunk_reads
+
+    values = np.arange(64, dtype=np.float32)
+    reader = _ViewsOf(values, copies)
+    reads = _chunk_reads.ChunkReads(_run_plan(values, 8), lambda source, owner: reader, 0)
+    first, tail = reads.read_regions(0, [(slice(0, 32),), (slice(40, 64),)])
+    np.testing.assert_array_equal(first, values[:32])
+    np.testing.assert_array_equal(tail, values[40:])
+    assert np.shares_memory(first, values) is not copies
+    assert np.shares_memory(tail, values) is not copies
+    # A region across part of a tile is copied out whatever the reader gives.
+    (part,) = reads.read_regions(0, [(slice(4, 20),)])
+    np.testing.assert_array_equal(part, values[4:20])
+    assert not np.shares_memory(part, values)

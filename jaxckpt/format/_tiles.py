@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, Final
@@ -207,6 +208,22 @@ def overlapping(tiles_of_chunk: Sequence[Tile], region: _chunking.Region) -> lis
             for a, b in zip(t.region, region, strict=True)
         )
     ]
+
+
+def is_run(found: Sequence[Tile], region: _chunking.Region) -> bool:
+    """Whether `found` (tiles of one chunk, in byte order) are exactly `region`, one after
+    the other in C order: tiles that split the first dimension only, consecutive along
+    it. Their bytes are then `region`'s, contiguous in any copy of the chunk."""
+    if len(found) < 2 or any(t.region[1:] != region[1:] for t in found):
+        return False
+    rows = [t.region[0] for t in found] if found[0].region else []
+    return (
+        bool(rows)
+        and rows[0].start == region[0].start
+        and rows[-1].stop == region[0].stop
+        and all(a.stop == b.start for a, b in itertools.pairwise(rows))
+        and all(a.offset + a.nbytes == b.offset for a, b in itertools.pairwise(found))
+    )
 
 
 def damaged(record: _format.LeafRecord, chunk: _format.ChunkRecord, data: Any) -> int | None:

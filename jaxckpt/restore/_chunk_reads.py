@@ -426,18 +426,26 @@ class ChunkReads:
             self.bytes_needed += itemsize * sum(
                 math.prod(s.stop - s.start for s in r) for r in regions
             )
-        # A region that is exactly one tile is that tile (no copy); every other one gets a
-        # buffer, aligned as a slab is (JAX on CPU keeps it without another copy), which
-        # each tile is copied into right after it is read and checked, while it is in cache.
+        # A region that is exactly one tile is that tile (no copy), one that is a run of
+        # tiles one after the other is a view of them where they were read in place (no
+        # copy); every other one gets a buffer, aligned as a slab is (JAX on CPU keeps it
+        # without another copy), which each tile is copied into right after it is read
+        # and checked, while it is in cache.
         needed: dict[tuple[tuple[int, ...], int], _tiles.Tile] = {}
         into: dict[tuple[tuple[int, ...], int], list[int]] = {}  # tile -> regions it fills
         is_tile: dict[tuple[tuple[int, ...], int], list[int]] = {}  # tile -> regions it is
+        runs: dict[int, list[tuple[tuple[int, ...], int]]] = {}  # region -> its tiles
+        kept: dict[tuple[tuple[int, ...], int], np.ndarray] = {}  # tiles of runs, as read
         out: list[np.ndarray | None] = []
         for r, (region, found) in enumerate(zip(regions, wanted, strict=True)):
             for i, t in found:
                 needed[i, t.index] = t
             if len(found) == 1 and found[0][1].region == region:
                 is_tile.setdefault((found[0][0], found[0][1].index), []).append(r)
+                out.append(None)
+                continue
+            if len({i for i, _ in found}) == 1 and _tiles.is_run([t for _, t in found], region):
+                runs[r] = [(i, t.index) for i, t in found]
                 out.append(None)
                 continue
             for i, t in found:
@@ -459,7 +467,10 @@ class ChunkReads:
                     ]
                 for r in is_tile.get(key, ()):
                     out[r] = data
+                if key in run_tiles:
+                    kept[key] = data
 
+        run_tiles = {key for keys in runs.values() for key in keys}
         keys = sorted(needed)
         self._prefetch(leaf, keys, needed, owner)
         if len(keys) > 1 and sum(t.nbytes for t in needed.values()) >= _PARALLEL_BYTES:
@@ -467,5 +478,12 @@ class ChunkReads:
                 pass  # (raises the first failure)
         else:
             read(keys)
+        for r, run in runs.items():
+            dims = [s.stop - s.start for s in regions[r]]
+            view = _readers.joined([kept[key] for key in run])
+            if view is None:  # not read in place: copied together
+                view = _readers.aligned_empty(math.prod(dims) * itemsize)
+                view[:] = np.concatenate([kept[key].reshape(-1).view(np.uint8) for key in run])
+            out[r] = view.view(record.stored_dtype).reshape(dims)
         assert all(buf is not None for buf in out)
         return [buf for buf in out if buf is not None]

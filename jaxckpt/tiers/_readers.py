@@ -19,6 +19,7 @@ that could not be lent gives private copies, as every other reader does.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -149,6 +150,29 @@ class RangeReader:
         buf = aligned_empty(tile.nbytes)
         self._fetch(slab_offset(record, chunk) + tile.offset, buf.data, timeout_s)
         return from_bytes(buf, record, tile)
+
+
+def joined(parts: Sequence[np.ndarray]) -> np.ndarray | None:
+    """One uint8 view of `parts` where they are adjacent views of one buffer, in order
+    (tiles read in place from one mapped slab); None where they are not."""
+    owners: list[Any] = []
+    for p in parts:
+        while isinstance(p.base, np.ndarray):
+            p = p.base
+        owners.append(p if p.base is None else p.base)  # an array, or a buffer (a mapping)
+    if any(o is not owners[0] for o in owners):
+        return None
+    if any(a.ctypes.data + a.nbytes != b.ctypes.data for a, b in itertools.pairwise(parts)):
+        return None
+    owner = owners[0]
+    if isinstance(owner, np.ndarray):
+        if not owner.flags.c_contiguous:
+            return None
+        whole = owner.reshape(-1).view(np.uint8)
+    else:
+        whole = np.frombuffer(owner, np.uint8)
+    start = parts[0].ctypes.data - whole.ctypes.data
+    return whole[start : start + sum(p.nbytes for p in parts)]
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
