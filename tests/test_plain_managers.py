@@ -1,4 +1,4 @@
-"""Durable under every manager set-up the README calls supported: plain options with any
+"""Durable under every manager set-up docs/durability.md calls supported: plain options with any
 `max_to_keep`, a preservation policy, `item_handlers=`, a handler registry, a synchronous
 manager and `jaxckpt.manager_options`. After losing every memory tier, the newest due
 persisted step (or a newer one) restores exactly, and nothing raises at close."""
