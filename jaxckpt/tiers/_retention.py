@@ -46,11 +46,45 @@ from typing import Any
 from absl import logging as log
 
 from jaxckpt.coord import _multihost
+from jaxckpt.format import _format
 from jaxckpt.tiers import _index, _memory_tier, _paths, _storage, _store
 
 
 class DurableSteps:
-    """Finds the newest durable step of an item, asking the store it lies on."""
+    """Finds the newest durable step of an item, asking the store it lies on.
+
+    Whether a step is due for persistence is read from its index once: the policy asks
+    at every save, about every step the manager keeps, and an index never changes once
+    written (a step saved again writes a new file: another inode or mtime, not served).
+    """
+
+    _MAX_DUE = 64  # steps remembered: more than a manager keeps
+
+    def __init__(self) -> None:
+        self._due: dict[tuple[str, int, int, int], bool] = {}
+        self._due_lock = threading.Lock()
+
+    def _index_is_due(self, item_dir: Path, persist_every: int) -> bool:
+        """Whether the step in `item_dir` asked for persistence (its first index manifest
+        says so), read once per index file."""
+        try:
+            st = os.stat(item_dir / _format.STEP_INDEX_FILE)
+        except OSError:
+            st = None  # no combined index (an older step, or none yet): not cached
+        key = (str(item_dir), st.st_ino, st.st_mtime_ns, persist_every) if st else None
+        if key is not None:
+            with self._due_lock:
+                known = self._due.get(key)
+            if known is not None:
+                return known
+        first = _index.first_index(item_dir)
+        due = first is not None and first.is_due(persist_every)
+        if key is not None and first is not None:
+            with self._due_lock:
+                if len(self._due) >= self._MAX_DUE:
+                    self._due.pop(next(iter(self._due)))
+                self._due[key] = due
+        return due
 
     def is_durable(self, item_dir: Path) -> bool:
         """Whether every process's part of the step in `item_dir` is persisted."""
@@ -79,8 +113,7 @@ class DurableSteps:
         def _is_due(step: int) -> bool:
             if step % persist_every == 0:
                 return True
-            first = _index.first_index(item_dirs[step]) if step in item_dirs else None
-            return first is not None and first.is_due(persist_every)
+            return step in item_dirs and self._index_is_due(item_dirs[step], persist_every)
 
         newest = next((s for s in steps if s in item_dirs and self.is_durable(item_dirs[s])), None)
         keep = {s for s in steps if s in pending}
