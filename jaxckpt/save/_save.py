@@ -20,7 +20,6 @@ each phase.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import time
@@ -138,18 +137,15 @@ class Save:
         staged = self._staged
         if staged is None:
             chunks_data = [s.release() for s in snapshot.shards]
-            staged = await asyncio.to_thread(
-                memory.stage_slab, step, pi, chunks_data, tally=self._tally
-            )
+            # On the commit future's own thread (see `_operation._placed_first`).
+            staged = memory.stage_slab(step, pi, chunks_data, tally=self._tally)
         staging = staged.staging
         try:
             crcs = staged.crcs
             if crcs is None:  # filled by `stage`: checksummed here, in place
                 sizes = [s.nbytes for s in snapshot.shards]
                 slab = staging / _slab.SLAB_FILE
-                crcs = await asyncio.to_thread(
-                    _slab.checksums, slab, staged.offsets, sizes, self._tally
-                )
+                crcs = _slab.checksums(slab, staged.offsets, sizes, self._tally)
             chunks: dict[int, list[_format.ChunkRecord]] = {}
             for s, crc, offset in zip(snapshot.shards, crcs, staged.offsets, strict=True):
                 chunks.setdefault(s.leaf, []).append(
