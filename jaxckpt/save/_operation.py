@@ -61,6 +61,7 @@ class SaveOperation:
                     item.item,
                 )
                 persist = True
+            session.keeper.saved(item, step, persist)
             memory = op.open()
             memory.require_writable(step)
             snapshot = _snapshot.take(
