@@ -176,7 +176,8 @@ def _many_leaf_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
 
 def solo_figures(solo: dict[str, Any], warmup: int) -> list[Figure]:
     """One process saving every step (`_solo`): each loop's median step over every round,
-    against the loop without saving (10a's target: the floor 10b's ratio + 0.05); the
+    against the loop without saving (10a's and 10e's target: the floor 10b's ratio +
+    0.05; 10e holds the arrays, `hold_cpu_arrays`); the
     fixed cost of one save of a 1 MiB state against Orbax's manager saving a trivial item
     (10d's target: that cost + 2 ms)."""
     rounds = solo["rounds"]
@@ -209,6 +210,15 @@ def solo_figures(solo: dict[str, Any], warmup: int) -> list[Figure]:
             bound,
         ),
         floor,
+        Figure(
+            "10e",
+            "1 process: step time, jaxckpt save every step, holding the arrays",
+            step("jaxckpt_hold"),
+            "s",
+            train,
+            base,
+            bound,
+        ),
         Figure(
             "10c",
             "1 process: step time, Orbax async save every step",

@@ -6,7 +6,8 @@ devices, no replicas) trains the benchmark's MLP with a 192 MiB state
 (`--solo-state-gib`) and runs, in `--solo-rounds` rounds, the training loop without
 saving, with the overlapped floor (`_floor`: the own shards held, copied and
 checksummed on one background thread behind the next step), with a jaxckpt save every
-step and with an Orbax async save every step. The rounds interleave the loops, so a
+step (copying into the slab in `save()`, the CPU default, and holding the arrays while
+the commit copies them: `hold_cpu_arrays`) and with an Orbax async save every step. The rounds interleave the loops, so a
 noisy neighbour slows them alike. Then the fixed cost of one save: back-to-back
 `mngr.save()` calls of a 1 MiB state with jaxckpt, against Orbax's CheckpointManager
 saving a trivial item (a one-key JSON), each call waiting for the previous save as the
@@ -47,6 +48,9 @@ def run(
         loops = {"train": loop(tr, cfg["steps"])}
         loops["floor"] = _floor_loop(cfg, tr, memory_root, loop)
         loops["jaxckpt"] = _jaxckpt_loop(cfg, tr, memory_root, work / f"solo-{r}", loop)
+        loops["jaxckpt_hold"] = _jaxckpt_loop(
+            cfg, tr, memory_root, work / f"solo-hold-{r}", loop, hold=True
+        )
         loops["orbax"] = _orbax_loop(cfg, tr, work / f"solo-orbax-{r}", loop)
         loops["train_again"] = loop(tr, cfg["steps"])
         fixed = {
@@ -77,9 +81,11 @@ def _jaxckpt_loop(
     memory_root: Path,
     directory: Path,
     loop: Callable[..., dict[str, list[float]]],
+    hold: bool = False,
 ) -> dict[str, list[float]]:
-    """A save every step as the training loops of 1a save (the defaults, nothing persisted)."""
-    ours = Jaxckpt.every_step(directory, memory_root, cfg)
+    """A save every step as the training loops of 1a save (the defaults, nothing
+    persisted), or as 1e's (`hold`: `TierOptions.hold_cpu_arrays`)."""
+    ours = Jaxckpt.every_step(directory, memory_root, cfg, hold)
     try:
         record = loop(tr, cfg["steps"], lambda s: ours.save(s, tr.state(s)))
         ours.mngr.wait_until_finished()
