@@ -45,7 +45,9 @@ FIGURE_IDS = {
     "8a",
     "8b",
     *("9a", "9b", "9c", "9d", "9e", "9f"),  # the accelerator-host proxy
+    *("10a", "10b", "10c", "10d", "10e"),  # one process saving every step; a save's cost
 }
+SOLO_IDS = {"10a", "10b", "10c", "10d", "10e"}
 
 
 def _number(x: object) -> bool:
@@ -121,6 +123,8 @@ _SMALL = {
     "proxy-batch": 32,
     "many-leaves": 200,
     "prefault-gib": 0.25,
+    "solo-state-gib": 1 / 64,
+    "solo-rounds": 1,
 }
 
 
@@ -167,6 +171,7 @@ def test_quick_run_reports_every_figure(tmp_path, capsys):
     _check_new_baselines(report, figures)
     _check_many_leaves(report, figures)
     _check_floor_memory_and_proxy(report, figures)
+    _check_solo(report, figures)
     assert not (tmp_path / "memory").exists() and not (tmp_path / "work").exists()
 
 
@@ -375,3 +380,75 @@ def _objects(emulator) -> list[str]:
     ) as r:
         root = ET.fromstring(r.read())
     return [e.text or "" for e in root.iter() if e.tag.endswith("}Key")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_process_figures_are_produced(tmp_path, capsys):
+    """`--solo only`: one process, a small state saved every step (10a-c, each loop against
+    the same loop without saving, 10a's target the floor's ratio + 0.05) and the fixed cost
+    of a 1 MiB save against Orbax's manager saving a trivial item (10d: that + 2 ms)."""
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--solo", "only", "--json", str(path), "--steps", "4", "--warmup", "1"]
+    argv += ["--solo-state-gib", str(1 / 64), "--solo-rounds", "2", "--prefault-gib", "0"]
+    argv += ["--memory-root", str(tmp_path / "memory"), "--work-dir", str(tmp_path / "work")]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(path.read_text())
+    figures = {f["id"]: f for f in report["figures"]}
+    assert set(figures) == SOLO_IDS
+    assert report["processes"] == [] and report["proxy"] is None
+    for f in figures.values():
+        assert _number(f["value"]) and _number(f["baseline"]) and f["baseline"] > 0, f
+        assert re.search(rf"^{f['id']}  +{re.escape(f['name'])}  ", printed, re.M), f
+    _check_solo(report, figures)
+    assert len(report["solo"]["solo"]["rounds"]) == 2
+    assert not (tmp_path / "memory").exists() and not (tmp_path / "work").exists()
+
+
+def _check_solo(report, figures):
+    """10a-d from the one process's raw timings: medians over every round's measured steps
+    (or saves), targets derived from the baselines measured in the same run."""
+    solo, warmup = report["solo"], report["config"]["warmup"]
+    assert solo["devices"] >= 1 and solo["processes"] == 1
+    raw = solo["solo"]
+    rounds = raw["rounds"]
+    assert raw["tiny_bytes"] == 1 << 20
+    for r in rounds:
+        assert set(r["loops"]) == {
+            "train",
+            "floor",
+            "jaxckpt",
+            "jaxckpt_hold",
+            "orbax",
+            "train_again",
+        }
+        assert all(len(loop["step_s"]) == report["config"]["steps"] for loop in r["loops"].values())
+        assert set(r["fixed_s"]) == {"jaxckpt", "orbax_trivial"}
+        assert all(len(ts) > raw["warmup_saves"] for ts in r["fixed_s"].values())
+
+    def steps(*names):
+        return statistics.median(
+            [s for r in rounds for n in names for s in r["loops"][n]["step_s"][warmup:]]
+        )
+
+    def fixed(name):
+        return statistics.median(
+            [t for r in rounds for t in r["fixed_s"][name][raw["warmup_saves"] :]]
+        )
+
+    train = steps("train", "train_again")
+    for fid, loop in (
+        ("10a", "jaxckpt"),
+        ("10b", "floor"),
+        ("10c", "orbax"),
+        ("10e", "jaxckpt_hold"),
+    ):
+        assert math.isclose(figures[fid]["value"], steps(loop))
+        assert math.isclose(figures[fid]["baseline"], train)
+    assert figures["10a"]["target"] == f"<= {figures['10b']['ratio'] + 0.05:.3f}"
+    assert figures["10e"]["target"] == figures["10a"]["target"]
+    assert math.isclose(figures["10d"]["value"], fixed("jaxckpt"))
+    trivial = fixed("orbax_trivial")
+    assert math.isclose(figures["10d"]["baseline"], trivial)
+    assert figures["10d"]["target"] == f"<= {(trivial + 0.002) / trivial:.3f}"

@@ -24,6 +24,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     _add_places(p)
     _add_object_store(p)
     _add_proxy(p)
+    _add_solo(p)
     return p
 
 
@@ -151,6 +152,25 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_solo(p: argparse.ArgumentParser) -> None:
+    """One process saving every step (figures 10a-d) and the fixed cost of a save."""
+    p.add_argument(
+        "--solo",
+        choices=("auto", "only", "off"),
+        default="auto",
+        help="one process, a small state saved every step (figures 10a-d: none, the "
+        "floor, jaxckpt, Orbax async; and the fixed cost of a 1 MiB save against Orbax's "
+        "manager saving a trivial item): after the two-process phases (auto, not with "
+        "--store-only), alone (only), or not at all",
+    )
+    p.add_argument(
+        "--solo-state-gib", type=float, help="its state (quick: 1/16, else 0.1875: 192 MiB)"
+    )
+    p.add_argument(
+        "--solo-rounds", type=int, default=3, help="its rounds of loops (medians over all)"
+    )
+
+
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses bad flags (`parser.error`: exit status 2) before anything starts."""
     if args.processes < 1:
@@ -184,6 +204,12 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--proxy-batch must be at least 1, got {args.proxy_batch}")
     if args.proxy == "only" and len(os.sched_getaffinity(0)) < 2:
         parser.error("--proxy only needs 2 usable CPUs (one trains, the others save)")
+    if args.solo_state_gib is not None and not args.solo_state_gib > 0:
+        parser.error(f"--solo-state-gib must be positive, got {args.solo_state_gib}")
+    if args.solo_rounds < 1:
+        parser.error(f"--solo-rounds must be at least 1, got {args.solo_rounds}")
+    if args.solo == "only" and (args.store_only or args.proxy == "only"):
+        parser.error("--solo only excludes --store-only and --proxy only")
     if args.store_only and args.proxy == "only":
         parser.error("--store-only and --proxy only are exclusive")
     if args.store_only and not (args.store_url or args.store_emulator):

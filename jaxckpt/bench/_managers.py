@@ -33,7 +33,7 @@ class Jaxckpt:
         self.mngr = ocp.CheckpointManager(
             directory,
             item_handlers={"train": self.handler},
-            options=_manager_options(directory, cfg, max_to_keep, self.handler),
+            options=manager_options(directory, cfg, max_to_keep, self.handler),
         )
 
     @classmethod
@@ -84,11 +84,11 @@ def orbax_manager(directory: Path, cfg: dict[str, Any], max_to_keep: int) -> ocp
     return ocp.CheckpointManager(
         directory,
         item_handlers=ocp.StandardCheckpointHandler(),
-        options=_manager_options(directory, cfg, max_to_keep),
+        options=manager_options(directory, cfg, max_to_keep),
     )
 
 
-def _manager_options(
+def manager_options(
     directory: Path | str,
     cfg: dict[str, Any],
     max_to_keep: int | None,

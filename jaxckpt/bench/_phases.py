@@ -37,6 +37,7 @@ from jaxckpt.bench import (
     _proxy,
     _restores,
     _saves,
+    _solo,
     _state,
 )
 from jaxckpt.bench._managers import Jaxckpt, orbax_manager
@@ -84,6 +85,9 @@ def run(cfg: dict[str, Any], memory_root: Path) -> dict[str, Any]:
     }
     for _ in range(cfg["warmup"]):
         tr.train_step()
+    if cfg.get("solo"):
+        out["solo"] = _solo.run(cfg, tr, memory_root, work, _loop, progress)
+        return out
     if cfg.get("proxy"):
         progress("accelerator-host proxy: the train step on one CPU, saves on the others")
         out["proxy"] = _proxy.run(cfg, tr, memory_root, work, _loop)

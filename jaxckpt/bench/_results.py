@@ -172,3 +172,68 @@ def _many_leaf_figures(procs: Sequence[dict[str, Any]]) -> list[Figure]:
             "<= 0.2",
         ),
     ]
+
+
+def solo_figures(solo: dict[str, Any], warmup: int) -> list[Figure]:
+    """One process saving every step (`_solo`): each loop's median step over every round,
+    against the loop without saving (10a's and 10e's target: the floor 10b's ratio +
+    0.05; 10e holds the arrays, `hold_cpu_arrays`); the
+    fixed cost of one save of a 1 MiB state against Orbax's manager saving a trivial item
+    (10d's target: that cost + 2 ms)."""
+    rounds = solo["rounds"]
+
+    def step(*names: str) -> float | None:
+        return _runs.median(
+            [s for r in rounds for n in names for s in r["loops"][n]["step_s"][warmup:]]
+        )
+
+    def fixed(name: str) -> float | None:
+        skip = solo.get("warmup_saves", warmup)
+        return _runs.median([t for r in rounds for t in r["fixed_s"][name][skip:]])
+
+    base = "step time without saving (the same process, every round)"
+    train = step("train", "train_again")
+    floor = Figure(
+        "10b", "1 process: step time, the overlapped floor", step("floor"), "s", train, base
+    )
+    bound = f"<= {floor.ratio + 0.05:.3f}" if floor.ratio is not None else None
+    trivial = fixed("orbax_trivial")
+    mib = solo["tiny_bytes"] / 2**20
+    return [
+        Figure(
+            "10a",
+            "1 process: step time, jaxckpt save every step",
+            step("jaxckpt"),
+            "s",
+            train,
+            base,
+            bound,
+        ),
+        floor,
+        Figure(
+            "10e",
+            "1 process: step time, jaxckpt save every step, holding the arrays",
+            step("jaxckpt_hold"),
+            "s",
+            train,
+            base,
+            bound,
+        ),
+        Figure(
+            "10c",
+            "1 process: step time, Orbax async save every step",
+            step("orbax"),
+            "s",
+            train,
+            base,
+        ),
+        Figure(
+            "10d",
+            f"fixed cost of a save: jaxckpt, {mib:g} MiB state, back to back",
+            fixed("jaxckpt"),
+            "s",
+            trivial,
+            "Orbax's CheckpointManager saving a trivial item (a one-key JSON)",
+            f"<= {(trivial + 0.002) / trivial:.3f}" if trivial else None,
+        ),
+    ]

@@ -58,6 +58,7 @@ _QUICK: Final = {
     "deadline_s": 900.0,
     "proxy_state_gib": 1 / 16,
     "proxy_batch": 64,
+    "solo_state_gib": 1 / 16,
 }
 _FULL: Final = {
     "state_gib": 1.0,
@@ -66,6 +67,7 @@ _FULL: Final = {
     "deadline_s": 3600.0,
     "proxy_state_gib": 0.1875,
     "proxy_batch": 768,
+    "solo_state_gib": 0.1875,
 }
 
 
@@ -204,6 +206,21 @@ def _proxy_config(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, An
     }
 
 
+def _solo_config(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Figures 10a-d's one process: its CPU devices, no replicas (`_solo`)."""
+    preset = _QUICK if args.quick else _FULL
+    return {
+        **cfg,
+        "solo": True,
+        "processes": 1,
+        "replicas": 0,
+        "state_gib": args.solo_state_gib or preset["solo_state_gib"],
+        "solo_rounds": args.solo_rounds,
+        "many_leaves": 0,
+        "store_url": None,
+    }
+
+
 def prefault(gib: float) -> dict[str, float]:
     """Touches `gib` GiB of fresh host memory once, then frees it; returns how fast it went.
 
@@ -280,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = _prefaulted_machine(args, cfg["state_gib"], memory_base, work_dir)
     deadline = start + (args.deadline or (_QUICK if args.quick else _FULL)["deadline_s"])
     try:
-        procs, proxy = _run_phases(args, cfg, memory_base, work_dir, deadline)
+        procs, proxy, solo = _run_phases(args, cfg, memory_base, work_dir, deadline)
     except (RuntimeError, TimeoutError) as e:
         print(f"[bench] {e}", file=sys.stderr)
         return 1
@@ -288,8 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(memory_base, ignore_errors=True)
             shutil.rmtree(work_dir, ignore_errors=True)
-    figs = _figures(args, cfg, procs, proxy)
-    first = procs[0] if procs else proxy
+    figs = _figures(args, cfg, procs, proxy, solo)
+    first = procs[0] if procs else proxy or solo
     assert first is not None
     report = {
         "format_version": FORMAT_VERSION,
@@ -301,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "figures": [dataclasses.asdict(f) for f in figs],
         "processes": procs,
         "proxy": proxy,
+        "solo": solo,
     }
     _emit(args, report, figs)
     return 0
@@ -344,9 +362,9 @@ def _run_phases(
     memory_base: Path,
     work_dir: Path,
     deadline: float,
-) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Runs the processes, then the proxy where it runs; returns their results (the
-    proxy's: None where it did not run)."""
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None]:
+    """Runs the processes, then the one-process loops (`_solo`) and the proxy where they
+    run; returns their results (the last two: None where they did not run)."""
     memory_base.mkdir(parents=True, exist_ok=True)
     work_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -355,17 +373,29 @@ def _run_phases(
         procs: list[dict[str, Any]] = []
         if args.layout == "hsdp":
             procs = _run_processes(cfg, memory_base, logs, deadline)
-        elif args.proxy != "only":
+        elif args.proxy != "only" and args.solo != "only":
             procs = _run_processes(cfg, memory_base, logs, deadline, store_env)
+        solo = None
+        if (
+            args.layout != "hsdp"
+            and args.proxy != "only"
+            and (args.solo == "only" or (args.solo == "auto" and not args.store_only))
+        ):
+            print("[bench] one process, a save every step", file=sys.stderr, flush=True)
+            solo_logs = logs / "solo"
+            solo_logs.mkdir()
+            solo_cfg = _solo_config(cfg, args)
+            solo = _run_processes(solo_cfg, memory_base, solo_logs, deadline)[0]
         proxy = None
         if args.layout != "hsdp" and (
-            args.proxy == "only" or (args.proxy == "auto" and _proxy_runs(args))
+            args.proxy == "only"
+            or (args.proxy == "auto" and _proxy_runs(args) and args.solo != "only")
         ):
             print("[bench] the accelerator-host proxy", file=sys.stderr, flush=True)
             proxy_logs = logs / "proxy"
             proxy_logs.mkdir()
             proxy = _run_processes(_proxy_config(cfg, args), memory_base, proxy_logs, deadline)[0]
-    return procs, proxy
+    return procs, proxy, solo
 
 
 def _figures(
@@ -373,12 +403,15 @@ def _figures(
     cfg: dict[str, Any],
     procs: list[dict[str, Any]],
     proxy: dict[str, Any] | None,
+    solo: dict[str, Any] | None,
 ) -> list[_figure.Figure]:
-    """The figures of the layout that ran, and the proxy's."""
+    """The figures of the layout that ran, the one process's (`_solo`) and the proxy's."""
     if args.layout == "hsdp":
         figs = _hsdp.figures(procs)
     else:
         figs = _results.figures(procs, cfg["warmup"], cfg["replicas"]) if procs else []
+    if solo is not None:
+        figs += _results.solo_figures(solo["solo"], cfg["warmup"])
     if proxy is not None:
         figs += _results.proxy_figures(proxy["proxy"], cfg["warmup"])
     return figs

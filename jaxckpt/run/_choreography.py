@@ -34,7 +34,6 @@ before each exchange and check that every process raises the same error.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
@@ -355,8 +354,9 @@ class SaveChoreography(Choreography):
         the same tree, or all raise. With this part's index `entry` and `write_index`, the
         deciding process writes the step's one index before any process returns."""
         error = self._enter("agree", None)
-        await asyncio.to_thread(
-            _agreement.agree_on_save,
+        # Blocking, on the commit future's own thread and event loop (Orbax's): no hop
+        # to an executor thread, which that fresh loop would start anew at every save.
+        _agreement.agree_on_save(
             leaves,
             error,
             tag=self._required_item().tag(self.VERB, self._options.run_id),

@@ -4,7 +4,6 @@ slab staged (`_save.Save`), and the commit future with the exchange `agree`."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -62,6 +61,7 @@ class SaveOperation:
                     item.item,
                 )
                 persist = True
+            session.keeper.saved(item, step, persist)
             memory = op.open()
             memory.require_writable(step)
             snapshot = _snapshot.take(
@@ -100,8 +100,12 @@ async def _placed_first(item: _paths.ItemDir, commit: Awaitable[None]) -> None:
     """`commit`, after the persisted parts of older steps that waited enter their step
     directories (`PersistentStore.settle`): the manager deletes nothing before this
     commit has ended, and on the commit's thread the renames and flushes stay off the
-    training stall."""
+    training stall.
+
+    The commit future runs this on a thread and event loop of its own (Orbax's), so
+    blocking work runs here directly: a hop to `asyncio.to_thread` would start a new
+    executor thread on that fresh loop at every save."""
     try:
-        await asyncio.to_thread(item.store.settle, item.root)
+        item.store.settle(item.root)
     finally:
         await commit

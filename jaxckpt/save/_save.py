@@ -20,7 +20,6 @@ each phase.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import time
@@ -138,13 +137,9 @@ class Save:
         staged = self._staged
         if staged is None:
             chunks_data = [s.release() for s in snapshot.shards]
-            staged = await asyncio.to_thread(
-                memory.stage_slab,
-                step,
-                pi,
-                chunks_data,
-                tally=self._tally,
-                tiles=self._tile_regions(),
+            # On the commit future's own thread (see `_operation._placed_first`).
+            staged = memory.stage_slab(
+                step, pi, chunks_data, tally=self._tally, tiles=self._tile_regions()
             )
         staging = staged.staging
         try:
@@ -152,9 +147,7 @@ class Save:
             if crcs is None:  # filled by `stage`: checksummed here, in place
                 sizes = [s.nbytes for s in snapshot.shards]
                 slab = staging / _slab.SLAB_FILE
-                crcs = await asyncio.to_thread(
-                    _slab.checksums, slab, staged.offsets, sizes, self._tally, self._tile_sizes()
-                )
+                crcs = _slab.checksums(slab, staged.offsets, sizes, self._tally, self._tile_sizes())
             chunks: dict[int, list[_format.ChunkRecord]] = {}
             for s, crc, offset in zip(snapshot.shards, crcs, staged.offsets, strict=True):
                 record = snapshot.leaves[s.leaf]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any
+from typing import Any, Final
 
 import jax
 import numpy as np
@@ -102,18 +102,24 @@ def take(
       TypeError: for an unsupported leaf, naming its path.
     """
     start = time.perf_counter()
-    triples, treedef = _tree.flatten_with_keys(state)
-    pairs = [(path, leaf) for path, _, leaf in triples]
-    kinds = [_tree.kind_of(path, leaf) for path, leaf in pairs]  # validate before any copy
     multi_process = _multihost.process_count() > 1
-    structure = (
-        treedef,
-        tile_bytes,
-        tuple(
-            _signature(k, leaf, multi_process) for (_, leaf), k in zip(pairs, kinds, strict=True)
-        ),
-    )
-    taking = _Taking(_RECORDS.get(structure), multi_process, process_index)
+    values, treedef = jax.tree_util.tree_flatten(state, is_leaf=_tree.is_iterator)
+    # What each leaf's path, kind and record derive from (not its values): the same for
+    # every save of a training loop, so the per-leaf work below is done once per tree.
+    structure = (treedef, tuple(_signature(leaf, multi_process) for leaf in values))
+    described = _DESCRIBED.get(structure)
+    if described is None:
+        described = _describe(state)  # validates every leaf before any copy
+        if len(_DESCRIBED) >= _CACHED_TREES:
+            _DESCRIBED.pop(next(iter(_DESCRIBED), None), None)
+        _DESCRIBED[structure] = described
+    paths, keys, kinds = described
+    for path, leaf, kind in zip(paths, values, kinds, strict=True):
+        if kind == _format.SCALAR:
+            _tree.encode_scalar(path, leaf)  # a value, checked at every save
+    pairs = list(zip(paths, values, strict=True))
+    records_key = (structure, tile_bytes)  # the leaf records depend on the tile size too
+    taking = _Taking(_RECORDS.get(records_key), multi_process, process_index)
     # (A typed key array has no weak type to keep.)
     taking.snap.weak_types = tuple(
         i
@@ -123,7 +129,7 @@ def take(
     for i, ((path, leaf), kind) in enumerate(zip(pairs, kinds, strict=True)):
         taking.leaf(i, path, leaf, kind)
     taking.copy_to_host(pinned_host)
-    snap = taking.finish(structure, [keys for _, keys, _ in triples], tile_bytes)
+    snap = taking.finish(records_key, list(keys), tile_bytes)
     snap.stall_s = time.perf_counter() - start
     return snap
 
@@ -233,15 +239,23 @@ class _Taking:
             leaves = _tiles.with_tile_shapes(leaves, tile_bytes)
         snap.leaves = _array_keys.with_array_keys(leaves)
         snap.partners = _replicas.partners_of(self.splits.values(), _multihost.process_count())
-        if len(_RECORDS) >= 4:
+        if len(_RECORDS) >= _CACHED_TREES:
             _RECORDS.pop(next(iter(_RECORDS), None), None)
         _RECORDS[structure] = (snap.leaves, tuple(self.splits.items()), snap.partners)
         return snap
 
 
-# Leaf records of the last few tree structures, with the splits of their replicated
-# leaves and the partners: a training loop saves the same tree every step, and its
-# records (and their JSON, see `_format`) are derived once.
+_CACHED_TREES: Final = 4
+
+# Per tree structure (the treedef and every leaf's `_signature`), its leaves' paths,
+# encoded keys and kinds (`_describe`); and its leaf records, with the splits of its
+# replicated leaves and the partners. A training loop saves the same tree every step:
+# what is proportional to its leaf count is derived once (the records' JSON too, see
+# `_format`). A tree that differs in any leaf's type, shape, dtype or sharding, or in its
+# structure, is another key: never served another tree's entry.
+_DESCRIBED: dict[Any, tuple[tuple[str, ...], tuple[Any, ...], tuple[str, ...]]] = (
+    _resources.SHARED.cache({})
+)
 _RECORDS: dict[
     Any,
     tuple[
@@ -266,16 +280,27 @@ def _split(record: _format.LeafRecord, data: jax.Array, leaf: int) -> _replicas.
     )
 
 
-def _signature(kind: str, leaf: Any, multi_process: bool) -> Any:
-    """What a leaf's record is derived from, hashable (not its values)."""
-    if kind == _format.ARRAY:
+def _describe(state: Any) -> tuple[tuple[str, ...], tuple[Any, ...], tuple[str, ...]]:
+    """Every leaf's tree path, encoded keys and kind, each leaf validated.
+
+    Raises:
+      TypeError: for an unsupported leaf, naming its path.
+    """
+    triples, _ = _tree.flatten_with_keys(state)
+    kinds = tuple(_tree.kind_of(path, leaf) for path, _, leaf in triples)
+    return tuple(p for p, _, _ in triples), tuple(k for _, k, _ in triples), kinds
+
+
+def _signature(leaf: Any, multi_process: bool) -> Any:
+    """What a leaf's path, kind and record are derived from, hashable (not its values):
+    its type, and an array's shape, dtype, sharding, commitment and (in a multi-process
+    job) whether it is process-local."""
+    if isinstance(leaf, jax.Array):
         local = multi_process and leaf.is_fully_addressable
-        return (kind, leaf.shape, leaf.dtype, leaf.sharding, leaf.committed, local)
-    if kind == _format.NUMPY:
-        return (kind, leaf.shape, leaf.dtype)
-    if kind == _format.SCALAR:
-        return (kind, type(leaf), getattr(leaf, "dtype", None))
-    return (kind,)
+        return (type(leaf), leaf.shape, leaf.dtype, leaf.sharding, leaf.committed, local)
+    if isinstance(leaf, np.ndarray):
+        return (type(leaf), leaf.shape, leaf.dtype)
+    return (type(leaf), getattr(leaf, "dtype", None))
 
 
 def _numpy_record(path: str, leaf: np.ndarray) -> _format.LeafRecord:

@@ -39,18 +39,54 @@ import concurrent.futures
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from pathlib import Path
 from typing import Any
 
 from absl import logging as log
 
 from jaxckpt.coord import _multihost
+from jaxckpt.format import _format
 from jaxckpt.tiers import _index, _memory_tier, _paths, _storage, _store
+
+_ASKED_STEPS = 64  # own saves remembered per item: more than a manager keeps
 
 
 class DurableSteps:
-    """Finds the newest durable step of an item, asking the store it lies on."""
+    """Finds the newest durable step of an item, asking the store it lies on.
+
+    Whether a step is due for persistence is read from its index once: the policy asks
+    at every save, about every step the manager keeps, and an index never changes once
+    written (a step saved again writes a new file: another inode or mtime, not served).
+    """
+
+    _MAX_DUE = 64  # steps remembered: more than a manager keeps
+
+    def __init__(self) -> None:
+        self._due: dict[tuple[str, int, int, int], bool] = {}
+        self._due_lock = threading.Lock()
+
+    def _index_is_due(self, item_dir: Path, persist_every: int) -> bool:
+        """Whether the step in `item_dir` asked for persistence (its first index manifest
+        says so), read once per index file."""
+        try:
+            st = os.stat(item_dir / _format.STEP_INDEX_FILE)
+        except OSError:
+            st = None  # no combined index (an older step, or none yet): not cached
+        key = (str(item_dir), st.st_ino, st.st_mtime_ns, persist_every) if st else None
+        if key is not None:
+            with self._due_lock:
+                known = self._due.get(key)
+            if known is not None:
+                return known
+        first = _index.first_index(item_dir)
+        due = first is not None and first.is_due(persist_every)
+        if key is not None and first is not None:
+            with self._due_lock:
+                if len(self._due) >= self._MAX_DUE:
+                    self._due.pop(next(iter(self._due)))
+                self._due[key] = due
+        return due
 
     def is_durable(self, item_dir: Path) -> bool:
         """Whether every process's part of the step in `item_dir` is persisted."""
@@ -63,6 +99,7 @@ class DurableSteps:
         steps: Iterable[int],
         persist_every: int,
         pending: Set[int] = frozenset(),
+        asked: Mapping[int, bool] | None = None,
     ) -> set[int]:
         """Of `steps`, those garbage collection must keep (see the module docstring).
 
@@ -72,6 +109,8 @@ class DurableSteps:
           steps: the manager's steps.
           persist_every: `TierOptions.persist_every`.
           pending: steps this process is still persisting.
+          asked: step -> whether this process's own save of it asked for persistence
+            (`TieredSave(persist=True)`), known without reading the step's index.
         """
         steps = sorted(set(steps), reverse=True)
         item_dirs = {s: d / item for s, d in _store.at(root).step_dirs(root).items()}
@@ -79,8 +118,9 @@ class DurableSteps:
         def _is_due(step: int) -> bool:
             if step % persist_every == 0:
                 return True
-            first = _index.first_index(item_dirs[step]) if step in item_dirs else None
-            return first is not None and first.is_due(persist_every)
+            if asked is not None and step in asked:
+                return asked[step]
+            return step in item_dirs and self._index_is_due(item_dirs[step], persist_every)
 
         newest = next((s for s in steps if s in item_dirs and self.is_durable(item_dirs[s])), None)
         keep = {s for s in steps if s in pending}
@@ -103,6 +143,27 @@ class Keeper:
         self._guarded_anywhere = False  # a policy made without its directory exists
         self._warned: set[tuple[Path, str, int]] = set()  # newest steps said to be in memory
         self._saved: set[tuple[Path, str]] = set()  # (checkpoint dir, item) saved into
+        # (checkpoint dir, item) -> step -> whether this handler's save of it asked for
+        # persistence: the policy asks at every save, and need not read those indexes.
+        self._asked: dict[tuple[Path, str], dict[int, bool]] = {}
+        self._identities: dict[Path, str] = {}  # checkpoint dir -> `_storage.identity`
+
+    def _identity(self, root: Path) -> str:
+        """`_storage.identity(root)`, resolved once per directory (the policy compares
+        directories at every save)."""
+        known = self._identities.get(root)
+        if known is None:
+            known = self._identities[root] = _storage.identity(root)
+        return known
+
+    def saved(self, item: _paths.ItemDir, step: int, persist: bool) -> None:
+        """Notes this handler's save of `step` into `item` and whether it asked for its
+        persistence (`TieredSave(persist=True)`, or the first save into an old directory)."""
+        with self._lock:
+            asked = self._asked.setdefault((item.root, item.item), {})
+            if len(asked) >= _ASKED_STEPS:
+                asked.pop(min(asked))
+            asked[step] = persist
 
     def note(self, item: _paths.ItemDir) -> None:
         """Remembers the checkpoint directory and item of a save or restore; says once
@@ -111,7 +172,7 @@ class Keeper:
         with self._lock:
             first = (item.root, item.item) not in self._items
             self._items.add((item.root, item.item))
-            guarded = self._guarded_anywhere or _storage.identity(item.root) in self._guarded
+            guarded = self._guarded_anywhere or self._identity(item.root) in self._guarded
         # Where the store keeps the newest durable step itself (a filesystem's kept area,
         # `_kept`) it holds whatever the manager deletes; an object store does not.
         if first and not guarded and not item.store.keeps_durable_step:
@@ -138,7 +199,11 @@ class Keeper:
         return item.store.old_steps_only(item.root, item.item)
 
     def steps_to_keep(self, root: Path, item: str, steps: Sequence[int]) -> set[int]:
-        return self._durable.steps_to_keep(root, item, steps, self._persist_every, self._pending())
+        with self._lock:
+            asked = dict(self._asked.get((root, item), {}))
+        return self._durable.steps_to_keep(
+            root, item, steps, self._persist_every, self._pending(), asked
+        )
 
     def newest_not_durable(
         self, items: Iterable[tuple[Path, str]] | None = None
@@ -185,7 +250,7 @@ class Keeper:
         def items() -> list[tuple[Path, str]]:
             with self._lock:
                 seen = list(self._items)
-            return [(r, i) for r, i in seen if where is None or _storage.identity(r) == where]
+            return [(r, i) for r, i in seen if where is None or self._identity(r) == where]
 
         def keep(steps: Sequence[int]) -> set[int]:
             out = set(self._pending())

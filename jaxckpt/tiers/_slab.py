@@ -96,12 +96,10 @@ def write(
                 for i in indices
             ]
 
-        futures = [_pool.submit(fill_all, r) for r in _batches([c.nbytes for c in chunks])]
         # IMPORTANT: every copy is done (or failed) before the file is closed or unmapped:
         # a copy still running would write through a closed (maybe reused) descriptor.
-        concurrent.futures.wait(futures)
+        crcs = _run_batches(fill_all, [c.nbytes for c in chunks])
         fill.dest = None
-        crcs = [crc for f in futures for crc in f.result()]
         return crcs if checksum else []
     finally:
         os.close(fd)  # a mapping is kept (`kept_view`)
@@ -212,9 +210,20 @@ def _checksums_of(
     def crcs(indices: range) -> list[list[int]]:
         return [crcs_of(i) for i in indices]
 
-    futures = [_pool.submit(crcs, r) for r in _batches(sizes)]
+    return _run_batches(crcs, sizes)
+
+
+def _run_batches(work: Callable[[range], list[list[int]]], sizes: Sequence[int]) -> list[list[int]]:
+    """`work` over the batches of chunks of `sizes` (`_batches`), in parallel on the pool,
+    every batch done (or failed) before it returns; their results in order. One batch
+    (a small part) runs on the caller's thread: a hand-off and a wake-up cost more than
+    copying or checksumming a few MiB."""
+    batches = _batches(sizes)
+    if len(batches) <= 1:
+        return [x for r in batches for x in work(r)]
+    futures = [_pool.submit(work, r) for r in batches]
     concurrent.futures.wait(futures)
-    return [crc for f in futures for crc in f.result()]
+    return [x for f in futures for x in f.result()]
 
 
 @dataclasses.dataclass
