@@ -25,6 +25,7 @@ from absl import logging as log
 from jaxckpt import _resources
 from jaxckpt.coord import _plan
 from jaxckpt.format import _chunking, _format, _tiles
+from jaxckpt.restore import _assembly
 from jaxckpt.tiers import _landing, _memory_tier, _quarantine, _readers, _storage
 
 ReaderFor = Callable[[_plan.Source, int], _readers.ChunkReader]  # (source, owner) -> reader
@@ -36,22 +37,6 @@ OnDamaged = Callable[[_plan.Source, int, str], None]
 _PARALLEL_BYTES = 4 << 20
 _TASK_BYTES = 2 << 20  # tiles read (and copied into place) by one task
 _POOL: Final = _resources.SHARED.pool(min(8, os.cpu_count() or 1), "jaxckpt-restore")
-
-
-def _batches(
-    keys: Sequence[tuple[tuple[int, ...], int]],
-    tiles: Mapping[tuple[tuple[int, ...], int], _tiles.Tile],
-) -> list[Sequence[tuple[tuple[int, ...], int]]]:
-    """`keys` (tiles) cut into consecutive runs of about `_TASK_BYTES`, one task each."""
-    out, start, run = [], 0, 0
-    for k, key in enumerate(keys):
-        run += tiles[key].nbytes
-        if run >= _TASK_BYTES:
-            out.append(keys[start : k + 1])
-            start, run = k + 1, 0
-    if start < len(keys):
-        out.append(keys[start:])
-    return out
 
 
 class ChunkUnavailableError(OSError):
@@ -353,8 +338,8 @@ class ChunkReads:
     def _prefetch(
         self,
         leaf: int,
-        keys: Sequence[tuple[tuple[int, ...], int]],
-        tiles: Mapping[tuple[tuple[int, ...], int], _tiles.Tile],
+        keys: Sequence[_assembly.Key],
+        tiles: Mapping[_assembly.Key, _tiles.Tile],
         owner: int | None,
     ) -> None:
         """Starts reading `keys` (tiles) at once where the first source of the first part
@@ -426,64 +411,17 @@ class ChunkReads:
             self.bytes_needed += itemsize * sum(
                 math.prod(s.stop - s.start for s in r) for r in regions
             )
-        # A region that is exactly one tile is that tile (no copy), one that is a run of
-        # tiles one after the other is a view of them where they were read in place (no
-        # copy); every other one gets a buffer, aligned as a slab is (JAX on CPU keeps it
-        # without another copy), which each tile is copied into right after it is read
-        # and checked, while it is in cache.
-        needed: dict[tuple[tuple[int, ...], int], _tiles.Tile] = {}
-        into: dict[tuple[tuple[int, ...], int], list[int]] = {}  # tile -> regions it fills
-        is_tile: dict[tuple[tuple[int, ...], int], list[int]] = {}  # tile -> regions it is
-        runs: dict[int, list[tuple[tuple[int, ...], int]]] = {}  # region -> its tiles
-        kept: dict[tuple[tuple[int, ...], int], np.ndarray] = {}  # tiles of runs, as read
-        out: list[np.ndarray | None] = []
-        for r, (region, found) in enumerate(zip(regions, wanted, strict=True)):
-            for i, t in found:
-                needed[i, t.index] = t
-            if len(found) == 1 and found[0][1].region == region:
-                is_tile.setdefault((found[0][0], found[0][1].index), []).append(r)
-                out.append(None)
-                continue
-            if len({i for i, _ in found}) == 1 and _tiles.is_run([t for _, t in found], region):
-                runs[r] = [(i, t.index) for i, t in found]
-                out.append(None)
-                continue
-            for i, t in found:
-                into.setdefault((i, t.index), []).append(r)
-            dims = [s.stop - s.start for s in region]
-            buf = _readers.aligned_empty(math.prod(dims) * itemsize)
-            out.append(buf.view(record.stored_dtype).reshape(dims))
+        into = _assembly.Assembly(regions, wanted, np.dtype(record.stored_dtype))
 
-        def read(keys: Sequence[tuple[tuple[int, ...], int]]) -> None:
+        def read(keys: Sequence[_assembly.Key]) -> None:
             for key in keys:
-                tile = needed[key]
-                data = self._read_tile(leaf, key[0], key[1], owner)
-                for r in into.get(key, ()):
-                    region, buf = regions[r], out[r]
-                    assert buf is not None
-                    both = _chunking.intersect(region, tile.region)
-                    buf[_chunking.relative(both, region)] = data[
-                        _chunking.relative(both, tile.region)
-                    ]
-                for r in is_tile.get(key, ()):
-                    out[r] = data
-                if key in run_tiles:
-                    kept[key] = data
+                into.place(key, self._read_tile(leaf, key[0], key[1], owner))
 
-        run_tiles = {key for keys in runs.values() for key in keys}
-        keys = sorted(needed)
-        self._prefetch(leaf, keys, needed, owner)
-        if len(keys) > 1 and sum(t.nbytes for t in needed.values()) >= _PARALLEL_BYTES:
-            for _ in _POOL.map(read, _batches(keys, needed)):
+        keys = sorted(into.needed)
+        self._prefetch(leaf, keys, into.needed, owner)
+        if len(keys) > 1 and sum(t.nbytes for t in into.needed.values()) >= _PARALLEL_BYTES:
+            for _ in _POOL.map(read, _assembly.batches(keys, into.needed, _TASK_BYTES)):
                 pass  # (raises the first failure)
         else:
             read(keys)
-        for r, run in runs.items():
-            dims = [s.stop - s.start for s in regions[r]]
-            view = _readers.joined([kept[key] for key in run])
-            if view is None:  # not read in place: copied together
-                view = _readers.aligned_empty(math.prod(dims) * itemsize)
-                view[:] = np.concatenate([kept[key].reshape(-1).view(np.uint8) for key in run])
-            out[r] = view.view(record.stored_dtype).reshape(dims)
-        assert all(buf is not None for buf in out)
-        return [buf for buf in out if buf is not None]
+        return into.finish()
