@@ -214,6 +214,17 @@ def overlapping(tiles_of_chunk: Sequence[Tile], region: _chunking.Region) -> lis
     ]
 
 
+def runs(tiles: Sequence[Tile]) -> list[list[Tile]]:
+    """`tiles` (of one chunk, in byte order) cut into runs whose bytes follow each other."""
+    out: list[list[Tile]] = []
+    for t in tiles:
+        if out and out[-1][-1].offset + out[-1][-1].nbytes == t.offset:
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return out
+
+
 def is_run(found: Sequence[Tile], region: _chunking.Region) -> bool:
     """Whether `found` (tiles of one chunk, in byte order) are exactly `region`, one after
     the other in C order: tiles that split the first dimension only, consecutive along

@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging as log
 
 from jaxckpt import _resources
-from jaxckpt.coord import _plan
+from jaxckpt.coord import _multihost, _plan
 from jaxckpt.format import _chunking, _format, _tiles
 from jaxckpt.restore import _assembly
 from jaxckpt.tiers import _landing, _memory_tier, _quarantine, _readers, _storage
@@ -94,8 +94,12 @@ def reader_factory(
             landing = _landing.landing_for(memory, manifest) if manifest is not None else None
             if landing is None or manifest is None:
                 return _readers.RangeReader(fetch)
-            # Its own part is what a process restoring after a node loss needs whole.
-            own = owner == process_index
+            # Its own part is what a process restoring after a node loss onto the saving
+            # layout needs whole: received at once. Onto another process count, the
+            # restore asks for the runs of tiles it needs (`ChunkReads._prefetch`).
+            own = owner == process_index and (
+                _format.saved_process_count(manifests or {}) == _multihost.process_count()
+            )
             spans = _landing.spans_of(manifest) if own else []
             return _landing.LandingReader(fetch, landing, spans, timeout_s)
         if source.tier == _plan.PERSISTENT:

@@ -278,6 +278,32 @@ class LandingReader:
             thread.start()
             self._streams.append(thread)
 
+    def prefetch(
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        chunk: _format.ChunkRecord,
+        tiles: Sequence[_tiles.Tile],
+        timeout_s: float = 120.0,
+    ) -> None:
+        """Starts receiving `tiles` of `chunk` (of a part not received ahead whole): each
+        run of them one after the other in the slab as one stream (a tile a request costs
+        a round trip each), checked as it lands; `read` takes each."""
+        base = _readers.slab_offset(record, chunk)
+        for run in _tiles.runs(tiles):
+            spans = [(base + t.offset, t.nbytes) for t in run]
+            with self._cond:
+                if len(spans) < 2 or any(s in self._prefetched for s in spans):
+                    continue  # read when asked for, or on its way already
+                self._prefetched.update(spans)
+            self._landing.make_ahead([(spans[0][0], spans[-1][0] + spans[-1][1])])
+            thread = threading.Thread(
+                target=self._stream, args=(spans, timeout_s), name="jaxckpt-landing-recv"
+            )
+            thread.daemon = True
+            thread.start()
+            self._streams.append(thread)
+
     def _receive(self, offset: int, nbytes: int, timeout_s: float) -> tuple[np.ndarray, int]:
         """Receives one tile into its place (one request); (its bytes, their CRC-32C)."""
         into = self._landing.view(offset, nbytes)

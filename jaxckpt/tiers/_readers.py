@@ -19,15 +19,17 @@ that could not be lent gives private copies, as every other reader does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 
+from jaxckpt import _resources
 from jaxckpt.format import _chunking, _format, _tiles
 from jaxckpt.tiers import _slab, _zarr
 
@@ -138,6 +140,37 @@ class RangeReader:
 
     def __init__(self, fetch: Callable[[int, memoryview, float], None]):
         self._fetch = fetch  # (offset, into, timeout_s): fills `into`
+        self._lock = threading.Lock()
+        # Tiles received ahead (`prefetch`): (slab offset, nbytes) -> (the run's future
+        # buffer, where the tile starts in it).
+        self._started: dict[tuple[int, int], tuple[concurrent.futures.Future[np.ndarray], int]]
+        self._started = {}
+
+    def prefetch(
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        chunk: _format.ChunkRecord,
+        tiles: Sequence[_tiles.Tile],
+        timeout_s: float = 120.0,
+    ) -> None:
+        """Starts receiving `tiles` of `chunk`: each run of them one after the other in
+        the slab with one request (a tile a request costs a round trip each); `read`
+        takes each, checked, and a failure here is raised by that `read`."""
+        base = slab_offset(record, chunk)
+        for run in _tiles.runs(tiles):
+            if len(run) < 2:
+                continue  # read when asked for: one request either way
+            start, nbytes = base + run[0].offset, sum(t.nbytes for t in run)
+            future = _AHEAD.submit(self._receive, start, nbytes, timeout_s)
+            with self._lock:
+                for t in run:
+                    self._started[base + t.offset, t.nbytes] = (future, t.offset - run[0].offset)
+
+    def _receive(self, offset: int, nbytes: int, timeout_s: float) -> np.ndarray:
+        buf = aligned_empty(nbytes)
+        self._fetch(offset, buf.data, timeout_s)
+        return buf
 
     def read(
         self,
@@ -147,9 +180,18 @@ class RangeReader:
         tile: _tiles.Tile,
         timeout_s: float,
     ) -> np.ndarray:
-        buf = aligned_empty(tile.nbytes)
-        self._fetch(slab_offset(record, chunk) + tile.offset, buf.data, timeout_s)
-        return from_bytes(buf, record, tile)
+        offset = slab_offset(record, chunk) + tile.offset
+        with self._lock:
+            started = self._started.pop((offset, tile.nbytes), None)
+        if started is not None:
+            future, at = started
+            return from_bytes(future.result(timeout=timeout_s)[at:], record, tile)
+        return from_bytes(self._receive(offset, tile.nbytes, timeout_s), record, tile)
+
+
+# Runs of a peer's tiles received ahead (`RangeReader.prefetch`): requests that wait on
+# the network, a few at once.
+_AHEAD: Final = _resources.SHARED.pool(4, "jaxckpt-range-ahead")
 
 
 def joined(parts: Sequence[np.ndarray]) -> np.ndarray | None:
