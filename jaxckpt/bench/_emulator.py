@@ -45,23 +45,11 @@ KINDS: Final = ("gcs", "s3")
 BUCKET: Final = "jaxckpt-bench"
 _START_TIMEOUT_S: Final = 30.0
 
-# Runs gcp-storage-emulator's server with the fixes of the module docstring (argv: host,
-# port). A script, not a module of this package: the emulator need not import jax.
-_GCS_SERVER: Final = """
-import http.server, sys
-from gcp_storage_emulator import server as gcs, storage
-
-# In memory, nothing reads the metadata file back; deletes free the objects' memory.
-storage.Storage._write_config_to_file = lambda self: None
-storage.Storage._bucket_soft_delete_retention_seconds = lambda self, bucket: 0
-
-class Handler(gcs.RequestHandler):
-    protocol_version = "HTTP/1.1"  # answers Expect: 100-continue
-
-    def end_headers(self):
-        self.send_header("Connection", "close")  # one request per connection
-        super().end_headers()
-
+# gcp-storage-emulator's downloads given the object's generation (`x-goog-generation`),
+# as real GCS sends it (tensorstore reads a tile of a zarr3 shard at its index's
+# generation). Python run inside the emulator's process; tests/support runs it too.
+GCS_GENERATIONS: Final = """
+import gcp_storage_emulator.server as _gcs_server
 from gcp_storage_emulator.handlers import objects
 
 original = objects.download
@@ -75,15 +63,38 @@ def download(request, response, storage, *args, **kwargs):
     response["x-goog-generation"] = str(obj["generation"])
 
 objects.download = download
-for _, methods in gcs.HANDLERS:
+for _, methods in _gcs_server.HANDLERS:
     for method, handler in list(methods.items()):
         if handler is original:
             methods[method] = download
 
+"""
+
+# Runs gcp-storage-emulator's server with the fixes of the module docstring (argv: host,
+# port). A script, not a module of this package: the emulator need not import jax.
+_GCS_SERVER: Final = (
+    """
+import http.server, sys
+from gcp_storage_emulator import server as gcs, storage
+
+# In memory, nothing reads the metadata file back; deletes free the objects' memory.
+storage.Storage._write_config_to_file = lambda self: None
+storage.Storage._bucket_soft_delete_retention_seconds = lambda self, bucket: 0
+
+class Handler(gcs.RequestHandler):
+    protocol_version = "HTTP/1.1"  # answers Expect: 100-continue
+
+    def end_headers(self):
+        self.send_header("Connection", "close")  # one request per connection
+        super().end_headers()
+"""
+    + GCS_GENERATIONS
+    + """
 http.server.HTTPServer.request_queue_size = 1024
 gcs.RequestHandler = Handler
 gcs.create_server(sys.argv[1], int(sys.argv[2]), in_memory=True).run()
 """
+)
 
 
 def available(kind: str) -> bool:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import portpicker
 
+from jaxckpt.bench._emulator import GCS_GENERATIONS
+
 # Each emulator gets a bucket of its own name: tensorstore keeps open kvstore drivers
 # by spec, and a GCS spec names no endpoint (TENSORSTORE_GCS_HTTP_URL is read when the
 # driver opens), so an earlier emulator's driver for the same bucket could be reused.
@@ -32,32 +34,15 @@ START_TIMEOUT_S = 30.0
 _REQUEST = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+"')
 
 # gcp-storage-emulator, with the one thing of real GCS it lacks that tensorstore needs:
-# an object's generation on every download (`x-goog-generation`). Tensorstore reads a
-# tile of a zarr3 shard as two conditional reads (the shard's index, then the tile, at
-# the index's generation), which fail without it ("Malformed StorageGeneration"). Real
-# GCS sends it always. (Conditions on it are still ignored: nothing here races a write.)
-_GCS_WITH_GENERATIONS = """
+# an object's generation on every download (`x-goog-generation`; see GCS_GENERATIONS).
+_GCS_WITH_GENERATIONS = (
+    GCS_GENERATIONS
+    + """
 import sys
-from gcp_storage_emulator import __main__ as cli, server
-from gcp_storage_emulator.handlers import objects
-
-original = objects.download
-
-def download(request, response, storage, *args, **kwargs):
-    original(request, response, storage, *args, **kwargs)
-    try:
-        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
-    except Exception:
-        return  # not found: the original answered so
-    response["x-goog-generation"] = str(obj["generation"])
-
-objects.download = download
-for _, methods in server.HANDLERS:
-    for method, handler in list(methods.items()):
-        if handler is original:
-            methods[method] = download
+from gcp_storage_emulator import __main__ as cli
 sys.exit(cli.main(sys.argv[1:]))
 """
+)
 
 
 class Emulator:
