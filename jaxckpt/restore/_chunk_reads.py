@@ -349,23 +349,24 @@ class ChunkReads:
         """Starts reading `keys` (tiles) at once where the first source of the first part
         that holds them can (a persisted array: tensorstore reads them concurrently, each
         a ranged read); each is still checked, and falls back alone, when it is read."""
-        by_copy: dict[tuple[_plan.Source, int, tuple[int, ...]], list[_tiles.Tile]] = {}
+        by_chunk: dict[tuple[int, ...], list[_tiles.Tile]] = {}
         for i, k in keys:
+            by_chunk.setdefault(i, []).append(tiles[i, k])
+        for i, wanted in by_chunk.items():
             owners = (owner,) if owner is not None else self._owners_of((leaf, i), False)
             for o in owners:
+                chunk = self._saved_chunks(o, leaf).get(i)
                 sources = [s for s in self._plan.sources.get(o, ()) if s not in self._dead]
-                if sources and i in self._saved_chunks(o, leaf):
-                    by_copy.setdefault((sources[0], o, i), []).append(tiles[i, k])
-                    break
-        for (source, o, i), wanted in by_copy.items():
-            try:
-                reader = self._reader(source, o)
-            except Exception:
-                continue  # the reads say why, and fall back
-            prefetch = getattr(reader, "prefetch", None)
-            if prefetch is not None:
-                chunk = self._saved_chunks(o, leaf)[i]
-                prefetch(leaf, self._plan.leaves[leaf], chunk, wanted)
+                if chunk is None or not sources:
+                    continue
+                try:
+                    reader = self._reader(sources[0], o)
+                except Exception:
+                    break  # the reads say why, and fall back
+                prefetch = getattr(reader, "prefetch", None)  # memory: read in place
+                if prefetch is not None:
+                    prefetch(leaf, self._plan.leaves[leaf], chunk, wanted)
+                break
 
     def _damaged_copy(self, source: _plan.Source, owner: int, why: str) -> None:
         """Tells `on_damaged` (once per copy) that `source`'s copy of `owner`'s part
