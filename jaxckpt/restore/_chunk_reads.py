@@ -292,7 +292,6 @@ class ChunkReads:
     ) -> np.ndarray | None:
         """The tile from the first source of `owner`'s part that gives verified bytes;
         None (each failure added to `tried`) where none does."""
-        what = _tiles.describe(expected, tile)
         sources = self._plan.sources.get(owner, ())
         if not sources:
             tried.append(f"part of process {owner}: no source holds it")
@@ -321,6 +320,7 @@ class ChunkReads:
             checked = getattr(reader, "verifies_checksums", False)
             if not checked and not tile.matches(data):
                 tried.append(f"{source.describe()}: checksum mismatch")
+                what = _tiles.describe(expected, tile)
                 self._damaged_copy(source, owner, f"checksum mismatch of {what} of {record.path}")
                 continue
             with self._lock:
@@ -331,7 +331,7 @@ class ChunkReads:
             if tried:
                 log.warning(
                     "jaxckpt: %s of %s: fell back to %s after %s",
-                    what,
+                    _tiles.describe(expected, tile),
                     record.path,
                     source.describe(),
                     tried,
