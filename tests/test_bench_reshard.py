@@ -106,6 +106,7 @@ def test_figures_take_the_busiest_process_and_count_every_tier_read():
         ["--directions", ""],
         ["--state-mib", "0"],
         ["--repeats", "0"],
+        ["--tile-kib", "-1"],
         ["--timeout", "-1"],
     ],
 )

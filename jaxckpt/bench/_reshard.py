@@ -108,6 +108,9 @@ class Direction:
 
 ONE_PROCESS_DEVICES: Final = 64
 DIRECTIONS: Final = (
+    # The saving mesh itself: what a restore costs where no layout changes (the baseline
+    # of the others; tiles assembled into whole-chunk shards cost a copy here).
+    Direction("same_2", "the same mesh, 2 -> 2 shards", _rows(2), _rows(2)),
     Direction("finer_2_8", "finer mesh, 2 -> 8 shards", _rows(2), _rows(8)),
     Direction("finer_8_64", "finer mesh, 8 -> 64 shards", _rows(8), _rows(64)),
     Direction("coarser_8_2", "coarser mesh, 8 -> 2 shards", _rows(8), _rows(2)),

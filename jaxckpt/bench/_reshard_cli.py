@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-mib", type=float, help="the saved state, MiB (default 64; quick: 4)")
     p.add_argument("--repeats", type=int, help="restores per tier (default 3; quick: 1)")
     p.add_argument(
+        "--tile-kib",
+        type=int,
+        help="TierOptions.tile_bytes in KiB (default: its default, 1024; 0: chunks saved whole)",
+    )
+    p.add_argument(
         "--directions",
         default=",".join(d.name for d in _reshard.DIRECTIONS),
         help="comma-separated directions (default: all): "
@@ -69,6 +74,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
         )
     if args.state_mib is not None and not args.state_mib > 0:
         parser.error(f"--state-mib must be positive, got {args.state_mib}")
+    if args.tile_kib is not None and args.tile_kib < 0:
+        parser.error(f"--tile-kib must be 0 (whole chunks) or positive, got {args.tile_kib}")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if not args.timeout > 0:
@@ -92,6 +99,8 @@ def main(argv: Sequence[str] | None, launch: Launch) -> int:
         "quick": args.quick,
         "state_mib": args.state_mib or preset["state_mib"],
         "repeats": args.repeats or preset["repeats"],
+        # None: TierOptions' default; 0: whole chunks.
+        "tile_bytes": None if args.tile_kib is None else args.tile_kib << 10,
         "timeout_s": args.timeout,
         "platform": "cpu",
         "work_dir": str(work_dir),

@@ -78,7 +78,8 @@ def _state(d: _reshard.Direction, rows: int) -> dict[str, jax.Array]:
 
 def _managers(cfg: dict[str, Any], memory_root: Path, work: Path) -> tuple[Jaxckpt, Any]:
     # Every save persisted; one copy on a peer where there are peers.
-    ours = Jaxckpt(work / "jaxckpt", memory_root, cfg, persist_every=1, memory_keep=1)
+    tiles = {} if cfg.get("tile_bytes") is None else {"tile_bytes": cfg["tile_bytes"] or None}
+    ours = Jaxckpt(work / "jaxckpt", memory_root, cfg, persist_every=1, memory_keep=1, **tiles)
     return ours, orbax_manager(work / "orbax", cfg, max_to_keep=1)
 
 
