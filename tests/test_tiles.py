@@ -150,6 +150,19 @@ def _target(mesh_spec):
     )
 
 
+def _tiled_handler(memory_root: str) -> jaxckpt.TieredCheckpointHandler:
+    return jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=1, tile_bytes=TILE_BYTES)
+    )
+
+
+def _save_persisted(mngr, h, state) -> None:
+    """Saves `state` as step 1 and waits until it is in memory and persisted."""
+    save(mngr, 1, state)
+    mngr.wait_until_finished()
+    h.wait_for_persistence()
+
+
 def _mesh_sharding(shape, names, spec):
     return NamedSharding(_mesh(shape, names), spec)
 
@@ -160,13 +173,9 @@ def test_a_tiled_step_restores_onto_another_mesh_reading_each_tile_once(tmp_path
     saved_on, onto = DIRECTIONS[direction]
     memory_root = str(tmp_path / "memory")
     state = {"w": _weights(saved_on)}
-    h = jaxckpt.TieredCheckpointHandler(
-        jaxckpt.TierOptions(memory_root, persist_every=1, tile_bytes=TILE_BYTES)
-    )
+    h = _tiled_handler(memory_root)
     with manager(tmp_path / "ckpt", h) as mngr:
-        save(mngr, 1, state)
-        mngr.wait_until_finished()
-        h.wait_for_persistence()
+        _save_persisted(mngr, h, state)
         if tier == "persistent":
             shutil.rmtree(memory_root)
         restored = restore(mngr, 1, {"w": _target(onto)})
@@ -194,13 +203,9 @@ def test_a_damaged_tile_falls_back_alone(tmp_path):
     saved_on, _ = DIRECTIONS["finer-2-to-8"]
     memory_root = str(tmp_path / "memory")
     state = {"w": _weights(saved_on)}
-    h = jaxckpt.TieredCheckpointHandler(
-        jaxckpt.TierOptions(memory_root, persist_every=1, tile_bytes=TILE_BYTES)
-    )
+    h = _tiled_handler(memory_root)
     with manager(tmp_path / "ckpt", h) as mngr:
-        save(mngr, 1, state)
-        mngr.wait_until_finished()
-        h.wait_for_persistence()
+        _save_persisted(mngr, h, state)
         part = _memory_part(memory_root, 1)
         manifest = _format.PartManifest.from_json((part / _format.MANIFEST_FILE).read_text())
         record = manifest.leaves[0]
@@ -224,13 +229,9 @@ def test_a_damaged_tile_falls_back_alone(tmp_path):
 
 def test_the_persistent_copy_keeps_tiles_as_checksummed_inner_chunks(tmp_path):
     saved_on, _ = DIRECTIONS["finer-2-to-8"]
-    h = jaxckpt.TieredCheckpointHandler(
-        jaxckpt.TierOptions(str(tmp_path / "memory"), persist_every=1, tile_bytes=TILE_BYTES)
-    )
+    h = _tiled_handler(str(tmp_path / "memory"))
     with manager(tmp_path / "ckpt", h) as mngr:
-        save(mngr, 1, {"w": _weights(saved_on)})
-        mngr.wait_until_finished()
-        h.wait_for_persistence()
+        _save_persisted(mngr, h, {"w": _weights(saved_on)})
     meta = json.loads((tmp_path / "ckpt/1/train/part_00000/arrays/w/zarr.json").read_text())
     (codec,) = meta["codecs"]
     assert codec["name"] == "sharding_indexed"
