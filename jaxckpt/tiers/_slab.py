@@ -457,3 +457,19 @@ class Reader:
             return np.empty(0, np.uint8)
         assert self._map is not None
         return np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)
+
+    def release(self) -> None:
+        """Done reading: the mapping is unmapped on a background thread, unless views of
+        it live on (arrays built on them keep it mapped until they are freed). Unmapping
+        a mapped 64 MiB slab took ~1.2 ms here: off the restore's path."""
+        mapping, self._map = self._map, None
+        if mapping is not None:
+            _unmapper.submit(_unmap, mapping)
+
+
+def _unmap(mapping: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # views of it live: unmapped when they go
+        mapping.close()
+
+
+_unmapper: Final = _resources.SHARED.pool(1, "jaxckpt-unmap")
