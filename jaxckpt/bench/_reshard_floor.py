@@ -97,9 +97,10 @@ class Floor:
             # Not closed here: the arrays put on CPU devices may keep its pages (as a
             # restore from memory keeps the slab's); it is unmapped when they are freed.
             return np.frombuffer(mmap.mmap(fd, self.nbytes, access=mmap.ACCESS_READ), np.uint8)
-        # Page-aligned (anonymous pages), as a restore's landing buffer: a CPU device may
+        # Page-aligned (private anonymous pages, as a restore's buffers: a shared mapping's
+        # pages cost more to fault in), as a restore's landing buffer: a CPU device may
         # then keep the bytes without a copy of its own.
-        pages = mmap.mmap(-1, self.nbytes)
+        pages = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         data = np.frombuffer(pages, np.uint8)
         view, done = memoryview(pages), 0
         while done < self.nbytes:
