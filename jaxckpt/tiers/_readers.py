@@ -132,6 +132,21 @@ class SlabReader:
         view = tile_view(self._slab, record, chunk, tile)
         return view if self._lent else view.copy()
 
+    def prefetch(
+        self,
+        leaf: int,
+        record: _format.LeafRecord,
+        chunk: _format.ChunkRecord,
+        tiles: Sequence[_tiles.Tile],
+        timeout_s: float = 120.0,
+    ) -> None:
+        """Maps the pages of `tiles` of `chunk` before they are read: each run of them
+        one after the other in the slab in one call (`_slab.Reader.populate`)."""
+        if chunk.offset is None:
+            return  # `read` says why
+        for run in _tiles.runs(tiles):
+            self._slab.populate(chunk.offset + run[0].offset, sum(t.nbytes for t in run))
+
     def finish(self) -> None:
         """The restore is done with the slab: unmapped off its path (`_slab.Reader.release`)."""
         self._slab.release()
