@@ -315,7 +315,7 @@ class _Collective(Choreography):
     """A restore or a listing: 1. `meet` (once per run), 2. `inventories`, 3. `agree`,
     around the operation's own work (a context manager: see the module docstring)."""
 
-    EXCHANGES = ("meet", "inventories", "agree")
+    EXCHANGES: ClassVar[tuple[str, ...]] = ("meet", "inventories", "agree")
 
     def meet(self) -> _peers.Peers | None:
         """1. The peers, met once per run (reading needs no placement)."""
@@ -480,7 +480,11 @@ class SaveChoreography(Choreography):
     ) -> None:
         """2. The commit's verdict (`_agreement.agree_on_save`): every process committed
         the same tree, or all raise. With this part's index `entry` and `write_index`, the
-        deciding process writes the step's one index before any process returns."""
+        deciding process writes the step's one index within the exchange, once every
+        process committed the same tree and before any returns: a step is indexed by
+        every process or by none. A save enters it only once its part is committed in
+        memory and pushed to its holders (`_save.Save.commit`), so that an index never
+        points at copies that do not exist."""
         error = self._enter("agree", None)
         # Blocking, on the commit future's own thread and event loop (Orbax's): no hop
         # to an executor thread, which that fresh loop would start anew at every save.
