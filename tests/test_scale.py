@@ -252,7 +252,9 @@ def test_setup_moves_under_a_kilobyte_a_process_and_tells_each_its_holders():
 
 # ---- relay groups ------------------------------------------------------------------------
 
-EXCHANGES = {"save": 1, "restore": 2}  # a save's agreement; a restore's inventories, verdict
+# A save's agreement; a restore's inventories and verdict (its reshard is a jax collective,
+# not the coordinator's; its meeting, once per run, is the set-up's).
+EXCHANGES = {"save": 1, "restore": 2}
 DECIDER_CALLS = 8  # the decider's own calls an exchange: its reads, claim, outcome, deletes
 
 

@@ -76,11 +76,14 @@ def meeting(hello: _peers.Hello) -> _peers.Peers:
     Args:
       hello: this process's side of it (`_peers.Hello`: started, or declined).
 
+    Returns:
+      This process's `Peers` (replicas that cannot be placed are not an error here:
+      `Peers.holders` raises it, where a save needs them).
+
     Raises:
-      ValueError: never for the placement, which `Peers.holders` raises when a save
-        needs it; TimeoutError: if another process does not show up in time; this
-        process's error (`hello.error`), or another's (the same built-in type, naming
-        it), on every process alike.
+      On every process alike: this process's error (`hello.error`), or another's
+      (the same built-in type, naming it); TimeoutError if a process does not take
+      part in time.
     """
     # Published before the exchange: once it ends, every address is there to look up.
     hello.publish()
@@ -184,8 +187,9 @@ class Choreography:
             )
         self._done.append(name)
         if self.error is None:
-            injected = _faults.injected(f"{self.VERB}.{name}", self.step, self._process)
-            self.error = error or (injected if inject else None)
+            self.error = error
+        if self.error is None and inject:
+            self.error = _faults.injected(f"{self.VERB}.{name}", self.step, self._process)
         return self.error
 
     def _meet(self, error: BaseException | None, place: bool) -> _peers.Peers | None:
