@@ -38,6 +38,7 @@ POINTS: Final = (
     "restore.meet",
     "restore.inventories",
     "restore.agree",
+    "restore.reshard",  # taken to the verdict just before it (`RestoreChoreography`)
     "list.open",
     "list.meet",
     "list.inventories",

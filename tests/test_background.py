@@ -144,6 +144,7 @@ class _SlowPeers:
     """Stands in for the peer service of a one-process test: a push that takes a while."""
 
     holders: dict[int, list[int]] = {}
+    run_id = "slow-peers"  # the run they were met for
 
     def __init__(self, writing: list[int]):
         self.writing, self.during_push, self.pushed = writing, None, []
@@ -178,10 +179,8 @@ def test_persistence_starts_once_the_part_is_on_its_peers(memory_root, ckpt_dir,
 
     monkeypatch.setattr(_persist_job, "write_chunks", spy)
     peers = _SlowPeers(writing)
-    h = handler(memory_root, persist_every=1, replicas=1)
-    monkeypatch.setattr(
-        h._runs, "connect", lambda memory: setattr(h._runs, "peers", peers) or peers
-    )
+    h = handler(memory_root, persist_every=1, replicas=1, run_id=peers.run_id)
+    h._runs.peers = peers  # met already: the save's meeting finds them
     with manager(ckpt_dir, h, use_async=False) as mngr:
         save(mngr, 1, sharded_state(mesh_1d()))
         h.wait_for_persistence()

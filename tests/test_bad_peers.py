@@ -9,7 +9,7 @@ copy is deleted first (a lost node), so the peer is the first source tried;
 the persisted copy is the fallback, or is deleted too.
 
 Also here: the peer service's token, interface binding, path confinement and
-request size limits, at the level of `Peers.connect` and raw HTTP.
+request size limits, at the level of the run's meeting (`_choreography.meeting`) and raw HTTP.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from jaxckpt.peer import _peers
 from jaxckpt.peer._client import check_part, fetch_file
 from jaxckpt.peer._server import PeerServer
 from jaxckpt.peer._wire import TOKEN_HEADER, PeerAddress
+from jaxckpt.run import _choreography
 from jaxckpt.tiers import _index, _memory_tier, _quarantine
 
 RUN = "bad-peers-run"
@@ -175,6 +176,8 @@ class FakePeers(_peers.Peers):
         self.holder_memory, self.ckpt_dir = holder_memory, ckpt_dir
 
     def exchange_inventories(self, local: _peers.Inventory) -> _holdings.Holdings:
+        """The pretend job's exchange of inventories (`attach` puts it in the real one's
+        place): process 0's, and what process 1 holds."""
         held = {s: set(o) for s, o in self.held.items()}
         if self.holder_memory is not None and self.ckpt_dir is not None:
             for s in self.holder_memory.steps():
@@ -183,10 +186,15 @@ class FakePeers(_peers.Peers):
         return _holdings.Holdings.of({0: local, 1: held})
 
 
-def attach(h: jaxckpt.TieredCheckpointHandler, peers: _peers.Peers, monkeypatch) -> None:
-    """Makes `h` use `peers` instead of meeting other processes through jax.distributed."""
+def attach(h: jaxckpt.TieredCheckpointHandler, peers: FakePeers, monkeypatch) -> None:
+    """Makes `h` use `peers`, met already, and their pretend job's inventories, instead of
+    meeting other processes through jax.distributed."""
     h._runs.peers = peers
-    monkeypatch.setattr(h._runs, "connect", lambda memory: peers)
+    monkeypatch.setattr(
+        _choreography,
+        "exchange_inventories",
+        lambda run_id, local, timeout_s: peers.exchange_inventories(local),
+    )
 
 
 def own_server(root: Path, run_id: str = RUN) -> PeerServer:
@@ -438,7 +446,7 @@ def test_a_holder_checks_its_copy_before_quarantining_it(saved, tmp_path):
         server.close()
 
 
-# ---- the peer service of a real `Peers.connect` ---------------------------------
+# ---- the peer service of a real meeting -------------------------------------------
 
 
 def _raw(address: PeerAddress, request: bytes, timeout: float = 5.0) -> bytes:
@@ -460,14 +468,14 @@ def _status(response: bytes) -> int:
 
 @pytest.fixture
 def connected(tmp_path, caplog):
-    """A one-process `Peers.connect` bound to 127.0.0.2, with everything logged."""
+    """A one-process meeting (`_choreography.meeting`) bound to 127.0.0.2, everything logged."""
     caplog.set_level(logging.DEBUG)
     root = tmp_path / "memory"
     options = TierOptions(str(root), peer_host="127.0.0.2", run_id=RUN, timeout_s=0.5)
     memory = _memory_tier.MemoryTier(str(root), RUN)
     memory.prepare(str(tmp_path / "ckpt"), 0)
     try:
-        peers = _peers.Peers.connect(memory, options)
+        peers = _choreography.meeting(_peers.Hello.serving(memory, options))
     except OSError as e:  # pragma: no cover - loopback aliases missing
         pytest.skip(f"cannot bind 127.0.0.2: {e}")
     yield peers, root
@@ -481,7 +489,9 @@ def test_token_is_random_per_run_and_never_logged(connected, tmp_path, caplog):
     other_root = tmp_path / "other"
     other_memory = _memory_tier.MemoryTier(str(other_root), RUN)
     other_memory.prepare(str(tmp_path / "ckpt2"), 0)
-    other = _peers.Peers.connect(other_memory, TierOptions(str(other_root), run_id=RUN))
+    other = _choreography.meeting(
+        _peers.Hello.serving(other_memory, TierOptions(str(other_root), run_id=RUN))
+    )
     try:
         assert other._token != token
     finally:

@@ -152,7 +152,7 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
         # A region of rows 3..6 touches saved chunks 1, 2 and 3 only.
         read.clear()
         item = _paths.ItemDir.parse(ckpt_dir / "1" / "train")
-        plan = h._runs.global_view(item, h._runs.memory).plan(1)
+        plan = h._runs.held(item, h._runs.memory).view().plan(1)
         readers = _chunk_reads.reader_factory(item.path, h._runs.memory, h._runs.peers, 1)
         chunks = _chunk_reads.ChunkReads(plan, readers, 0)
         (rows,) = chunks.read_regions(0, [(slice(3, 7), slice(0, 4))])

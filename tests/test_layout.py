@@ -268,3 +268,127 @@ def test_the_function_length_check_sees_methods_and_nested_functions(tmp_path: P
     assert lengths["short"] == 2 and lengths["long"] == 81
     assert lengths["C.method"] == 81 and lengths["outer.inner"] == 81
     assert lengths["outer"] == 82
+
+
+# ---- every cross-process step is an exchange of a choreography ----------------------
+
+# The calls that wait for every other process (each must make them, in the same order):
+# the coordinator's exchanges and agreements, the restore's reshard (a jax collective),
+# jax's multihost utilities, and the choreographies' own exchanges. A value one process
+# publishes and another looks up (`coord._published`) and a peer's bytes (`peer/`) wait
+# for one process, not for all, so they are not among them. None: every name of it.
+CROSS_PROCESS: dict[str, set[str] | None] = {
+    "coord._agreement": {"agree", "agree_each", "agree_on_save"},
+    "coord._multihost": {"converge", "converge_each", "allgather", "broadcast"},
+    "coord._exchange": {"exchange"},
+    "coord._read_layout": {"reshard"},
+    "run._choreography": {"meeting", "exchange_inventories"},
+    "jax.experimental.multihost_utils": None,
+}
+# Who may reach them: the choreographies, and coord/, which builds them.
+CROSS_PROCESS_CALLERS = ("run._choreography", "coord", "coord.*")
+# The benchmark drives the coordination code itself (`--scale` runs N simulated processes'
+# exchanges) and keeps its own phases in lockstep: it is no operation of the library.
+CROSS_PROCESS_EXEMPT = ("bench", "bench.*")
+
+
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    """Local name -> what it names, from every import in `tree`: a module (`coord._agreement`,
+    `jax.experimental.multihost_utils`) or a module's attribute (`coord._agreement.agree`);
+    jaxckpt's own relative to the package."""
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    out[a.asname] = _relative(a.name)
+                else:
+                    root = a.name.split(".")[0]
+                    out[root] = _relative(root)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                out[a.asname or a.name] = _relative(f"{node.module}.{a.name}")
+    return out
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    """`a.b.c` as ["a", "b", "c"]; None for anything but names and attributes."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(names)]
+
+
+def _cross_process_reaches(path: Path) -> list[tuple[int, str]]:
+    """(line, entry point) of every reach of a `CROSS_PROCESS` entry point in `path`: a
+    call or any other use (a function passed on reaches it too)."""
+    tree = ast.parse(path.read_text())
+    aliases = _aliases(tree)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            names = _dotted(node)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            names = [node.id]
+        else:
+            continue
+        if not names or names[0] not in aliases:
+            continue
+        full = ".".join([aliases[names[0]], *names[1:]])
+        module, _, attr = full.rpartition(".")
+        if module in CROSS_PROCESS and (
+            CROSS_PROCESS[module] is None or attr in CROSS_PROCESS[module]
+        ):
+            found.append((node.lineno, full))
+    return sorted(set(found))
+
+
+def _matches(module: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(module, p) for p in patterns)
+
+
+def test_every_cross_process_call_is_reached_from_a_choreography() -> None:
+    # A reader who opens run/_choreography sees every exchange each operation takes, in
+    # order; no other layer (the read engine, the peers, the run) waits for all processes.
+    wrong = [
+        f"jaxckpt/{path.relative_to(PACKAGE)}:{line} reaches {entry}"
+        for module, path in _modules().items()
+        if not _matches(module, CROSS_PROCESS_CALLERS + CROSS_PROCESS_EXEMPT)
+        for line, entry in _cross_process_reaches(path)
+    ]
+    assert not wrong, (
+        "Cross-process calls outside the choreographies (declare the exchange in "
+        "run/_choreography.py and run it there):\n" + "\n".join(wrong)
+    )
+
+
+def test_the_cross_process_check_sees_a_planted_call(tmp_path: Path) -> None:
+    # The checker itself: each way of reaching an entry point is found, other names are not.
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import jax\n"
+        "from jax.experimental import multihost_utils as mu\n"
+        "from jaxckpt.coord import _agreement, _read_layout\n"
+        "from jaxckpt.coord._multihost import converge\n"
+        "_agreement.agree(None, tag='t', what='w', timeout_s=1.0)\n"
+        "_agreement.is_agreed(None)\n"
+        "mu.sync_global_devices('x')\n"
+        "jax.experimental.multihost_utils.process_allgather(1)\n"
+        "later = _read_layout.reshard\n"
+        "converge('', dict, tag='t', timeout_s=1.0)\n"
+        "_read_layout.read_layout\n"
+    )
+    assert [entry for _, entry in _cross_process_reaches(source)] == [
+        "coord._agreement.agree",
+        "jax.experimental.multihost_utils.sync_global_devices",
+        "jax.experimental.multihost_utils.process_allgather",
+        "coord._read_layout.reshard",
+        "coord._multihost.converge",
+    ]
+    assert _matches("run._choreography", CROSS_PROCESS_CALLERS)
+    assert _matches("coord._peers_like", CROSS_PROCESS_CALLERS)
+    assert not _matches("restore._restore", CROSS_PROCESS_CALLERS + CROSS_PROCESS_EXEMPT)
+    assert not _matches("peer._peers", CROSS_PROCESS_CALLERS + CROSS_PROCESS_EXEMPT)

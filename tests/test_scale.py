@@ -21,6 +21,7 @@ from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator, _scale, _scale_cli
 from jaxckpt.coord import _agreement, _multihost, _placement, _published
 from jaxckpt.peer import _peers
+from jaxckpt.run import _choreography
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 30.0  # virtual seconds
@@ -224,7 +225,7 @@ def test_setup_moves_under_a_kilobyte_a_process_and_tells_each_its_holders():
 
     def meet(p: int, replicas: int) -> tuple:
         opts = TierOptions("/nonexistent", replicas=replicas, failure_domain=domains[p])
-        peers = _peers.Peers.meet("run-x", lambda: _scale._Service(p), opts)
+        peers = _choreography.meeting(_peers.Hello.start("run-x", lambda: _scale._Service(p), opts))
         try:
             holders = peers.holders
         except ValueError as e:
@@ -251,7 +252,9 @@ def test_setup_moves_under_a_kilobyte_a_process_and_tells_each_its_holders():
 
 # ---- relay groups ------------------------------------------------------------------------
 
-EXCHANGES = {"save": 1, "restore": 2}  # a save's agreement; a restore's inventories, verdict
+# A save's agreement; a restore's inventories and verdict (its reshard is a jax collective,
+# not the coordinator's; its meeting, once per run, is the set-up's).
+EXCHANGES = {"save": 1, "restore": 2}
 DECIDER_CALLS = 8  # the decider's own calls an exchange: its reads, claim, outcome, deletes
 
 

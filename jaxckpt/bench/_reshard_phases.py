@@ -173,7 +173,7 @@ def _timed(
     start = time.perf_counter()
     restored = jax.block_until_ready(restore())
     seconds = time.perf_counter() - start
-    # IMPORTANT: nobody drops a copy (the next tier) while another process may read it.
+    # Every process restored before any drops a copy (the next tier) another may read.
     sync(f"{name}/done")
     return seconds, restored
 

@@ -60,7 +60,7 @@ def run(
         ).train
         jax.block_until_ready(restored)
         seconds = time.perf_counter() - start
-        # IMPORTANT: nobody deletes a copy (next source) while another process may read it.
+        # Every process restored before any deletes a copy (next source) another may read.
         sync(f"restored/{name}")
         m = ours.metrics("restore", step)[-1]
         out[name] = {

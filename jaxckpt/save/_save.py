@@ -264,10 +264,8 @@ class Save:
                     committed=committed,
                 )
             )
-        # IMPORTANT: the step's index is written within the agreement, by the one process
-        # that decides it, once every process committed the same tree: a step is indexed
-        # by every process or by none. It is written only after every memory part is
-        # committed (and replicated), so an index never points at copies that do not exist.
+        # The choreography's exchange `agree`, now that the part is committed and pushed:
+        # the step's index is written within it (`SaveChoreography.agree`).
         manifest = dataclasses.replace(manifest, metrics=metrics.to_dict())
         agree_start = time.perf_counter()
         await self._choreography.agree(
