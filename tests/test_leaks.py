@@ -78,7 +78,7 @@ def test_failed_memory_write_leaves_no_staging_chunks(hold, memory_root, ckpt_di
         with pytest.raises(OSError, match="Step 1 does not fit in the memory tier"):
             save(mngr, 1, state_of(0.1))
         time.sleep(0.6)  # a write still in flight would land by now
-        assert leftovers(Path(memory_root) / h._runs.memory.run_id / ".staging") == []
+        assert leftovers(Path(memory_root) / h.inspect().memory.run_id / ".staging") == []
 
 
 def test_failed_persistence_leaves_no_staging_dirs(memory_root, ckpt_dir, monkeypatch):
@@ -100,7 +100,7 @@ def test_full_tmpfs_memory_tier_leaves_nothing(tmp_path, ckpt_dir):
             with pytest.raises(OSError, match=r"Step 1 does not fit in the memory tier.*size="):
                 save(mngr, 1, state_of(4, leaves=8))
             time.sleep(0.3)
-            assert leftovers(root / h._runs.memory.run_id / ".staging") == []
+            assert leftovers(root / h.inspect().memory.run_id / ".staging") == []
 
 
 def test_full_persistent_storage_leaves_nothing(memory_root, tmp_path, monkeypatch):

@@ -82,8 +82,8 @@ def test_memory_tier_full_injected_enospc(memory_root, ckpt_dir, monkeypatch):
     assert_unchanged(state, before)
     assert 2 not in mngr.all_steps()
     h.wait_for_persistence()
-    assert h._runs.memory.steps() == [1]  # nothing half-written is visible
-    assert not [p for p in (h._runs.memory.run_dir / ".staging").iterdir() if "step_2" in p.name]
+    assert h.inspect().memory.steps() == [1]  # nothing half-written is visible
+    assert not [p for p in (h.inspect().memory.run_dir / ".staging").iterdir() if "step_2" in p.name]
     assert_tree_equal(restore(mngr, 1, abstract(small_state(1))), small_state(1))
 
     full = False  # space is back: the next save works

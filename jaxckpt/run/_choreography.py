@@ -26,10 +26,10 @@ injected there) ends that work after the exchange, the same way. An exchange tha
 agreed error (`_agreement`) ends the choreography on every process at once.
 So a failing process takes part by construction, wherever it fails.
 
-Each exchange is also a fault-injection point (`_faults`,
-`JAXCKPT_FAULT=fail:<operation>.<exchange>@<step>[@<process>]`), and so is the
-opening of the run (`<operation>.open`): the tests fail one process just
-before each exchange and check that every process raises the same error.
+Each exchange is also a fault point (`_faults`: a hook the tests install fails
+this process there, `<operation>.<exchange>`), and so is the opening of the run
+(`<operation>.open`): the tests fail one process just before each exchange and
+check that every process raises the same error.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Choreography:
           indexes: step -> index manifests read already (not read again).
         """
         self._recorded = recorded
-        _faults.maybe_fail(f"{self.VERB}.open", self.step, self._process)
+        _faults.at(f"{self.VERB}.open", self.step, self._process)
         self.memory = self._run.open(self._required_item(), recorded, indexes)
         return self.memory
 
@@ -106,7 +106,7 @@ class Choreography:
             )
         self._done.append(name)
         if self.error is None:
-            self.error = error or _faults.injected(f"{self.VERB}.{name}", self.step, self._process)
+            self.error = error or _faults.failure(f"{self.VERB}.{name}", self.step, self._process)
         return self.error
 
     def _meet(self, error: BaseException | None, place: bool) -> _peers.Peers | None:
