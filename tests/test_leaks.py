@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
-import threading
 import time
 from pathlib import Path
 
+import faults
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt.tiers import _persist_job, _slab, _zarr
-from jaxckpt.tiers._persister import Persister
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -103,17 +102,12 @@ def test_full_tmpfs_memory_tier_leaves_nothing(tmp_path, ckpt_dir):
             assert leftovers(root / h.inspect().memory.run_id / ".staging") == []
 
 
-def test_full_persistent_storage_leaves_nothing(memory_root, tmp_path, monkeypatch):
+def test_full_persistent_storage_leaves_nothing(memory_root, tmp_path):
     # The persist waits for the save to return: the disk fills up with its part,
     # not (by a race) before the manager has written the step's own files.
-    saved = threading.Event()
-    persist = Persister._persist
-    monkeypatch.setattr(
-        Persister, "_persist", lambda self, job: saved.wait(30) and persist(self, job)
-    )
     with small_tmpfs(tmp_path / "disk", "2m") as ckpt:
         h = handler(memory_root, persist_every=1)
-        with manager(ckpt, h, use_async=False) as mngr:
+        with manager(ckpt, h, use_async=False) as mngr, faults.held("persist_begin") as saved:
             save(mngr, 1, state_of(4, leaves=8))
             saved.set()
             with pytest.raises(OSError, match="step 1"):

@@ -102,4 +102,6 @@ class Inspection:
           TimeoutError: if it has not ended within `timeout_s` (default: the options').
         """
         options = self._session.options
-        self._session.background.retainer.wait(options.timeout_s if timeout_s is None else timeout_s)
+        self._session.background.retainer.wait(
+            options.timeout_s if timeout_s is None else timeout_s
+        )

@@ -133,6 +133,14 @@ def fresh_iterator(data_seed: int = 0) -> Any:
     return iter(grain.MapDataset.range(1000).shuffle(seed=data_seed).batch(4).to_iter_dataset())
 
 
+def attach_peers(h: jaxckpt.TieredCheckpointHandler, peers: Any, monkeypatch: Any) -> None:
+    """Makes `h`'s run use `peers` (a stand-in for the peer service, in one process)
+    instead of meeting the other processes of a jax.distributed job."""
+    run = h.inspect().run
+    run.peers = peers
+    monkeypatch.setattr(run, "connect", lambda memory: peers)
+
+
 def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 180) -> str:
     """Runs `code` in a new interpreter (8 CPU devices); returns stdout, raises on failure."""
     prelude = "import os, jax\njax.config.update('jax_num_cpu_devices', 8)\n"
