@@ -58,7 +58,9 @@ def restore_after_losing(
 
     def one(p: int):
         addresses = _peers.Addresses(RUN, {}, 30.0)
-        peers = _peers.Peers(_scale._Service(p), "t" * 64, RUN, addresses, holders[p], replicas, 30)
+        peers = _peers.Peers(
+            _scale.StubService(p), "t" * 64, RUN, addresses, holders[p], replicas, 30
+        )
         inventories = peers.exchange_inventories({STEP: held[p]})
         plan = _plan.plan_step(STEP, manifests, p, inventories.for_step(STEP), persisted)
         error = None
@@ -173,7 +175,7 @@ def test_levels_reach_the_placement_through_the_run_set_up():
 
     def meet(p: int) -> tuple:
         opts = TierOptions("/nonexistent", replicas=1, failure_domain=LEVELS[p])
-        peers = _peers.Peers.meet("run-levels", lambda: _scale._Service(p), opts)
+        peers = _peers.Peers.meet("run-levels", lambda: _scale.StubService(p), opts)
         return peers.holders, peers.holders_with(partners)
 
     results = _coordinator.Simulation(COUNT).run(meet)

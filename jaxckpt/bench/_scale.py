@@ -72,8 +72,9 @@ FIGURES: Final = ("rpcs", "coordinator_bytes", "modeled_s", "plan_cpu_s", "peak_
 INDEX_READERS: Final = 3  # processes whose index read is measured (the median is charged)
 
 
-class _Service:
-    """A peer data service that is only an address (nothing connects to it here)."""
+class StubService:
+    """A peer data service that is only an address (nothing connects to it): the simulated
+    processes' (`Peers.meet`), here and in the coordination tests."""
 
     def __init__(self, p: int):
         self.address = PeerAddress(f"10.{p >> 16}.{(p >> 8) & 255}.{p & 255}", 40000 + p % 20000)
@@ -154,7 +155,7 @@ class Setup:
             timeout_s=TIMEOUT_S,
             failure_domain=_domain(p, self.count),
         )
-        peers = Peers.meet(RUN_ID, lambda: _Service(p), opts)
+        peers = Peers.meet(RUN_ID, lambda: StubService(p), opts)
         if len(peers.holders) != 1:  # the decider placed them once
             raise RuntimeError(f"process {p} was told holders {peers.holders}")
 
@@ -240,7 +241,7 @@ class Restore:
     def _restore(self, p: int) -> bool:
         self.charge(p, self.index_cpu_s)  # its read of the step's index, measured before
         addresses = Addresses(RUN_ID, {}, TIMEOUT_S)
-        peers = Peers(_Service(p), "t" * 64, RUN_ID, addresses, self.holders[p], 1, TIMEOUT_S)
+        peers = Peers(StubService(p), "t" * 64, RUN_ID, addresses, self.holders[p], 1, TIMEOUT_S)
         held = peers.exchange_inventories({STEP: self.inventory[p]})
         ok, error = True, None
         if p in self.planners:
