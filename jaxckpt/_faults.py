@@ -46,7 +46,7 @@ POINTS: Final = (
 _KNOWN: Final = frozenset(POINTS)
 
 # A hook: called as hook(point, step, process) at every point while it is installed.
-Hook = Callable[[str, "int | None", int], None]
+Hook = Callable[[str, int | None, int], None]
 
 _LOCK: Final = threading.Lock()
 _HOOKS: Final[list[Hook]] = []  # installed by tests only; empty in a normal run

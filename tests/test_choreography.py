@@ -110,3 +110,12 @@ def test_an_unknown_fault_point_is_refused():
         _faults.failure("restore.plan", 1, 0)
     with pytest.raises(ValueError, match=r"Unknown fault point 'persist_start'"):
         _faults.at("persist_start", 1, 0)
+
+
+def test_a_hook_runs_at_every_point_only_while_installed():
+    seen: list[tuple[str, int | None, int]] = []
+    with _faults.hooked(lambda point, step, process: seen.append((point, step, process))):
+        _faults.at("persist_begin", 4, 0)
+        assert _faults.failure("save.meet", 4, 1) is None  # the hook raised nothing
+    _faults.at("persist_begin", 5, 0)
+    assert seen == [("persist_begin", 4, 0), ("save.meet", 4, 1)]
