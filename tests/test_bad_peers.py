@@ -32,6 +32,7 @@ import pytest
 from helpers import (
     abstract,
     assert_tree_equal,
+    attach_peers,
     flip_slab_byte,
     manager,
     mesh_1d,
@@ -184,17 +185,6 @@ class FakePeers(_peers.Peers):
                 index = _index.read_index(self.ckpt_dir / str(s) / "train")
                 held[s] = _index.memory_parts(self.holder_memory, s, index)
         return _holdings.Holdings.of({0: local, 1: held})
-
-
-def attach(h: jaxckpt.TieredCheckpointHandler, peers: FakePeers, monkeypatch) -> None:
-    """Makes `h` use `peers`, met already, and their pretend job's inventories, instead of
-    meeting other processes through jax.distributed."""
-    h._runs.peers = peers
-    monkeypatch.setattr(
-        _choreography,
-        "exchange_inventories",
-        lambda run_id, local, timeout_s: peers.exchange_inventories(local),
-    )
 
 
 def own_server(root: Path, run_id: str = RUN) -> PeerServer:
@@ -359,7 +349,7 @@ def restore_through_peer(kind, fallback, saved, tmp_path, monkeypatch) -> tuple[
         shutil.rmtree(_memory_tier.MemoryTier(memory_root, RUN).step_dir(1))  # node loss
         if not fallback:
             shutil.rmtree(ckpt / "1" / "train" / _format.part_dir_name(0))
-        attach(h, FakePeers(own, address, held={1: {0}}), monkeypatch)
+        attach_peers(h, FakePeers(own, address, held={1: {0}}), monkeypatch)
         mngr = manager(ckpt, h)
         try:
             outcome = bounded(lambda: restore(mngr, 1, abstract(expected)), expected, h)
@@ -484,7 +474,7 @@ def connected(tmp_path, caplog):
 
 def test_token_is_random_per_run_and_never_logged(connected, tmp_path, caplog):
     peers, root = connected
-    token = peers._token
+    token = peers.token
     assert len(token) == 64 and int(token, 16) >= 0  # 256 random bits, hex
     other_root = tmp_path / "other"
     other_memory = _memory_tier.MemoryTier(str(other_root), RUN)
@@ -493,7 +483,7 @@ def test_token_is_random_per_run_and_never_logged(connected, tmp_path, caplog):
         _peers.Hello.serving(other_memory, TierOptions(str(other_root), run_id=RUN))
     )
     try:
-        assert other._token != token
+        assert other.token != token
     finally:
         other.close()
     (root / RUN / "f").write_bytes(b"secret")
@@ -550,7 +540,7 @@ def test_paths_outside_the_root_are_refused(connected, tmp_path, method, path):
     (root / RUN / "link").symlink_to(tmp_path)
     response = _raw(
         peers.addresses[0],
-        f"{method} {path} HTTP/1.1\r\nHost: x\r\n{TOKEN_HEADER}: {peers._token}\r\n\r\n".encode(),
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\n{TOKEN_HEADER}: {peers.token}\r\n\r\n".encode(),
     )
     assert 400 <= _status(response) < 500, response[:200]
     assert b"top secret" not in response
@@ -559,7 +549,7 @@ def test_paths_outside_the_root_are_refused(connected, tmp_path, method, path):
 
 def test_oversized_or_malformed_requests_are_refused(connected):
     peers, _ = connected
-    address, token = peers.addresses[0], peers._token
+    address, token = peers.addresses[0], peers.token
     auth = f"Host: x\r\n{TOKEN_HEADER}: {token}\r\n"
     long_line = f"GET /files/{RUN}/{'a' * 70000} HTTP/1.1\r\n{auth}\r\n".encode()
     assert _status(_raw(address, long_line)) == 414

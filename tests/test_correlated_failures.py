@@ -172,7 +172,7 @@ def test_levels_reach_the_placement_through_the_run_set_up():
 
     def meet(p: int) -> tuple:
         opts = TierOptions("/nonexistent", replicas=1, failure_domain=LEVELS[p])
-        hello = _peers.Hello.start("run-levels", lambda: _scale._Service(p), opts)
+        hello = _peers.Hello.start("run-levels", lambda: _scale.StubService(p), opts)
         peers = _choreography.meeting(hello)
         return peers.holders, peers.holders_with(partners)
 

@@ -144,7 +144,7 @@ def _measure(
         )
         # Every memory tier is lost: each process drops the step from its own (the run
         # is open now: the restore opened it).
-        memory = ours.handler._runs.memory
+        memory = ours.handler.inspect().memory
         assert memory is not None
         shutil.rmtree(memory.step_dir(STEP), ignore_errors=True)
         sync(f"reshard/{d.name}/forgotten")

@@ -49,7 +49,7 @@ def run(
     pi, out = jax.process_index(), {}
     saved = tr.state(step)
     mngr, handler = ours.mngr, ours.handler
-    memory = handler._runs.memory
+    memory = handler.inspect().memory
     assert memory is not None
 
     def jaxckpt_restore(name: str, transposed: bool = False) -> None:

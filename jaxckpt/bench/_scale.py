@@ -73,8 +73,9 @@ FIGURES: Final = ("rpcs", "coordinator_bytes", "modeled_s", "plan_cpu_s", "peak_
 INDEX_READERS: Final = 3  # processes whose index read is measured (the median is charged)
 
 
-class _Service:
-    """A peer data service that is only an address (nothing connects to it here)."""
+class StubService:
+    """A peer data service that is only an address (nothing connects to it): the simulated
+    processes' (`Peers.meet`), here and in the coordination tests."""
 
     def __init__(self, p: int):
         self.address = PeerAddress(f"10.{p >> 16}.{(p >> 8) & 255}.{p & 255}", 40000 + p % 20000)
@@ -155,7 +156,7 @@ class Setup:
             timeout_s=TIMEOUT_S,
             failure_domain=_domain(p, self.count),
         )
-        peers = _choreography.meeting(Hello.start(RUN_ID, lambda: _Service(p), opts))
+        peers = _choreography.meeting(Hello.start(RUN_ID, lambda: StubService(p), opts))
         if len(peers.holders) != 1:  # the decider placed them once
             raise RuntimeError(f"process {p} was told holders {peers.holders}")
 

@@ -114,6 +114,11 @@ class Peers:
         self.relay = relay
 
     @property
+    def token(self) -> str:
+        """The run's secret: every request to a peer service carries it; never logged."""
+        return self._token
+
+    @property
     def holders(self) -> tuple[int, ...]:
         """The processes that keep copies of this process's parts.
 
@@ -242,7 +247,7 @@ class Peers:
         dest = f"{_memory_tier.MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
 
         def push(holder: int) -> int:
-            _faults.maybe_crash("replicate", step, owner)
+            _faults.at("replicate", step, owner)
             try:
                 return _client.push_part(
                     self.addresses[holder],

@@ -43,11 +43,11 @@ waiting there for the whole timeout, give up on it. And a jax collective
 (`reshard`) has no timeout and nothing after it to report a failure: it is
 entered only right after a verdict that every process passed.
 
-Each exchange is also a fault-injection point (`_faults`,
-`JAXCKPT_FAULT=fail:<operation>.<exchange>@<step>[@<process>]`), and so is the
-opening of the run (`<operation>.open`): the tests fail one process just
-before each exchange and check that every process raises the same error
-(`restore.reshard`'s failure is taken to the verdict just before it).
+Each exchange is also a fault point (`_faults`: a hook the tests install fails
+this process there, `<operation>.<exchange>`), and so is the opening of the run
+(`<operation>.open`): the tests fail one process just before each exchange and
+check that every process raises the same error (`restore.reshard`'s failure is
+taken to the verdict just before it).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class Choreography:
           indexes: step -> index manifests read already (not read again).
         """
         self._recorded = recorded
-        _faults.maybe_fail(f"{self.VERB}.open", self.step, self._process)
+        _faults.at(f"{self.VERB}.open", self.step, self._process)
         self.memory = self._run.open(self._required_item(), recorded, indexes)
         return self.memory
 
@@ -189,7 +189,7 @@ class Choreography:
         if self.error is None:
             self.error = error
         if self.error is None and inject:
-            self.error = _faults.injected(f"{self.VERB}.{name}", self.step, self._process)
+            self.error = _faults.failure(f"{self.VERB}.{name}", self.step, self._process)
         return self.error
 
     def _meet(self, error: BaseException | None, place: bool) -> _peers.Peers | None:
@@ -370,7 +370,7 @@ class RestoreChoreography(_Collective):
         Returns:
           The arrays of `resharding`, on their targets' shardings, in order.
         """
-        error = _faults.injected(f"{self.VERB}.reshard", self.step, self._process)
+        error = _faults.failure(f"{self.VERB}.reshard", self.step, self._process)
         self._agree(error, self._what())
         self._enter("reshard", None, inject=False)
         if not resharding.arrays:
