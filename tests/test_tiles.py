@@ -287,3 +287,161 @@ def test_a_region_that_is_a_run_of_tiles_is_a_view_of_them_where_read_in_place(c
     (part,) = reads.read_regions(0, [(slice(4, 20),)])
     np.testing.assert_array_equal(part, values[4:20])
     assert not np.shares_memory(part, values)
+
+
+# ---- the persistent tier: tiles read as the bytes their files hold ------------------------
+
+
+def _persisted_only(tmp_path, state, **options):
+    """Saves `state` (tiled, persisted) as step 1 and drops it from memory: the handler,
+    and the part's array directory of leaf 'w'."""
+    memory_root = str(tmp_path / "memory")
+    h = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=1, tile_bytes=TILE_BYTES, **options)
+    )
+    with manager(tmp_path / "ckpt", h) as mngr:
+        _save_persisted(mngr, h, state)
+    shutil.rmtree(memory_root)
+    return h, tmp_path / "ckpt/1/train/part_00000/arrays/w"
+
+
+def _shard(array_dir: Path, index=(0, 0)) -> tuple[Path, np.ndarray]:
+    """A chunk's shard file and its index: (offset, nbytes) of each inner chunk (tile)."""
+    path = array_dir.joinpath("c", *map(str, index))
+    meta = json.loads((array_dir / "zarr.json").read_text())
+    inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+    chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    n = int(np.prod([c // i for c, i in zip(chunk, inner, strict=True)]))
+    return path, np.frombuffer(path.read_bytes()[: 16 * n], "<u8").reshape(n, 2)
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _restore_persisted(tmp_path, h, onto):
+    with manager(tmp_path / "ckpt", h) as mngr:
+        return restore(mngr, 1, {"w": _target(onto)}), h.last_restore_metrics
+
+
+@pytest.mark.parametrize("where", ["values", "stored-crc"])
+def test_a_damaged_persisted_tile_is_refused_by_name(tmp_path, where):
+    """A tile read as the bytes its shard holds is checked against the manifest: a
+    flipped byte in its values, or in the CRC-32C zarr3 keeps after them, is refused
+    and named (no other copy: the restore fails)."""
+    saved_on, onto = DIRECTIONS["finer-2-to-8"]
+    _, array_dir = _persisted_only(tmp_path, {"w": _weights(saved_on)})
+    path, index = _shard(array_dir)
+    offset, nbytes = (int(x) for x in index[5])
+    _flip(path, offset + (7 if where == "values" else nbytes - 2))
+    with pytest.raises(FileNotFoundError, match=r"tile 5 of chunk \(0, 0\) of \['w'\]"):
+        _restore_persisted(tmp_path, _tiled_handler(str(tmp_path / "memory")), onto)
+
+
+def test_a_damaged_shard_index_is_refused_by_name(tmp_path):
+    saved_on, onto = DIRECTIONS["finer-2-to-8"]
+    _, array_dir = _persisted_only(tmp_path, {"w": _weights(saved_on)})
+    path, _ = _shard(array_dir, (1, 0))
+    _flip(path, 3)
+    with pytest.raises(FileNotFoundError, match=r"chunk \(1, 0\) of \['w'\].*shard index"):
+        _restore_persisted(tmp_path, _tiled_handler(str(tmp_path / "memory")), onto)
+
+
+def test_tiles_of_the_fill_value_that_zarr3_does_not_store_restore(tmp_path):
+    """zarr3 stores no inner chunk (and no shard) that is all fill value: such tiles
+    restore as zeros, checked like any other."""
+    saved_on, onto = DIRECTIONS["finer-2-to-8"]
+    values = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
+    values[:40, :] = 0  # tile (0, 0) of chunk (0, 0) and more
+    values[ROWS // 2 :] = 0  # all of chunk (1, 0): no shard at all
+    state = {"w": jax.device_put(values, _mesh_sharding(*saved_on))}
+    h, array_dir = _persisted_only(tmp_path, state)
+    _, index = _shard(array_dir)
+    assert int(index[0][0]) == 2**64 - 1  # not stored
+    assert not array_dir.joinpath("c", "1", "0").exists()
+    restored, metrics = _restore_persisted(tmp_path, h, onto)
+    assert_tree_equal(restored, state)
+    assert metrics["fallbacks"] == 0
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_tiles_cut_short_or_compressed_are_read_through_tensorstore(tmp_path, compression):
+    """Tiles cut short at the array's end (zarr3 stores them whole, filled out, as a
+    shard of a chunk that ends there) and compressed ones are decoded by tensorstore;
+    the others are read as bytes. Either way every tile has the values saved and the
+    manifest's checksum."""
+    import asyncio
+
+    from jaxckpt.tiers import _readers, _storage, _zarr
+
+    record = dataclasses.replace(_record((100, 60), (64, 60), (32, 30)), array_key="w")
+    values = np.arange(100 * 60, dtype=np.float32).reshape(100, 60)
+    chunks, pieces = [], []
+    for index, rows in [((0, 0), 64), ((1, 0), 36)]:  # 36 rows: tiles of 32 and 4
+        bare = _format.ChunkRecord(index, rows * 60 * 4, offset=0, tiles=(0,) * 4)
+        tiles = _tiles.tiles(record, bare)
+        crcs = tuple(_checksum.crc32c(values[t.region]) for t in tiles)
+        chunks.append(dataclasses.replace(bare, tiles=crcs))
+        pieces += [(t.region, values[t.region]) for t in tiles]
+    part = _storage.kvstore(tmp_path / "part")
+    kvstore = _zarr.array_kvstore(part, record)
+    asyncio.run(_zarr.write_chunks(kvstore, record, pieces, compression, crc32c=True))
+    reader = _readers.ZarrReader(part)
+    for chunk in chunks:
+        got = _readers.read_chunk(reader, 0, record, chunk, 10.0)  # every tile checked
+        np.testing.assert_array_equal(got, values[64 * chunk.index[0] :][:64])
+    layout = _zarr.raw_layout(_zarr.open_array(kvstore, record).result(), record)
+    if compression is None:
+        assert layout == _zarr.RawLayout((32, 30), (2, 2), 4, layout.fill)
+    else:
+        assert layout is None
+
+
+# ---- the slab's mapping after a restore ----------------------------------------------------
+
+
+def _mapped(path: Path) -> bool:
+    """Whether this process maps the file at `path` (its /proc/self/maps)."""
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.parametrize("tile_bytes", [TILE_BYTES, None], ids=["copied", "kept-in-place"])
+def test_a_restore_lets_go_of_the_slab_it_no_longer_uses(tmp_path, tile_bytes):
+    """A restore from memory maps its slab; the mapping is let go (off the restore's
+    path) once the restore is done with it, unless its arrays keep views of it: then it
+    stays, and their values with it, until they are freed."""
+    import gc
+    import time
+
+    memory_root = str(tmp_path / "memory")
+    saved_on, onto = DIRECTIONS["finer-2-to-8"]
+    if tile_bytes is None:
+        onto = saved_on  # chunks saved whole, onto the saving mesh: each shard a view
+    state = {"w": _weights(saved_on)}
+    h = jaxckpt.TieredCheckpointHandler(
+        jaxckpt.TierOptions(memory_root, persist_every=10**6, tile_bytes=tile_bytes)
+    )
+    with manager(tmp_path / "ckpt", h) as mngr:
+        save(mngr, 1, state)
+        mngr.wait_until_finished()
+        slab = _memory_part(memory_root, 1) / _slab.SLAB_FILE
+        _slab.forget_all()  # the save's own mapping
+        restored = restore(mngr, 1, {"w": _target(onto)})
+
+        def let_go(deadline_s: float = 30.0) -> bool:
+            end = time.monotonic() + deadline_s
+            while _mapped(slab) and time.monotonic() < end:
+                time.sleep(0.05)
+            return not _mapped(slab)
+
+        if tile_bytes is None:
+            time.sleep(0.2)  # the unmapper has had its chance
+            assert _mapped(slab)
+            assert_tree_equal(restored, state)
+            del restored
+            gc.collect()
+        else:
+            assert_tree_equal(restored, state)
+        assert let_go(), f"{slab} is still mapped"

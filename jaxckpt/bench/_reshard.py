@@ -292,6 +292,7 @@ def per_process_table(results: Sequence[dict[str, Any]]) -> str:
                     _table.size(r["needed_bytes"]),
                     f"{read / max(1, r['needed_bytes']):.2f}",
                     "+".join(sorted(sources)) or "-",
+                    _disk(t, r["orbax"]) if tier == "persistent" else "-",
                     _table.duration(seconds),
                     _table.duration(floor),
                     f"{seconds / floor:.2f}" if seconds and floor else "-",
@@ -307,10 +308,22 @@ def per_process_table(results: Sequence[dict[str, Any]]) -> str:
         "needed",
         "read/needed",
         "from",
+        "disk read (Orbax's)",
         "restore",
         "floor",
         "/floor",
         "/Orbax",
         "verified",
     )
-    return _table.table(headers, rows, right=(1, 3, 4, 5, 7, 8, 9, 10))
+    return _table.table(headers, rows, right=(1, 3, 4, 5, 7, 8, 9, 10, 11))
+
+
+def _disk(ours: dict[str, Any], orbax: dict[str, Any]) -> str:
+    """The bytes a process's cold restores read from the disk (median), and Orbax's:
+    what its page cache did not serve (`device_bytes`)."""
+
+    def median(t: dict[str, Any]) -> str:
+        got = [b for b in t.get("device_bytes", ()) if b is not None]
+        return _table.size(statistics.median(got)) if got else "?"
+
+    return f"{median(ours)} ({median(orbax)})"

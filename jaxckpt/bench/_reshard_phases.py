@@ -14,7 +14,8 @@ A worker has one role (`cfg["role"]`):
 
 Every restore's tree is compared, shard by shard, with the saved values
 (`_reshard.values`); persistent reads, jaxckpt's, Orbax's and the floor's, start from a
-cold page cache.
+cold page cache, and the bytes each restore read from the disk are recorded
+(`device_bytes`: what the page cache did not serve).
 """
 
 from __future__ import annotations
@@ -163,19 +164,33 @@ def _measure(
     return result
 
 
+def device_bytes() -> int | None:
+    """Bytes this process has read from block devices so far: what its page cache did not
+    serve (`read_bytes` of /proc/self/io; None where there is no such file)."""
+    try:
+        text = Path("/proc/self/io").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return int(fields["read_bytes"]) if "read_bytes" in fields else None
+
+
 def _timed(
     name: str, sync: Sync, restore: Callable[[], Any], cold: Path | None
-) -> tuple[float, Any]:
-    """Seconds one restore took (after every process is ready; cold: its files evicted)."""
+) -> tuple[float, Any, int | None]:
+    """Seconds one restore took (after every process is ready; cold: its files evicted),
+    and the bytes it read from the disk (None: not known)."""
     if cold is not None:
         _baselines.evict_page_cache(cold)
     sync(name)
+    before = device_bytes()
     start = time.perf_counter()
     restored = jax.block_until_ready(restore())
     seconds = time.perf_counter() - start
+    after = device_bytes()
     # Every process restored before any drops a copy (the next tier) another may read.
     sync(f"{name}/done")
-    return seconds, restored
+    return seconds, restored, None if before is None or after is None else after - before
 
 
 def _restores(
@@ -189,11 +204,17 @@ def _restores(
     cold: Path | None = None,
 ) -> dict[str, Any]:
     """`repeats` jaxckpt restores from `tier`, each followed by its floor."""
-    out: dict[str, Any] = {"seconds": [], "floor_s": [], "bytes_by_tier": [], "verified": True}
+    out: dict[str, Any] = {
+        "seconds": [],
+        "floor_s": [],
+        "bytes_by_tier": [],
+        "device_bytes": [],
+        "verified": True,
+    }
     peer_arrays = floor.arrays() if tier == "peer" else None
     for k in range(cfg["repeats"]):
         tag = f"reshard/{d.name}/{tier}/{k}"
-        seconds, restored = _timed(
+        seconds, restored, disk = _timed(
             tag,
             sync,
             lambda: (
@@ -205,6 +226,7 @@ def _restores(
         )
         metrics = ours.metrics("restore", STEP)[-1]
         out["seconds"].append(seconds)
+        out["device_bytes"].append(disk)
         out["bytes_by_tier"].append({k: int(v) for k, v in metrics["bytes_by_tier"].items()})
         out["verified"] = out["verified"] and verify(restored)
         del restored
@@ -225,15 +247,16 @@ def _orbax_restores(
     sync: Sync,
 ) -> dict[str, Any]:
     """`repeats` Orbax restores of its copy onto the same target, each cold."""
-    out: dict[str, Any] = {"seconds": [], "verified": True}
+    out: dict[str, Any] = {"seconds": [], "device_bytes": [], "verified": True}
     for k in range(cfg["repeats"]):
-        seconds, restored = _timed(
+        seconds, restored, disk = _timed(
             f"reshard/{d.name}/orbax/{k}",
             sync,
             lambda: omngr.restore(STEP, args=ocp.args.StandardRestore(target)),
             directory,
         )
         out["seconds"].append(seconds)
+        out["device_bytes"].append(disk)
         out["verified"] = out["verified"] and verify(restored)
         del restored
     return out

@@ -24,7 +24,9 @@ class Assembly:
     A region that is exactly one tile is that tile (no copy); one that is a run of tiles
     one after the other is a view of them where they were read in place (no copy); every
     other one gets a buffer, aligned as a slab is (JAX on CPU keeps it without another
-    copy), which each tile is copied into right after it is read, while it is in cache.
+    copy), all of a leaf's carved out of one allocation (`_readers.aligned_buffers`: huge
+    pages where the kernel offers them), which each tile is copied into right after it
+    is read and checked, while it is in cache.
     `place` may run on several threads at once (distinct tiles).
     """
 
@@ -41,6 +43,7 @@ class Assembly:
         self._runs: dict[int, list[Key]] = {}  # region -> the run of tiles it is
         self._kept: dict[Key, np.ndarray] = {}  # the tiles of runs, as read
         self._out: list[np.ndarray | None] = []
+        copied: list[int] = []  # regions assembled by copies, in one allocation
         for r, (region, found) in enumerate(zip(regions, wanted, strict=True)):
             for i, t in found:
                 self.needed[i, t.index] = t
@@ -53,13 +56,21 @@ class Assembly:
             else:
                 for i, t in found:
                     self._into.setdefault((i, t.index), []).append(r)
-                self._out.append(self._buffer(region))
+                self._out.append(None)
+                copied.append(r)
+        buffers = _readers.aligned_buffers([self._nbytes(regions[r]) for r in copied])
+        for r, buf in zip(copied, buffers, strict=True):
+            self._out[r] = self._shaped(buf, regions[r])
         self._in_runs = {key for keys in self._runs.values() for key in keys}
 
+    def _nbytes(self, region: _chunking.Region) -> int:
+        return math.prod(s.stop - s.start for s in region) * self._dtype.itemsize
+
+    def _shaped(self, buf: np.ndarray, region: _chunking.Region) -> np.ndarray:
+        return buf.view(self._dtype).reshape([s.stop - s.start for s in region])
+
     def _buffer(self, region: _chunking.Region) -> np.ndarray:
-        dims = [s.stop - s.start for s in region]
-        buf = _readers.aligned_empty(math.prod(dims) * self._dtype.itemsize)
-        return buf.view(self._dtype).reshape(dims)
+        return self._shaped(_readers.aligned_empty(self._nbytes(region)), region)
 
     def place(self, key: Key, data: np.ndarray) -> None:
         """Tile `key`'s verified values into every region that needs them."""

@@ -347,8 +347,9 @@ class ChunkReads:
         owner: int | None,
     ) -> None:
         """Starts reading `keys` (tiles) at once where the first source of the first part
-        that holds them can (a persisted array: tensorstore reads them concurrently, each
-        a ranged read); each is still checked, and falls back alone, when it is read."""
+        that holds them can (a persisted array's tiles: ranged reads on a pool; a peer's:
+        a request a run; own memory: the pages of each run mapped in one call); each is
+        still checked, and falls back alone, when it is read."""
         by_chunk: dict[tuple[int, ...], list[_tiles.Tile]] = {}
         for i, k in keys:
             by_chunk.setdefault(i, []).append(tiles[i, k])
@@ -363,7 +364,7 @@ class ChunkReads:
                     reader = self._reader(sources[0], o)
                 except Exception:
                     break  # the reads say why, and fall back
-                prefetch = getattr(reader, "prefetch", None)  # memory: read in place
+                prefetch = getattr(reader, "prefetch", None)
                 if prefetch is not None:
                     prefetch(leaf, self._plan.leaves[leaf], chunk, wanted)
                 break

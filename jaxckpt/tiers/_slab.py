@@ -31,6 +31,7 @@ from jaxckpt.format import _checksum, _finite
 from jaxckpt.format._chunking import Region
 
 SLAB_FILE: Final = "slab"
+MADV_POPULATE_READ: Final = 22  # Linux >= 5.14; Python's mmap module does not name it
 ALIGN: Final = 64  # a cache line: every chunk starts aligned for vectorized copies
 _MAX_WRITE: Final = 1 << 30  # Linux moves at most ~2 GiB per write call
 _WORKERS: Final = min(8, os.cpu_count() or 1)
@@ -457,3 +458,32 @@ class Reader:
             return np.empty(0, np.uint8)
         assert self._map is not None
         return np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)
+
+    def populate(self, offset: int, nbytes: int) -> None:
+        """Maps the pages of [offset, offset + nbytes) in one call before they are read
+        (`MADV_POPULATE_READ`: no copy-on-write copies): 64 MiB of a tmpfs slab mapped
+        so in ~1 ms here, against ~3 ms faulted in by reading them (a fault per 64 KiB,
+        and slower still from two threads at once; Python holds the GIL through the call,
+        ~0.13 ms per 8 MiB). A no-op on a kernel without it."""
+        end = min(offset + nbytes, self.size)
+        start = offset - offset % mmap.PAGESIZE
+        if self._map is None or end <= start:
+            return
+        with contextlib.suppress(OSError):  # EINVAL before Linux 5.14: faulted in as read
+            self._map.madvise(MADV_POPULATE_READ, start, end - start)
+
+    def release(self) -> None:
+        """Done reading: the mapping is unmapped on a background thread, unless views of
+        it live on (arrays built on them keep it mapped until they are freed). Unmapping
+        a mapped 64 MiB slab took ~1.2 ms here: off the restore's path."""
+        mapping, self._map = self._map, None
+        if mapping is not None:
+            _unmapper.submit(_unmap, mapping)
+
+
+def _unmap(mapping: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # views of it live: unmapped when they go
+        mapping.close()
+
+
+_unmapper: Final = _resources.SHARED.pool(1, "jaxckpt-unmap")

@@ -11,18 +11,28 @@ A leaf saved in tiles (`_tiles`) keeps each chunk as one zarr3 shard
 CRC-32C: a restore that needs some tiles of a chunk reads only those (a ranged
 read each, on a file or an object store), and the checksum zarr3 verifies is the
 tile's own (`ChunkRecord.tiles`).
+
+Uncompressed, a stored tile (or chunk) is its values' bytes as in memory, then its
+CRC-32C (`RawLayout`): a restore reads it as bytes (`RawReads`, with the shard's
+index, `shard_index`), checks it once against the manifest and uses it as it is.
+Measured here (64 MiB, 64 tiles, cold page cache): ~17-26 ms, against ~35-43 ms to
+read and decode the same tiles through tensorstore and checksum them again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
+import os
+import sys
 from collections.abc import Awaitable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt.format import _chunking, _format
+from jaxckpt.format import _checksum, _chunking, _format
 from jaxckpt.tiers import _storage
 
 _COMPRESSION_CODECS: dict[str | None, list[dict[str, Any]]] = {
@@ -201,3 +211,160 @@ async def write_chunks(
     staged = array.with_transaction(txn)
     await settle([staged[region].write(data) for region, data in pieces])
     await txn.commit_async()
+
+
+# ---- a chunk's bytes read as they lie in its file ----------------------------------
+
+# A shard's index entry of an inner chunk that is not stored (all of it the fill value).
+MISSING: Final = 2**64 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RawLayout:
+    """Where the values of an array's chunks lie in its files, for an array whose stored
+    pieces (a shard's inner chunks: tiles, or whole chunks) are their values' bytes as in
+    memory (uncompressed, little-endian on a little-endian host), each followed by its
+    CRC-32C or by nothing: such a piece is read as bytes, with no decoding and no copy.
+
+    Attributes:
+      inner: the shape of a stored piece: a tile (an inner chunk of a shard) or a chunk.
+      per_shard: inner chunks per shard along each dimension; () where chunks are not
+        sharded.
+      trailer: bytes after each piece's values: its CRC-32C (4), or none (0).
+      fill: the fill value: what a piece that is not stored holds.
+    """
+
+    inner: tuple[int, ...]
+    per_shard: tuple[int, ...]
+    trailer: int
+    fill: Any
+
+    @property
+    def index_nbytes(self) -> int:
+        """The bytes of a shard's index: (offset, nbytes) per inner chunk, and its CRC-32C."""
+        return 16 * math.prod(self.per_shard) + 4
+
+    def position(self, chunk_start: Sequence[int], piece_start: Sequence[int]) -> int:
+        """The place in its shard's index of the inner chunk that starts at `piece_start`
+        (array coordinates) in the chunk that starts at `chunk_start`."""
+        at = [(p - c) // n for p, c, n in zip(piece_start, chunk_start, self.inner, strict=True)]
+        return int(np.ravel_multi_index(at, self.per_shard)) if at else 0
+
+
+def _is_bytes(codec: Any) -> bool:
+    """Whether `codec` is zarr3's `bytes` codec, little-endian (or of one-byte values)."""
+    return (
+        isinstance(codec, dict)
+        and codec.get("name") == "bytes"
+        and (codec.get("configuration") or {}).get("endian", "little") == "little"
+    )
+
+
+def _trailer(codecs: Any) -> int | None:
+    """4 for [bytes, crc32c], 0 for [bytes]; None for any other codec chain."""
+    if not isinstance(codecs, list) or not codecs or not _is_bytes(codecs[0]):
+        return None
+    if len(codecs) == 1:
+        return 0
+    return 4 if codecs[1:] == [{"name": "crc32c"}] else None
+
+
+def raw_layout(array: ts.TensorStore, record: _format.LeafRecord) -> RawLayout | None:
+    """How `array` (opened with `open_array(..., record)`) stores its chunks where they
+    can be read as bytes (`RawLayout`); None where tensorstore must decode them
+    (compression, another codec chain or key encoding, a big-endian host)."""
+    if sys.byteorder != "little" or record.chunk_shape is None:
+        return None
+    spec = array.spec().to_json()
+    metadata = spec.get("metadata", {})
+    keys = metadata.get("chunk_key_encoding", {})
+    if (
+        keys.get("name") != "default"
+        or (keys.get("configuration") or {}).get("separator", "/") != "/"
+    ):
+        return None
+    codecs = metadata.get("codecs")
+    fill: Any = 0 if array.fill_value is None else np.asarray(array.fill_value)
+    chunk = tuple(record.chunk_shape)
+    trailer = _trailer(codecs)
+    if trailer is not None:
+        return RawLayout(chunk, (), trailer, fill)
+    if not isinstance(codecs, list) or len(codecs) != 1:
+        return None
+    sharded = codecs[0] if isinstance(codecs[0], dict) else {}
+    config = sharded.get("configuration") or {}
+    inner = tuple(config.get("chunk_shape") or ())
+    trailer = _trailer(config.get("codecs"))
+    if (
+        sharded.get("name") != "sharding_indexed"
+        or trailer is None
+        or _trailer(config.get("index_codecs")) != 4
+        or config.get("index_location", "end") != "start"
+        or len(inner) != len(chunk)
+        or any(n <= 0 or c % n for c, n in zip(chunk, inner, strict=True))
+    ):
+        return None
+    return RawLayout(inner, tuple(c // n for c, n in zip(chunk, inner, strict=True)), trailer, fill)
+
+
+def chunk_key(index: Sequence[int]) -> str:
+    """The key of chunk `index` in a zarr3 array's kvstore (`default` key encoding)."""
+    return "/".join(["c", *map(str, index)])
+
+
+def shard_index(data: np.ndarray, layout: RawLayout, where: str) -> np.ndarray:
+    """(offset, nbytes) of each inner chunk of a shard, from its index's bytes `data`
+    (`layout.index_nbytes` of them, checked against their CRC-32C).
+
+    Raises:
+      ValueError: naming `where` (the shard), if the index is short or damaged.
+    """
+    n = layout.index_nbytes
+    if data.nbytes != n:
+        raise ValueError(f"{where}: its shard index is {data.nbytes} bytes long, not {n}.")
+    if _checksum.crc32c(data[:-4]) != int.from_bytes(data[-4:].tobytes(), "little"):
+        raise ValueError(f"{where}: its shard index does not match its CRC-32C.")
+    return data[:-4].view("<u8").reshape(-1, 2)
+
+
+class RawReads:
+    """Byte ranges of the files of one zarr3 array (its kvstore directory): a local
+    file read with `preadv` straight into the caller's buffer, else one ranged request
+    through tensorstore (object stores, with its bounded retries)."""
+
+    def __init__(self, kvstore: dict[str, Any]):
+        self._kvstore = kvstore
+        self._local = kvstore.get("driver") == "file"
+        self._store: Any = None
+
+    def read_into(self, key: str, start: int, into: np.ndarray, timeout_s: float) -> int:
+        """Reads bytes [start, start + into.nbytes) of `key` into `into` (uint8); how many
+        there were (fewer where the file ends first).
+
+        Raises:
+          FileNotFoundError: if there is no such file.
+        """
+        if self._local:
+            fd = os.open(self._kvstore["path"] + key, os.O_RDONLY)
+            try:
+                view, done = memoryview(into), 0  # type: ignore[arg-type]
+                while done < into.nbytes:
+                    got = os.preadv(fd, [view[done:]], start + done)
+                    if not got:
+                        break
+                    done += got
+                return done
+            finally:
+                os.close(fd)
+        if self._store is None:
+            self._store = ts.KvStore.open(
+                self._kvstore, context=_context_for(self._kvstore)
+            ).result(timeout=timeout_s)
+        got = self._store.read(key, byte_range=slice(start, start + into.nbytes)).result(
+            timeout=timeout_s
+        )
+        if got.state != "value":
+            raise FileNotFoundError(f"{self._kvstore.get('path', '')}{key} does not exist.")
+        data = np.frombuffer(got.value, np.uint8)
+        into[: data.size] = data
+        return data.size
