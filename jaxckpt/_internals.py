@@ -11,7 +11,7 @@ Neither library offers a public way to do these four things:
 - `manager_finalize_threads`: the threads on which asynchronous CheckpointManagers
   finish their saves and delete old steps (`checkpoint_manager._FinalizeThread`), so
   that `wait_for_persistence` renames a part into a step directory only once no
-  manager is deleting (`tiers/_step_gate`);
+  manager is deleting (`persistent/_step_gate`);
 - `weakly_typed`: an array made weakly typed, dtype, values and sharding unchanged
   (`jax._src.lax.lax._convert_element_type`, what `jax.numpy` itself uses), so that a
   restored array is weakly typed where its target is (`_weak_type`).

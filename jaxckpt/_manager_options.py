@@ -9,7 +9,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from jaxckpt._handler import TieredCheckpointHandler
-from jaxckpt.tiers import _storage
+from jaxckpt.persistent import _storage
 
 
 def manager_options(

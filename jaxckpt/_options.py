@@ -11,7 +11,7 @@ import socket
 from typing import Final
 
 from jaxckpt.format import _tiles
-from jaxckpt.tiers import _paths
+from jaxckpt.persistent import _paths
 
 PERSIST_COMPRESSIONS: Final = (None, "zstd", "gzip", "blosc")
 # The longest `timeout_s`: a week. Every wait it bounds (threads, sockets, the

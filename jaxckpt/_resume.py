@@ -8,7 +8,7 @@ from typing import Any
 from jaxckpt import _internals
 from jaxckpt._handler import TieredCheckpointHandler
 from jaxckpt.coord import _multihost
-from jaxckpt.tiers import _index, _paths, _storage, _store
+from jaxckpt.persistent import _index, _paths, _storage, _store
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ import pytest
 from helpers import attach_peers, manager, mesh_1d, save, sharded_state
 
 import jaxckpt
-from jaxckpt.tiers import _memory_tier, _persist_job, _persister
+from jaxckpt.memory import _memory_tier
+from jaxckpt.persistent import _persist_job, _persister
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -124,7 +125,7 @@ def test_wait_for_persistence_waits_for_a_commit_still_running(memory_root, ckpt
     from helpers import manager, mesh_1d, save, sharded_state
 
     import jaxckpt
-    from jaxckpt.tiers import _slab
+    from jaxckpt.memory import _slab
 
     write = _slab.write
 

@@ -46,12 +46,13 @@ import jaxckpt
 from jaxckpt._options import TierOptions
 from jaxckpt.coord import _holdings
 from jaxckpt.format import _format
+from jaxckpt.memory import _memory_tier, _quarantine
 from jaxckpt.peer import _peers
 from jaxckpt.peer._client import check_part, fetch_file
 from jaxckpt.peer._server import PeerServer
 from jaxckpt.peer._wire import TOKEN_HEADER, PeerAddress
+from jaxckpt.persistent import _index
 from jaxckpt.run import _choreography
-from jaxckpt.tiers import _index, _memory_tier, _quarantine
 
 RUN = "bad-peers-run"
 TOKEN = "a" * 64

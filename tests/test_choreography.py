@@ -17,8 +17,8 @@ from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save
 
 import jaxckpt
 from jaxckpt import _faults, _metrics
+from jaxckpt.persistent import _index, _paths
 from jaxckpt.run import _choreography
-from jaxckpt.tiers import _index, _paths
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:

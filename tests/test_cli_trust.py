@@ -10,7 +10,7 @@ from helpers import flip_slab_byte, manager, mesh_1d, save, sharded_state
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.tiers import _memory_tier
+from jaxckpt.memory import _memory_tier
 from jaxckpt.tools import _trust
 
 

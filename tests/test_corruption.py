@@ -37,8 +37,8 @@ from test_bad_peers import RUN, TOKEN, FakePeers, Outcome, bounded, own_server, 
 import jaxckpt
 from jaxckpt._options import TierOptions
 from jaxckpt.format import _format
+from jaxckpt.memory import _memory_tier, _slab
 from jaxckpt.peer._server import PeerServer
-from jaxckpt.tiers import _memory_tier, _slab
 
 STEP = 1
 LEAF = "['w']"  # sharded over 8 devices: 8 chunks in process 0's part

@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt.format import _format, _tree
+from jaxckpt.persistent import _zarr
 from jaxckpt.save import _snapshot
-from jaxckpt.tiers import _zarr
 
 JAX_DTYPES = [
     "bool",

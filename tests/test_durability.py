@@ -147,7 +147,7 @@ def test_a_step_asked_to_persist_is_kept_until_durable_and_persisted_after_a_cra
     """Step 3 asked for persistence, but the job died before its persist ran: garbage
     collection keeps it (it is the next durable step), and the restarted job persists it
     from memory, as it does for a step due by persist_every."""
-    from jaxckpt.tiers import _persister
+    from jaxckpt.persistent import _persister
 
     submit = _persister.Persister.submit
     monkeypatch.setattr(

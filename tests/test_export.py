@@ -217,7 +217,7 @@ def mp_expected(step: int) -> dict:
 def test_export_of_a_sharded_two_process_step(tmp_path):
     from multiproc import run
 
-    from jaxckpt.tiers._index import read_index
+    from jaxckpt.persistent._index import read_index
 
     ckpt = tmp_path / "ckpt"
     roots = [str(tmp_path / f"node{i}") for i in range(2)]

@@ -49,7 +49,7 @@ from test_bad_peers import Outcome, bounded, tally
 
 import jaxckpt
 from jaxckpt._options import TierOptions
-from jaxckpt.tiers import _step_dirs
+from jaxckpt.persistent import _step_dirs
 
 CRASH_STEP = 3
 PHASES_ONE_PROCESS = [

@@ -11,7 +11,8 @@ from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save
 
 import jaxckpt
 from jaxckpt.format import _finite, _format
-from jaxckpt.tiers import _index, _slab
+from jaxckpt.memory import _slab
+from jaxckpt.persistent import _index
 
 BLOCK = 1 << 20
 

@@ -29,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt.tiers import _kept, _slab
+from jaxckpt.memory import _slab
+from jaxckpt.persistent import _kept
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -121,8 +122,8 @@ def test_reshard_onto_other_meshes(memory_root, ckpt_dir, shape):
 
 
 def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir):
+    from jaxckpt.persistent import _paths
     from jaxckpt.restore import _chunk_reads
-    from jaxckpt.tiers import _paths
 
     state = {
         "w": jax.device_put(

@@ -15,8 +15,8 @@ import pytest
 from test_memory_tier import commit_step
 
 from jaxckpt.format import _checksum, _format, _tiles
-from jaxckpt.tiers import _landing, _slab
-from jaxckpt.tiers._memory_tier import MemoryTier
+from jaxckpt.memory import _landing, _slab
+from jaxckpt.memory._memory_tier import MemoryTier
 
 SHAPE = (512, 1024)  # float32: 2 MiB a chunk
 

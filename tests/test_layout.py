@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("_internals", "_resources", "_aio", "_faults")),
     ("on-disk format", ("format", "format.*")),
     ("coordination", ("coord", "coord.*")),
-    ("tiers", ("tiers", "tiers.*")),
+    ("memory tier", ("memory", "memory.*")),
+    ("persistent tier", ("persistent", "persistent.*")),
     ("options and metrics", ("_options", "_metrics")),
     ("peer service", ("peer", "peer.*")),
     ("run", ("run", "run.*")),
@@ -37,7 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 PACKAGES = (
     "format",
     "coord",
-    "tiers",
+    "memory",
+    "persistent",
     "peer",
     "run",
     "save",
@@ -415,16 +417,16 @@ REACH_DIRS = ("tests", "jaxckpt/bench", "examples")
 UNIT_TESTED: dict[str, set[str]] = {
     "tests/test_cli.py": {"tools._inspect"},  # `inspect`'s collapse of long leaf lists
     "tests/test_handler.py": {"restore._restore"},  # big enough for the background reads
-    "tests/test_leaks.py": {"tiers._slab"},  # a slab write that fails half-way
+    "tests/test_leaks.py": {"memory._slab"},  # a slab write that fails half-way
     "tests/test_multihost.py": {"coord._exchange"},  # the exchange's give-ups
-    "tests/test_object_stores.py": {"tiers._object_store"},  # uploads held, counted, stalled
-    "tests/test_peer_service.py": {"tiers._slab", "peer._client"},  # kept maps; a bad push
-    "tests/test_plain_managers.py": {"tiers._kept"},  # a filesystem without hard links
+    "tests/test_object_stores.py": {"persistent._object_store"},  # uploads held, counted, stalled
+    "tests/test_peer_service.py": {"memory._slab", "peer._client"},  # kept maps; a bad push
+    "tests/test_plain_managers.py": {"persistent._kept"},  # a filesystem without hard links
     "tests/test_plots.py": {"launch._timeline_plot"},  # the timeline's lanes and window
     "tests/test_relay.py": {"coord._multihost"},  # which simulated process made each call
-    "tests/test_unwritable_memory.py": {"tiers._memory_tier"},  # a RUN.json that cannot be written
+    "tests/test_unwritable_memory.py": {"memory._memory_tier"},  # a RUN.json that cannot be written
 }
-NEVER_UNDER_TEST = ("_handler", "run.*", "tiers._persister")
+NEVER_UNDER_TEST = ("_handler", "run.*", "persistent._persister")
 FOREIGN_OBJECTS: dict[tuple[str, str], str] = {
     ("tests/test_internals.py", "mngr"): "an Orbax CheckpointManager (what _internals reaches)",
     ("tests/test_internals.py", "composite"): "Orbax's composite handler (what _internals reaches)",
@@ -564,8 +566,8 @@ def test_the_private_reach_check_sees_a_planted_reach(tmp_path: Path) -> None:
     source.write_text(
         "import os\n"
         "import jaxckpt\n"
-        "from jaxckpt.tiers import _slab, _persister\n"
-        "from jaxckpt.tiers._persister import Persister\n"
+        "from jaxckpt.memory import _slab; from jaxckpt.persistent import _persister\n"
+        "from jaxckpt.persistent._persister import Persister\n"
         "h = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions('/m'))\n"
         "h._session.runs.memory\n"  # 6: a handler's private state
         "h.inspect()._session\n"  # 7: past the surface
@@ -574,7 +576,7 @@ def test_the_private_reach_check_sees_a_planted_reach(tmp_path: Path) -> None:
         "_slab._KEPT\n"  # 10: another module's private global
         "setattr(h, '_runs', None)\n"  # 11
         "os._exit\n"  # foreign: allowed
-        "jaxckpt.tiers._slab.write\n"  # a private module: allowed
+        "jaxckpt.memory._slab.write\n"  # a private module: allowed
         "h.inspect().memory.steps()\n"  # the surface: allowed
         "class C:\n    def f(self):\n        return self._x, super()._y\n"  # own state
     )

@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt.tiers import _persist_job, _slab, _zarr
+from jaxckpt.memory import _slab
+from jaxckpt.persistent import _persist_job, _zarr
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:

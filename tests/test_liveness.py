@@ -11,9 +11,9 @@ from pathlib import Path
 import psutil
 
 from jaxckpt.coord import _liveness
+from jaxckpt.memory._memory_tier import MemoryTier
 from jaxckpt.peer._server import PeerServer
 from jaxckpt.peer._wire import TEMP_PREFIX
-from jaxckpt.tiers._memory_tier import MemoryTier
 
 
 def fake_record(pid: int, *, start_cs: int | None = None, namespace=None, boot=None) -> str:
@@ -72,7 +72,7 @@ def test_pin_is_judged_by_its_lock_not_by_a_pid(tmp_path: Path):
         [
             sys.executable,
             "-c",
-            "import sys, time; from jaxckpt.tiers._memory_tier import MemoryTier; "
+            "import sys, time; from jaxckpt.memory._memory_tier import MemoryTier; "
             f"MemoryTier({str(tmp_path)!r}, 'run-a').pin(1); print('pinned', flush=True); "
             "time.sleep(60)",
         ],

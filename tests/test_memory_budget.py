@@ -9,8 +9,8 @@ import pytest
 from test_memory_tier import commit_step
 
 import jaxckpt
-from jaxckpt.tiers import _memory_budget
-from jaxckpt.tiers._memory_tier import MemoryTier
+from jaxckpt.memory import _memory_budget
+from jaxckpt.memory._memory_tier import MemoryTier
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from jaxckpt.coord import _liveness
-from jaxckpt.tiers._memory_tier import MemoryTier
+from jaxckpt.memory._memory_tier import MemoryTier
 
 
 def commit_step(tier: MemoryTier, step: int, owner: int = 0, size: int = 64) -> None:
@@ -141,7 +141,7 @@ def test_pins_of_dead_processes_are_ignored(tmp_path):
         [
             sys.executable,
             "-c",
-            f"from jaxckpt.tiers._memory_tier import MemoryTier; MemoryTier({str(tmp_path)!r}, 'run-a').pin(1)",
+            f"from jaxckpt.memory._memory_tier import MemoryTier; MemoryTier({str(tmp_path)!r}, 'run-a').pin(1)",
         ],
         check=True,
     )
@@ -177,7 +177,7 @@ def _made_by_a_dead_process(tier: MemoryTier) -> list[str]:
     """A staging part and a trash directory made by a process that then died (SIGKILL)."""
     script = (
         "import os, signal; from jaxckpt.coord import _liveness; "
-        "from jaxckpt.tiers._memory_tier import MemoryTier; "
+        "from jaxckpt.memory._memory_tier import MemoryTier; "
         f"tier = MemoryTier({str(tier.run_dir.parent)!r}, {tier.run_id!r}); "
         "part = tier.new_staging_dir(3, 0); (part / 'slab').write_bytes(b'x' * 4096); "
         "trash = tier.run_dir / '.staging' / _liveness.owned_name('trash.2'); "

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from object_stores import Emulator, reset_clients, running
 
 import jaxckpt
-from jaxckpt.tiers import _object_store, _persister, _storage, _store, _zarr
+from jaxckpt.persistent import _object_store, _persister, _storage, _store, _zarr
 
 pytestmark = pytest.mark.slow
 
@@ -316,7 +316,7 @@ def test_stalled_endpoint_is_bounded(tmp_path, memory_root, store_env, monkeypat
 
 def test_remote_paths_never_become_local(tmp_path):
     """`gs://b/x` must not turn into the local path `gs:/b/x` anywhere."""
-    from jaxckpt.tiers import _paths, _storage
+    from jaxckpt.persistent import _paths, _storage
 
     item = "gs://bucket/run/5/train"
     assert str(_paths.final_item_dir(item)) == item
@@ -340,7 +340,7 @@ def test_a_step_index_on_an_object_store_is_read_in_ranges(kind, tmp_path, store
     from test_step_index import big_index, damage
 
     from jaxckpt.format import _format
-    from jaxckpt.tiers import _index
+    from jaxckpt.persistent import _index
 
     parts, text = big_index(2000)  # larger than a reader's first read
     text = damage(text, '"save-1500"')

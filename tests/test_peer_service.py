@@ -18,6 +18,7 @@ import pytest
 
 from jaxckpt.coord import _liveness
 from jaxckpt.format import _checksum, _format
+from jaxckpt.memory import _slab
 from jaxckpt.peer import _client, _request_handler
 from jaxckpt.peer._client import (
     delete_path,
@@ -37,7 +38,6 @@ from jaxckpt.peer._wire import (
     encode_push_header,
     push_body_length,
 )
-from jaxckpt.tiers import _slab
 
 TOKEN = "s3cret-token-value"
 RUN = "run1"

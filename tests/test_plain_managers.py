@@ -16,7 +16,7 @@ import pytest
 from helpers import abstract, assert_tree_equal, mesh_1d, restore, sharded_state
 
 import jaxckpt
-from jaxckpt.tiers import _kept
+from jaxckpt.persistent import _kept
 
 SETUPS = {
     "max_to_keep_1": {"max_to_keep": 1},

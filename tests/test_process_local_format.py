@@ -29,8 +29,8 @@ from helpers import (
 
 import jaxckpt
 from jaxckpt.format import _format
+from jaxckpt.memory import _readers
 from jaxckpt.restore import _target
-from jaxckpt.tiers import _readers
 
 # ---- what a save records ------------------------------------------------------
 

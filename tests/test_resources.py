@@ -28,8 +28,8 @@ from test_bad_peers import RUN, TOKEN, FakePeers, Proxy, own_server, small_state
 
 import jaxckpt
 from jaxckpt._options import TierOptions
+from jaxckpt.memory import _memory_tier, _slab
 from jaxckpt.peer._server import PeerServer
-from jaxckpt.tiers import _memory_tier, _slab
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:

@@ -20,7 +20,7 @@ from helpers import (
 
 import jaxckpt
 from jaxckpt import _resume
-from jaxckpt.tiers import _memory_tier, _quarantine
+from jaxckpt.memory import _memory_tier, _quarantine
 
 
 def _state(step: int) -> dict:
@@ -115,7 +115,7 @@ def test_a_step_a_crash_left_unpersisted_is_persisted_on_restart(
     """Step 4 was due for persistence (persist_every=2) but the job died before its
     persist ran: the restarted job persists it from memory, and it survives the
     memory tier's loss."""
-    from jaxckpt.tiers import _persister
+    from jaxckpt.persistent import _persister
 
     submit = _persister.Persister.submit
     monkeypatch.setattr(

@@ -9,7 +9,8 @@ import pytest
 from multiproc import run
 
 from jaxckpt.format import _format
-from jaxckpt.tiers import _memory_tier, _paths, _quarantine
+from jaxckpt.memory import _memory_tier, _quarantine
+from jaxckpt.persistent import _paths
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

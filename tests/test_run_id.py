@@ -10,7 +10,7 @@ import pytest
 from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
 
 import jaxckpt
-from jaxckpt.tiers import _paths
+from jaxckpt.persistent import _paths
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:

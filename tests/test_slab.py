@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.format import _checksum
-from jaxckpt.tiers import _slab
+from jaxckpt.memory import _slab
 
 
 def test_layout_aligns_every_chunk():

@@ -1,9 +1,9 @@
-"""When a persisted part enters its step directory (`tiers/_step_gate`): at once while
+"""When a persisted part enters its step directory (`persistent/_step_gate`): at once while
 no newer save has begun, else at the next moment the manager deletes nothing."""
 
 from __future__ import annotations
 
-from jaxckpt.tiers import _step_gate
+from jaxckpt.persistent import _step_gate
 
 
 def test_a_part_enters_at_once_until_a_newer_save_begins(tmp_path):

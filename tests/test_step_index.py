@@ -28,7 +28,7 @@ from test_multihost import job  # noqa: F401 -- the fixture
 import jaxckpt
 from jaxckpt.coord import _agreement
 from jaxckpt.format import _checked_json, _format
-from jaxckpt.tiers import _index
+from jaxckpt.persistent import _index
 
 
 def leaves(scalar_type: str = "int", uncommitted: bool = False) -> tuple[_format.LeafRecord, ...]:

@@ -21,10 +21,10 @@ from object_stores import reset_clients, running
 
 import jaxckpt
 from jaxckpt.format import _format
-from jaxckpt.tiers import (
+from jaxckpt.memory import _memory_tier
+from jaxckpt.persistent import (
     _file_store,
     _index,
-    _memory_tier,
     _object_store,
     _paths,
     _persist_job,

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt.format import _checksum, _format, _tiles
-from jaxckpt.tiers import _slab
+from jaxckpt.memory import _slab
+from jaxckpt.persistent import _zarr_reader
 
 # ---- pure arithmetic ------------------------------------------------------------------
 
@@ -374,7 +375,8 @@ def test_tiles_cut_short_or_compressed_are_read_through_tensorstore(tmp_path, co
     manifest's checksum."""
     import asyncio
 
-    from jaxckpt.tiers import _readers, _storage, _zarr
+    from jaxckpt.memory import _readers
+    from jaxckpt.persistent import _storage, _zarr
 
     record = dataclasses.replace(_record((100, 60), (64, 60), (32, 30)), array_key="w")
     values = np.arange(100 * 60, dtype=np.float32).reshape(100, 60)
@@ -388,7 +390,7 @@ def test_tiles_cut_short_or_compressed_are_read_through_tensorstore(tmp_path, co
     part = _storage.kvstore(tmp_path / "part")
     kvstore = _zarr.array_kvstore(part, record)
     asyncio.run(_zarr.write_chunks(kvstore, record, pieces, compression, crc32c=True))
-    reader = _readers.ZarrReader(part)
+    reader = _zarr_reader.ZarrReader(part)
     for chunk in chunks:
         got = _readers.read_chunk(reader, 0, record, chunk, 10.0)  # every tile checked
         np.testing.assert_array_equal(got, values[64 * chunk.index[0] :][:64])

@@ -21,7 +21,7 @@ from object_stores import reset_clients, running
 import jaxckpt
 from jaxckpt import cli
 from jaxckpt.format import _chunking, _format
-from jaxckpt.tiers import _index, _object_store, _readers, _step_dirs, _storage, _zarr
+from jaxckpt.persistent import _index, _object_store, _step_dirs, _storage, _zarr, _zarr_reader
 
 pytestmark = pytest.mark.slow
 
@@ -227,12 +227,12 @@ def test_verify_of_a_store_that_stops_answering_is_bounded(
         save_steps(url, memory_root)
         proxy = Proxy(PeerAddress("127.0.0.1", emulator.port))
         try:
-            init = _readers.ZarrReader.__init__
+            init = _zarr_reader.ZarrReader.__init__
 
             def through_proxy(self, part_kvstore):  # the chunk reads only
                 init(self, {**part_kvstore, "endpoint": f"http://127.0.0.1:{proxy.address.port}"})
 
-            monkeypatch.setattr(_readers.ZarrReader, "__init__", through_proxy)
+            monkeypatch.setattr(_zarr_reader.ZarrReader, "__init__", through_proxy)
             monkeypatch.setattr(_object_store.ObjectStore, "read_timeout_s", 1.0)
             proxy.stall.set()
             start = time.monotonic()

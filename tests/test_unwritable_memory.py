@@ -33,7 +33,7 @@ from helpers import (
 
 import jaxckpt
 from jaxckpt.coord import _liveness
-from jaxckpt.tiers import _memory_tier
+from jaxckpt.memory import _memory_tier
 
 
 def handler(memory_root, **kw) -> jaxckpt.TieredCheckpointHandler:

@@ -11,7 +11,7 @@ import os
 
 from jaxckpt.bench import _emulator
 from jaxckpt.launch import _timeline_plot
-from jaxckpt.tiers import _storage
+from jaxckpt.persistent import _storage
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:

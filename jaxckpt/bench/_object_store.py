@@ -29,7 +29,7 @@ import tensorstore as ts
 
 from jaxckpt.bench import _state
 from jaxckpt.bench._managers import Jaxckpt
-from jaxckpt.tiers import _storage
+from jaxckpt.persistent import _storage
 
 
 def own_chunks(tree: Any) -> list[dict[str, Any]]:

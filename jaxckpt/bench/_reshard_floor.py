@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxckpt.bench import _baselines, _reshard
 from jaxckpt.format import _checksum
-from jaxckpt.tiers import _slab
+from jaxckpt.memory import _slab
 
 
 class Floor:

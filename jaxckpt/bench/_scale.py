@@ -52,11 +52,11 @@ from jaxckpt import _resources
 from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
 from jaxckpt.coord import _agreement, _holdings, _kv, _multihost, _placement, _plan, _relay
-from jaxckpt.format import _format
+from jaxckpt.format import _format, _step_index
 from jaxckpt.peer._peers import Hello
 from jaxckpt.peer._wire import PeerAddress
+from jaxckpt.persistent import _index
 from jaxckpt.run import _choreography
-from jaxckpt.tiers import _index, _step_index
 
 OPS: Final = ("setup", "save", "restore")
 DEFAULT_PROCESSES: Final = (8, 64, 512, 4096, 16384)

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, Final
 
 from jaxckpt.format import _format
+from jaxckpt.memory import _landing, _slab
 from jaxckpt.peer import _wire
-from jaxckpt.tiers import _landing, _slab
 
 _STATUS_ERRNO: Final = {400: errno.EINVAL, 409: errno.ESTALE, 413: errno.EFBIG, 507: errno.ENOSPC}
 

@@ -30,8 +30,8 @@ from absl import logging as log
 from jaxckpt import _faults, _options
 from jaxckpt.coord import _holdings, _kv, _multihost, _placement, _published, _relay
 from jaxckpt.format import _format
+from jaxckpt.memory import _memory_tier, _slab
 from jaxckpt.peer import _client, _relay_client, _server, _wire
-from jaxckpt.tiers import _memory_tier, _slab
 
 Inventory = _holdings.Inventory  # step -> owners whose verified part a process holds
 

@@ -17,8 +17,8 @@ from typing import Any, Final, Protocol
 
 from jaxckpt import _resources
 from jaxckpt.format import _format, _tiles
+from jaxckpt.memory import _fs, _memory_tier, _slab
 from jaxckpt.peer import _wire
-from jaxckpt.tiers import _fs, _memory_tier, _slab
 
 _MAX_PUSH_HEADER_BYTES: Final = 1 << 16
 _MAX_MANIFEST_BYTES: Final = 1 << 30  # read into memory whole

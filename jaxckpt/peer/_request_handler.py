@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from jaxckpt.coord import _kv, _multihost
+from jaxckpt.memory import _fs, _quarantine
 from jaxckpt.peer import _push_receiver, _wire
-from jaxckpt.tiers import _fs, _quarantine
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt.coord import _kv, _liveness
+from jaxckpt.memory import _fs, _memory_tier
 from jaxckpt.peer import _request_handler, _wire
-from jaxckpt.tiers import _fs, _memory_tier
 
 logger = logging.getLogger(__name__)
 

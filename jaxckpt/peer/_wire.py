@@ -8,7 +8,7 @@ This format is a compatibility promise between the processes of a run:
   names the run in its path: ``/files/<run>/<relpath>`` (GET, HEAD, DELETE),
   ``/list/<run>/<relpath>`` (GET: ``{"names": [...]}``), ``/push/<run>/<dest>``.
 * A push copies one memory-tier part (``manifest.json`` and its ``slab``, see
-  `jaxckpt.tiers._slab`) to ``<dest>``, which must be the part's own place
+  `jaxckpt.memory._slab`) to ``<dest>``, which must be the part's own place
   (``step_<step:012d>/part_<owner:05d>``). It is one ``POST`` with
   ``Expect: 100-continue`` and a Content-Length, so the server can refuse it
   before any byte of the body moves. The body is a 4-byte big-endian header

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxckpt.format import _chunking, _tiles
-from jaxckpt.tiers import _readers
+from jaxckpt.memory import _readers
 
 Key = tuple[tuple[int, ...], int]  # a tile of a leaf: (its chunk's index, its index)
 

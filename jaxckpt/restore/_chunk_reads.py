@@ -25,8 +25,9 @@ from absl import logging as log
 from jaxckpt import _resources
 from jaxckpt.coord import _multihost, _plan
 from jaxckpt.format import _chunking, _format, _tiles
+from jaxckpt.memory import _landing, _memory_tier, _quarantine, _readers
+from jaxckpt.persistent import _storage, _zarr_reader
 from jaxckpt.restore import _assembly
-from jaxckpt.tiers import _landing, _memory_tier, _quarantine, _readers, _storage
 
 ReaderFor = Callable[[_plan.Source, int], _readers.ChunkReader]  # (source, owner) -> reader
 # (source, owner, what is wrong): told once per copy whose bytes failed their checksum.
@@ -103,7 +104,9 @@ def reader_factory(
             spans = _landing.spans_of(manifest) if own else []
             return _landing.LandingReader(fetch, landing, spans, timeout_s)
         if source.tier == _plan.PERSISTENT:
-            return _readers.ZarrReader(_storage.kvstore(item_dir / _format.part_dir_name(owner)))
+            return _zarr_reader.ZarrReader(
+                _storage.kvstore(item_dir / _format.part_dir_name(owner))
+            )
         raise ValueError(f"No reader for {source.describe()}.")
 
     return reader_for

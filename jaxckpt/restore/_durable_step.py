@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from jaxckpt.format import _chunking, _format
-from jaxckpt.tiers import _index, _paths, _readers, _step_dirs, _storage
+from jaxckpt.memory import _readers
+from jaxckpt.persistent import _index, _paths, _step_dirs, _storage, _zarr_reader
 
 
 @dataclasses.dataclass
@@ -69,7 +70,7 @@ class DurableStep:
         owners = [min(self.index)] if rec.per_process else sorted(self.index)
         for owner in owners:
             part = self.item_dir / _format.part_dir_name(owner)
-            reader = _readers.ZarrReader(_storage.kvstore(part))
+            reader = _zarr_reader.ZarrReader(_storage.kvstore(part))
             for chunk in self.index[owner].chunks.get(i, ()):
                 where = f"chunk {chunk.index} of {rec.path} in process {owner}'s part of step "
                 where += f"{self.step} ({part})"

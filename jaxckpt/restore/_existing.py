@@ -28,8 +28,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt.format import _format
+from jaxckpt.persistent import _storage
 from jaxckpt.restore import _existing_msgpack
-from jaxckpt.tiers import _storage
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxckpt.format import _format
+from jaxckpt.persistent import _storage
 from jaxckpt.restore import _durable_step
-from jaxckpt.tiers import _storage
 
 FORMATS: Final = ("orbax", "safetensors")
 ORBAX_ITEM: Final = "default"  # a single-item CheckpointManager's item name

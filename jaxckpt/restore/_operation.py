@@ -17,9 +17,10 @@ from etils import epath
 from jaxckpt import _metrics, _resources
 from jaxckpt.coord import _multihost
 from jaxckpt.format import _format
+from jaxckpt.memory import _slab
+from jaxckpt.persistent import _index, _paths, _storage
 from jaxckpt.restore import _chunk_reads, _fill, _restore, _target
 from jaxckpt.run import _choreography, _session
-from jaxckpt.tiers import _index, _paths, _slab, _storage
 
 
 class RestoreOperation:

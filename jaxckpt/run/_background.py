@@ -11,7 +11,8 @@ from pathlib import Path
 from jaxckpt import _internals, _metrics
 from jaxckpt._options import TierOptions
 from jaxckpt.coord import _multihost
-from jaxckpt.tiers import _persister, _retention, _store
+from jaxckpt.persistent import _persister, _store
+from jaxckpt.run import _retention
 
 
 class Background:

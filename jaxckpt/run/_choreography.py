@@ -63,9 +63,10 @@ from absl import logging as log
 from jaxckpt import _faults, _metrics
 from jaxckpt.coord import _agreement, _holdings, _multihost, _placement, _read_layout
 from jaxckpt.format import _format
+from jaxckpt.memory import _memory_tier
 from jaxckpt.peer import _peers
+from jaxckpt.persistent import _index, _paths
 from jaxckpt.run import _run
-from jaxckpt.tiers import _index, _memory_tier, _paths
 
 
 def meeting(hello: _peers.Hello) -> _peers.Peers:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from absl import logging as log
 
-from jaxckpt.tiers import _index, _memory_tier, _paths, _persist_job, _persister
+from jaxckpt.memory import _memory_tier
+from jaxckpt.persistent import _index, _paths, _persist_job, _persister
 
 
 class Recovery:

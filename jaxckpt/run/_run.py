@@ -28,18 +28,10 @@ from jaxckpt import _resources
 from jaxckpt._options import TierOptions
 from jaxckpt.coord import _holdings, _multihost
 from jaxckpt.format import _format
+from jaxckpt.memory import _fs, _memory_tier, _quarantine, _slab
 from jaxckpt.peer import _peers
-from jaxckpt.run import _recovery
-from jaxckpt.tiers import (
-    _fs,
-    _index,
-    _memory_tier,
-    _paths,
-    _persister,
-    _quarantine,
-    _retention,
-    _slab,
-)
+from jaxckpt.persistent import _index, _paths, _persister
+from jaxckpt.run import _recovery, _retention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,9 +11,9 @@ from typing import Any
 from jaxckpt import _metrics
 from jaxckpt._options import TierOptions
 from jaxckpt.coord import _multihost
+from jaxckpt.memory import _memory_tier
 from jaxckpt.peer import _peers
-from jaxckpt.run import _background, _choreography, _run
-from jaxckpt.tiers import _memory_tier, _retention
+from jaxckpt.run import _background, _choreography, _retention, _run
 
 
 class Session:

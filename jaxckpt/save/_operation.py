@@ -14,9 +14,9 @@ from etils import epath
 
 from jaxckpt import _aio
 from jaxckpt.coord import _multihost
+from jaxckpt.persistent import _paths
 from jaxckpt.run import _choreography, _session
 from jaxckpt.save import _save, _snapshot
-from jaxckpt.tiers import _paths
 
 
 class SaveOperation:

@@ -32,19 +32,10 @@ from jaxckpt import _faults, _metrics
 from jaxckpt._options import TierOptions
 from jaxckpt.coord import _multihost
 from jaxckpt.format import _chunking, _finite, _format, _tiles
-from jaxckpt.run import _choreography
+from jaxckpt.memory import _fs, _memory_tier, _slab
+from jaxckpt.persistent import _index, _paths, _persist_job, _persister, _storage
+from jaxckpt.run import _choreography, _retention
 from jaxckpt.save import _snapshot
-from jaxckpt.tiers import (
-    _fs,
-    _index,
-    _memory_tier,
-    _paths,
-    _persist_job,
-    _persister,
-    _retention,
-    _slab,
-    _storage,
-)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,8 @@ from typing import Final
 
 from jaxckpt.coord import _placement, _plan
 from jaxckpt.format import _format
-from jaxckpt.tiers import _index, _memory_tier, _paths, _step_dirs, _storage, _store
+from jaxckpt.memory import _memory_tier
+from jaxckpt.persistent import _index, _paths, _step_dirs, _storage, _store
 from jaxckpt.tools import _trust
 
 UNREADABLE: Final = "unreadable manifest"

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxckpt.format import _format
-from jaxckpt.tiers import _index, _step_index, _store
+from jaxckpt.format import _format, _step_index
+from jaxckpt.persistent import _index, _store
 from jaxckpt.tools import _catalog, _listing, _table
 
 # Save metrics shown as columns by `inspect`, in this order (others only in --json).

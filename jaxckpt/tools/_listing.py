@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jaxckpt.tiers import _kept
+from jaxckpt.persistent import _kept
 from jaxckpt.tools import _catalog, _table, _trust
 
 

@@ -1,12 +1,12 @@
 """What the tools show of two things that decide restorability behind the scenes.
 
-Quarantined copies (`tiers/_quarantine`): a memory-tier part whose slab failed its
+Quarantined copies (`memory/_quarantine`): a memory-tier part whose slab failed its
 CRC-32Cs carries a `.corrupt` marker and is never offered again: no inventory,
 restore plan or `latest_restorable_step` counts it. `jaxckpt ls` and `verify` list
 such copies (the memory root, the part, why and by which process, as the marker
 records them) and count them as no copy.
 
-The kept area (`tiers/_kept`, `<ckpt>/.jaxckpt-kept/`, filesystems only): the newest
+The kept area (`persistent/_kept`, `<ckpt>/.jaxckpt-kept/`, filesystems only): the newest
 durable step hard-linked out of the manager's reach. `jaxckpt ls` lists each kept
 step, whether it is complete, and whether the next `latest_restorable_step` puts its
 step directory back (the manager deleted it and no newer step is durable).
@@ -23,7 +23,8 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt.tiers import _index, _kept, _memory_tier, _quarantine
+from jaxckpt.memory import _memory_tier, _quarantine
+from jaxckpt.persistent import _index, _kept
 from jaxckpt.tools import _table
 
 _PART_RE = re.compile(r"^part_(\d+)$")

@@ -26,7 +26,8 @@ from typing import Any
 
 from jaxckpt.coord import _plan
 from jaxckpt.format import _format
-from jaxckpt.tiers import _readers, _slab, _storage, _store
+from jaxckpt.memory import _readers, _slab
+from jaxckpt.persistent import _storage, _store, _zarr_reader
 from jaxckpt.tools import _catalog, _table, _trust
 
 # (chunks done, chunks in all, bytes done, bytes in all)
@@ -116,7 +117,7 @@ async def _verify_copy(
         reader: _readers.ChunkReader = (
             _readers.SlabReader(copy.part_dir / _slab.SLAB_FILE, lent=False)
             if copy.tier == _plan.MEMORY
-            else _readers.ZarrReader(_storage.kvstore(copy.part_dir))  # file, gcs or s3
+            else _zarr_reader.ZarrReader(_storage.kvstore(copy.part_dir))  # file, gcs or s3
         )
     except OSError as e:
         on_chunk(total)

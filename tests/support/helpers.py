@@ -171,7 +171,7 @@ def slab_chunk(part_dir: Path, leaf_path: str, index: tuple[int, ...]) -> tuple[
     """(slab file, offset, nbytes) of one chunk of the leaf at `leaf_path` in a memory or
     peer part directory, as its manifest records it."""
     from jaxckpt.format import _format
-    from jaxckpt.tiers import _slab
+    from jaxckpt.memory import _slab
 
     manifest = _format.PartManifest.from_json((part_dir / _format.MANIFEST_FILE).read_text())
     leaf = [r.path for r in manifest.leaves].index(leaf_path)
@@ -243,7 +243,7 @@ def fill(directory: Path) -> None:
 def index_manifest(item_dir: Path, owner: int = 0) -> dict[str, Any]:
     """`owner`'s index manifest of the step in `item_dir`, as a manifest's JSON members
     (read from the step's combined index, or from an older step's `index_<p>.json`)."""
-    from jaxckpt.tiers import _index
+    from jaxckpt.persistent import _index
 
     return _index.read_index(item_dir)[owner].to_dict()
 
@@ -252,7 +252,7 @@ def as_per_part_index(item_dir: Path) -> list[Path]:
     """Rewrites a step's combined index as the layout of earlier versions, one
     `index_<p>.json` per part; returns those files."""
     from jaxckpt.format import _format
-    from jaxckpt.tiers import _index
+    from jaxckpt.persistent import _index
 
     index = _index.read_index(item_dir)
     assert index, f"{item_dir} holds no index"

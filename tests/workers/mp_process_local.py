@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt.tiers import _paths
+from jaxckpt.persistent import _paths
 
 PER_PROCESS = ("loc", "pinned", "key", "np", "s")  # the saving process's index as value
 EQUAL = 7  # step 2: every per-process leaf holds this on every process

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt.format import _format
-from jaxckpt.tiers import _paths
+from jaxckpt.persistent import _paths
 
 # name -> (shape, dtype, spec over ('dp', 'fsdp')): a mixed tree.
 LEAVES = {

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt.tiers import _paths
+from jaxckpt.persistent import _paths
 
 SHAPE = (256, 256)  # float32, 256 KiB
 

@@ -290,7 +290,7 @@ def scenario_recover(args: dict) -> dict:
     from absl import logging as absl_logging
     from jax.experimental import multihost_utils
 
-    from jaxckpt.tiers import _paths
+    from jaxckpt.persistent import _paths
 
     absl_logging.set_verbosity(absl_logging.INFO)  # the token must not show up even here
     logging.getLogger("jaxckpt").setLevel(logging.DEBUG)

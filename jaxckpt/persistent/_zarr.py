@@ -33,7 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt.format import _checksum, _chunking, _format
-from jaxckpt.tiers import _storage
+from jaxckpt.persistent import _storage
 
 _COMPRESSION_CODECS: dict[str | None, list[dict[str, Any]]] = {
     None: [],

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-from jaxckpt.tiers import _index, _storage
+from jaxckpt.persistent import _index, _storage
 
 # A persister's staging directory under the checkpoint directory (filesystems).
 STAGING_DIR = ".jaxckpt-staging"

@@ -37,7 +37,7 @@ from absl import logging as log
 
 from jaxckpt.coord import _liveness
 from jaxckpt.format import _chunking, _finite, _format
-from jaxckpt.tiers import _fs, _memory_budget, _quarantine, _slab
+from jaxckpt.memory import _fs, _memory_budget, _quarantine, _slab
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PART_RE = re.compile(r"^part_(\d+)$")

@@ -25,8 +25,9 @@ from typing import Any
 from absl import logging as log
 
 from jaxckpt import _faults
-from jaxckpt.tiers import _index, _memory_tier, _step_dirs, _step_gate, _store
-from jaxckpt.tiers._persist_job import PersistJob
+from jaxckpt.memory import _memory_tier
+from jaxckpt.persistent import _index, _step_dirs, _step_gate, _store
+from jaxckpt.persistent._persist_job import PersistJob
 
 
 def part_job(

@@ -37,7 +37,8 @@ from pathlib import Path
 from absl import logging as log
 
 from jaxckpt.format import _format
-from jaxckpt.tiers import _fs, _index, _step_dirs
+from jaxckpt.memory import _fs
+from jaxckpt.persistent import _index, _step_dirs
 
 KEPT_DIR = ".jaxckpt-kept"
 _UNLINKABLE: set[Path] = set()  # checkpoint directories whose filesystem has no hard links

@@ -25,7 +25,7 @@ from absl import logging as log
 
 from jaxckpt import _faults
 from jaxckpt.format import _format
-from jaxckpt.tiers import _index, _persist_job, _step_dirs, _storage
+from jaxckpt.persistent import _index, _persist_job, _step_dirs, _storage
 
 # Attempts at uploading a part (each request is also retried by tensorstore), and the
 # first wait between them (doubled after each failure).

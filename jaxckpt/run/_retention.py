@@ -47,7 +47,8 @@ from absl import logging as log
 
 from jaxckpt.coord import _multihost
 from jaxckpt.format import _format
-from jaxckpt.tiers import _index, _memory_tier, _paths, _storage, _store
+from jaxckpt.memory import _memory_tier
+from jaxckpt.persistent import _index, _paths, _storage, _store
 
 _ASKED_STEPS = 64  # own saves remembered per item: more than a manager keeps
 

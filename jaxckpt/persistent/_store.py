@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from jaxckpt.tiers import _file_store, _object_store, _persist_job, _storage
+from jaxckpt.persistent import _file_store, _object_store, _persist_job, _storage
 
 
 class PersistentStore(Protocol):

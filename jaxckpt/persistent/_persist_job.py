@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from jaxckpt.format import _array_keys, _chunking, _format, _tiles
-from jaxckpt.tiers import _memory_tier, _readers, _slab, _step_dirs, _zarr
+from jaxckpt.memory import _memory_tier, _readers, _slab
+from jaxckpt.persistent import _step_dirs, _zarr
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ from typing import Any, cast
 import tensorstore as ts
 from etils import epath
 
-from jaxckpt.tiers import _fs
+from jaxckpt.memory import _fs
 
 # Object stores jaxckpt persists to, by URL scheme -> tensorstore kvstore driver.
 _DRIVERS = {"gs": "gcs", "s3": "s3"}

@@ -33,8 +33,9 @@ from pathlib import Path
 from absl import logging as log
 
 from jaxckpt.coord import _holdings, _plan
-from jaxckpt.format import _finite, _format
-from jaxckpt.tiers import _memory_tier, _step_index, _storage
+from jaxckpt.format import _finite, _format, _step_index
+from jaxckpt.memory import _memory_tier
+from jaxckpt.persistent import _storage
 
 Index = _step_index.Index  # owner -> index manifest
 # What the save's agreement and its tests use: the step index's text (`_step_index`).

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Final
 
 from jaxckpt.format import _format, _tiles
-from jaxckpt.tiers import _slab
+from jaxckpt.memory import _slab
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from absl import logging as log
 
 from jaxckpt import _faults, _resources
 from jaxckpt.format import _format
-from jaxckpt.tiers import _fs, _index, _kept, _persist_job, _step_dirs, _step_gate, _zarr
+from jaxckpt.memory import _fs
+from jaxckpt.persistent import _index, _kept, _persist_job, _step_dirs, _step_gate, _zarr
 
 # Checkpoint directories whose staging leftovers of this process index's killed
 # predecessor were removed (once, at this process's first persist there).

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from jaxckpt.coord import _multihost
-from jaxckpt.tiers import _step_dirs, _storage, _store
+from jaxckpt.persistent import _step_dirs, _storage, _store
 
 # A run id names a directory in the memory root and a URL segment of the peer
 # service: no '/', and not '.' or '..' (the first character is a letter or digit).

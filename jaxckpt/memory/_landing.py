@@ -48,7 +48,7 @@ import numpy as np
 from absl import logging as log
 
 from jaxckpt.format import _checksum, _format, _tiles
-from jaxckpt.tiers import _memory_tier, _readers, _slab
+from jaxckpt.memory import _memory_tier, _readers, _slab
 
 _STEP: Final = 4 << 20  # pages made ready per call, ahead of the receives
 _STREAMS: Final = 2  # receives of a prefetched part at once (more only add contention)
