@@ -207,7 +207,8 @@ def train(
         iterator, step = restored["data"], int(restored["step"])
 
     step_fn, executable = ahead.result(), "ahead"
-    first_step = True
+    first_step, stopped = True, False
+    last_event = time.perf_counter()
     while step < args.steps:
         step_start = time.time()
         batch = data.to_global_batch(next(iterator), mesh)
@@ -223,11 +224,17 @@ def train(
             params, opt_state, rng, loss, data_sum = step_fn(params, opt_state, rng, batch)
         step += 1
         # `data`: checksum of the global batch of this step (compare runs' data order).
+        now = time.perf_counter()
         job.emit(
             launch.StepEvent(
-                step=step, loss=float(loss), data=f"{int(data_sum):08x}", process=process
+                step=step,
+                loss=float(loss),
+                data=f"{int(data_sum):08x}",
+                process=process,
+                seconds=round(now - last_event, 4),
             )
         )
+        last_event = now
         if first_step:
             first_step = False
             timeline.add("first_step", step_start, time.time())
@@ -257,9 +264,14 @@ def train(
             seconds = round(time.perf_counter() - start, 4)
             job.emit(launch.SaveEvent(step=step, seconds=seconds, process=process))
         job.maybe_kill(step)
+        if job.stop_requested(step):
+            stopped = True  # every process agreed on this step; its save is made
+            break
     if manager is not None:
         manager.wait_until_finished()
         manager.close()
+    if stopped:
+        job.emit(launch.StoppedEvent(step=step, process=process))
     seconds = round(time.perf_counter() - begin, 3)
     job.emit(launch.DoneEvent(step=step, seconds=seconds, process=process))
     return 0

@@ -19,8 +19,10 @@ from jaxckpt.launch import _launcher as launch
 
 # A fake training process: one step event every few ms, its step kept in its memory root
 # (the "memory tier"), restored from there at start, and the launcher's kill hook. As a
-# hot spare (JAXCKPT_STANDBY=1) it leaves its pid in the markers and waits for its go
-# line; after its first step it prints a timeline whose restore and compile overlap.
+# hot spare (JAXCKPT_STANDBY=1) it leaves its pid and nice value in the markers, says it
+# is ready and waits for its go line; after its first step it prints a timeline whose
+# restore and compile overlap. SIGTERM (a JAX job's preemption notice) makes it stop after
+# its next step, as the examples do: a "stopped" event, exit 0.
 CHILD = textwrap.dedent(
     """
     import json, os, pathlib, signal, sys, time
@@ -28,9 +30,14 @@ CHILD = textwrap.dedent(
     mode, steps, markers = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
     env = os.environ
     woken = None
+    asked_to_stop = []
+    signal.signal(signal.SIGTERM, lambda *_: asked_to_stop.append(True))
     if env.get("JAXCKPT_STANDBY") == "1":
         joined = env["JAXCKPT_COORDINATOR"]
         (markers / f"spare-{os.getpid()}").write_text(joined)
+        (markers / f"nice-{os.getpid()}").write_text(str(os.nice(0)))
+        print(json.dumps({"event": "standby", "process": int(env["JAXCKPT_PROCESS_ID"])}),
+              flush=True)
         line = sys.stdin.readline()
         if not line:
             sys.exit(0)
@@ -87,6 +94,9 @@ CHILD = textwrap.dedent(
             time.sleep(3600)
         if mode == "fail" and pid == 0 and step == start + 2:  # fails in every attempt
             sys.exit(3)
+        if asked_to_stop:
+            emit("stopped", step=step, nice=os.nice(0))
+            break
     emit("done", step=step)
     """
 )
@@ -135,7 +145,9 @@ def test_kill_is_detected_and_restored(run, capsys) -> None:
     assert failure["status"] == "killed by SIGKILL" and not failure["node_lost"]
     assert 0 <= failure["detected_after_s"] < 2 and failure["last_step"] >= 3
     restart = failure["restart"]
-    assert restart["restored"]["1"] == {"step": 3, "tier": "memory", "seconds": 0.01}
+    assert restart["restored"]["1"] == {
+        "step": 3, "tier": "memory", "seconds": 0.01, "bytes_by_tier": None
+    }
     # A process that had not stepped yet when it was killed restores nothing (step 0).
     steps = [restart["restored"].get(str(i), {"step": 0})["step"] for i in range(3)]
     assert restart["restored_step"] == min(steps)

@@ -18,6 +18,7 @@ from jaxckpt.launch._events import SaveEvent as SaveEvent
 from jaxckpt.launch._events import StandbyEvent as StandbyEvent
 from jaxckpt.launch._events import StartEvent as StartEvent
 from jaxckpt.launch._events import StepEvent as StepEvent
+from jaxckpt.launch._events import StoppedEvent as StoppedEvent
 from jaxckpt.launch._events import TimelineEvent as TimelineEvent
 from jaxckpt.launch._events import format_event as format_event
 from jaxckpt.launch._events import parse_event as parse_event
@@ -36,6 +37,7 @@ __all__ = [
     "StandbyEvent",
     "StartEvent",
     "StepEvent",
+    "StoppedEvent",
     "TimelineEvent",
     "format_event",
     "main",

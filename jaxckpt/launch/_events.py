@@ -11,9 +11,10 @@ output, JSON objects on lines of their own, each with an ``event`` key naming it
      "bytes_by_tier": {...}}  # bytes_by_tier only when the handler reports it
     {"event": "restore_failed", "step": s, "error": "...", "process": p}
     {"event": "step", "step": s, "loss": l, "data": "<uint32 hex checksum of the global batch>",
-     "process": p}
+     "process": p, "seconds": t}  # seconds: since the previous step ended, its save included
     {"event": "save", "step": s, "seconds": t, "process": p}
     {"event": "done", "step": s, "seconds": t, "process": p}
+    {"event": "stopped", "step": s, "process": p}  # asked to stop (SIGTERM): saved s, exits 0
     {"event": "replicas_lowered", "asked": r, "used": u, "process": p}  # fewer processes
     {"event": "standby", "process": p}  # a hot spare, ready, waiting for its go line
     {"event": "timeline", "process": p, "phases": {name: [start, end], ...},
@@ -22,10 +23,11 @@ output, JSON objects on lines of their own, each with an ``event`` key naming it
     {"event": "compiled_ahead_unusable", "error": "...", "process": p}
     {"event": "executable_unusable", "path": "...", "error": "...", "process": p}
 
-The launcher reads three of them: ``step`` (progress, the first trained step of an
+The launcher reads four of them: ``step`` (progress, the first trained step of an
 attempt, the last step before a failure), ``restored`` (the step, tier and seconds of
-each process's restore) and ``timeline`` (the recovery timeline, `_timeline`); the others
-are for people and for the demo. ``timeline`` follows the first trained step of a run:
+each process's restore), ``timeline`` (the recovery timeline, `_timeline`) and
+``stopped`` (the job stopped when the launcher asked it to, to grow back: `_launcher`);
+the others are for people and for the demo. ``timeline`` follows the first trained step of a run:
 the wall-clock (``time.time()``) start and end of each phase of the process's start, the
 usual ones in `PHASES`, in order: ``startup`` (process creation to ``main``: interpreter
 and imports), ``jax_init`` (``jax.distributed`` and the backend), ``task``, ``setup``
@@ -125,6 +127,7 @@ class StepEvent(Event):
     loss: float
     data: str
     process: int
+    seconds: float | None = None  # since the previous step ended (its save included)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +147,16 @@ class DoneEvent(Event):
     kind: ClassVar[str] = "done"
     step: int
     seconds: float
+    process: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StoppedEvent(Event):
+    """The process stopped when asked (a preemption notice, SIGTERM, reached at the same
+    step on every process): step ``step`` is saved and committed; it exits 0."""
+
+    kind: ClassVar[str] = "stopped"
+    step: int
     process: int
 
 
