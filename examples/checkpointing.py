@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -148,3 +150,52 @@ def restore_latest(manager: Any, handler: Any, abstract_state: PyTree) -> PyTree
         )
     )
     return restored
+
+
+class RestorePreparer:
+    """For a hot spare while it waits: compiles ahead what restoring the newest step onto
+    its target compiles, so that the restart only reads and places.
+
+    A thread looks at ``ckpt_dir`` every few seconds and, when a newer step appears,
+    calls `jaxckpt.TieredCheckpointHandler.prepare_restore` for it (jaxckpt's reshard of
+    the leaves replicated across processes: a restore onto another process count needs
+    it). The spare waits at a low priority, and so does this thread: it takes CPU the
+    job leaves idle. Any step of the job's layout will do; a step deleted meanwhile is
+    skipped.
+    """
+
+    def __init__(self, ckpt_dir: str, abstract_state: PyTree, every_s: float = 5.0):
+        self._dir = Path(ckpt_dir)
+        self._target = jaxckpt.TieredRestore(abstract_state)
+        self._every_s = every_s
+        self._done = threading.Event()
+        self.prepared: tuple[int, int, float, float] | None = None  # step, leaves, start, end
+        self._thread = threading.Thread(target=self._run, name="prepare-restore", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 60.0) -> tuple[int, int, float, float] | None:
+        """Stops looking (a compilation under way ends first: the restore needs it);
+        returns the last preparation: ``(step, leaves resharded, start, end)``."""
+        self._done.set()
+        self._thread.join(timeout_s)
+        return self.prepared
+
+    def _newest(self) -> int | None:
+        steps = [int(p.name) for p in self._dir.glob("*") if p.name.isdigit()]
+        return max(steps, default=None)
+
+    def _run(self) -> None:
+        last = None
+        while not self._done.is_set():
+            step = self._newest() if self._dir.is_dir() else None
+            if step is not None and step != last:
+                start = time.time()
+                try:
+                    leaves = jaxckpt.TieredCheckpointHandler.prepare_restore(
+                        self._dir / str(step) / "train", self._target
+                    )
+                except (FileNotFoundError, NotADirectoryError):
+                    pass  # not finalized yet, or deleted by the manager: the next one
+                else:
+                    self.prepared, last = (step, leaves, start, time.time()), step
+            self._done.wait(self._every_s)

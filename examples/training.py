@@ -179,22 +179,22 @@ def train(
     batch_abstract = data.abstract_batch(task.records, task.global_batch, mesh)
     ahead = compile_cache.compile_ahead(train_step, timeline, cache_dir, *abstract, batch_abstract)
     iterator = data.make_data_iterator(task.records, args.seed, task.global_batch, mesh)
+    abstract_state = {
+        "params": abstract[0],
+        "opt_state": abstract[1],
+        "rng": abstract[2],
+        "data": iterator,
+        "step": 0,
+    }
     timeline.add("setup", setup_start, time.time())
     if go is not None:
         with timeline.phase("warm_up"):
             warm_up(ahead.result(), init, shardings, batch_abstract, cache_dir)
-        args = go()
+        args = standby(args, go, abstract_state, timeline)
     manager = handler = restored = None
     if not args.no_checkpoint:
         with timeline.phase("manager"):
             manager, handler = checkpointing.open_manager(args, process)
-        abstract_state = {
-            "params": abstract[0],
-            "opt_state": abstract[1],
-            "rng": abstract[2],
-            "data": iterator,
-            "step": 0,
-        }
         with timeline.phase("restore"):
             restored = checkpointing.restore_latest(manager, handler, abstract_state)
     if restored is None:
@@ -275,6 +275,32 @@ def train(
     seconds = round(time.perf_counter() - begin, 3)
     job.emit(launch.DoneEvent(step=step, seconds=seconds, process=process))
     return 0
+
+
+def standby(
+    args: argparse.Namespace,
+    go: Callable[[], argparse.Namespace],
+    abstract_state: PyTree,
+    timeline: Timeline,
+) -> argparse.Namespace:
+    """A hot spare's wait for its go line, preparing the restore meanwhile: its reshard
+    compiled for the newest step the job saved (`checkpointing.RestorePreparer`).
+
+    Returns:
+        The flags again, with the go line's environment (``go``).
+    """
+    preparer = (
+        checkpointing.RestorePreparer(args.ckpt_dir, abstract_state)
+        if args.ckpt_dir and not args.no_checkpoint
+        else None
+    )
+    args = go()
+    prepared = preparer.stop() if preparer is not None else None
+    if prepared is not None:
+        step, leaves, start, end = prepared
+        timeline.add("prepare_restore", start, end)
+        job.emit(launch.RestorePreparedEvent(step=step, leaves=leaves, process=jax.process_index()))
+    return args
 
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, shardings: PyTree) -> Any:

@@ -146,7 +146,10 @@ def test_kill_is_detected_and_restored(run, capsys) -> None:
     assert 0 <= failure["detected_after_s"] < 2 and failure["last_step"] >= 3
     restart = failure["restart"]
     assert restart["restored"]["1"] == {
-        "step": 3, "tier": "memory", "seconds": 0.01, "bytes_by_tier": None
+        "step": 3,
+        "tier": "memory",
+        "seconds": 0.01,
+        "bytes_by_tier": None,
     }
     # A process that had not stepped yet when it was killed restores nothing (step 0).
     steps = [restart["restored"].get(str(i), {"step": 0})["step"] for i in range(3)]

@@ -14,6 +14,7 @@ from jaxckpt.launch._events import ExecutableUnusableEvent as ExecutableUnusable
 from jaxckpt.launch._events import ReplicasLoweredEvent as ReplicasLoweredEvent
 from jaxckpt.launch._events import RestoredEvent as RestoredEvent
 from jaxckpt.launch._events import RestoreFailedEvent as RestoreFailedEvent
+from jaxckpt.launch._events import RestorePreparedEvent as RestorePreparedEvent
 from jaxckpt.launch._events import SaveEvent as SaveEvent
 from jaxckpt.launch._events import StandbyEvent as StandbyEvent
 from jaxckpt.launch._events import StartEvent as StartEvent
@@ -32,6 +33,7 @@ __all__ = [
     "ExecutableUnusableEvent",
     "ReplicasLoweredEvent",
     "RestoreFailedEvent",
+    "RestorePreparedEvent",
     "RestoredEvent",
     "SaveEvent",
     "StandbyEvent",

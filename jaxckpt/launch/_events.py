@@ -17,6 +17,7 @@ output, JSON objects on lines of their own, each with an ``event`` key naming it
     {"event": "stopped", "step": s, "process": p}  # asked to stop (SIGTERM): saved s, exits 0
     {"event": "replicas_lowered", "asked": r, "used": u, "process": p}  # fewer processes
     {"event": "standby", "process": p}  # a hot spare, ready, waiting for its go line
+    {"event": "restore_prepared", "step": s, "leaves": k, "process": p}  # woken spare
     {"event": "timeline", "process": p, "phases": {name: [start, end], ...},
      "compile": {"cache_hits": h, "cache_misses": m, ..., "executable": "ahead" | "jit"},
      "restore": {"seconds": t, "tier": "...", "fallbacks": f}}
@@ -34,7 +35,8 @@ and imports), ``jax_init`` (``jax.distributed`` and the backend), ``task``, ``se
 (mesh, abstract state, data), ``compile`` (the train step, which may overlap
 ``restore``), ``warm_up`` and ``standby`` (a hot spare running its train step once on a
 fresh state, then waiting for its go line), ``manager``, ``restore`` or ``init``, and
-``first_step``. Its ``compile`` counts the compilation caches' hits and misses of the
+``first_step`` (a woken spare adds ``prepare_restore``: the last time it compiled its
+restore ahead, before the failure). Its ``compile`` counts the compilation caches' hits and misses of the
 train step and of the whole process; its ``restore`` is the handler's own restore time.
 
 The names and fields are a compatibility promise between a job and the launcher: fields
@@ -175,6 +177,18 @@ class StandbyEvent(Event):
     """A hot spare is ready and waits for its go line on stdin."""
 
     kind: ClassVar[str] = "standby"
+    process: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePreparedEvent(Event):
+    """A woken spare had compiled ahead the restore of step ``step`` onto its target
+    (``TieredCheckpointHandler.prepare_restore``): a reshard of ``leaves`` leaves (0: the
+    restore compiles nothing)."""
+
+    kind: ClassVar[str] = "restore_prepared"
+    step: int
+    leaves: int
     process: int
 
 
