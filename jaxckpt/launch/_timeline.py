@@ -89,18 +89,7 @@ def restart_timeline(
         process that ended it last, and the longest duration), and ``restore_s``,
         ``compile_s`` and ``restore_compile_overlap_s`` of the slowest processes.
     """
-    processes: dict[str, dict[str, Any]] = {}
-    for i in sorted(set(timelines) | set(restored)):
-        event = timelines.get(i, {})
-        entry: dict[str, Any] = {"phases": process_phases(event, started_at)}
-        for key in ("compile", "restore"):  # cache counts; the handler's own restore time
-            if isinstance(event.get(key), Mapping):
-                entry[key] = dict(event[key])
-        if i in restored:
-            entry["restored"] = {
-                k: restored[i].get(k) for k in ("step", "tier", "seconds", "bytes_by_tier")
-            }
-        processes[str(i)] = entry
+    processes = _processes(timelines, restored, started_at)
     slowest: dict[str, dict[str, Any]] = {}
     names = {name for p in processes.values() for name in p["phases"]}
     for name in _ordered(names):
@@ -136,6 +125,28 @@ def restart_timeline(
         "slowest": slowest,
         "processes": processes,
     }
+
+
+def _processes(
+    timelines: Mapping[int, Mapping[str, Any]],
+    restored: Mapping[int, Mapping[str, Any]],
+    started_at: float,
+) -> dict[str, dict[str, Any]]:
+    """Per process: its phases from `started_at`, its compile's cache counts and the
+    handler's own restore time, and what it restored."""
+    processes: dict[str, dict[str, Any]] = {}
+    for i in sorted(set(timelines) | set(restored)):
+        event = timelines.get(i, {})
+        entry: dict[str, Any] = {"phases": process_phases(event, started_at)}
+        for key in ("compile", "restore"):
+            if isinstance(event.get(key), Mapping):
+                entry[key] = dict(event[key])
+        if i in restored:
+            entry["restored"] = {
+                k: restored[i].get(k) for k in ("step", "tier", "seconds", "bytes_by_tier")
+            }
+        processes[str(i)] = entry
+    return processes
 
 
 def _sum(processes: Mapping[str, Mapping[str, Any]], key: str) -> int | None:

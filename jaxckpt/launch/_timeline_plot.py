@@ -227,7 +227,7 @@ def plot(report: Mapping[str, Any], path: str | Path) -> Path:
     from matplotlib.patches import Patch
 
     events = sorted(
-        [*report.get("failures", []), *report.get("grows", [])], key=lambda e: e["attempt"]
+        [*report.get("failures", []), *report.get("grows", [])], key=lambda e: e.get("attempt", 0)
     )
     failures = [f for f in events if (f.get("restart") or {}).get("timeline")]
     if not failures:
