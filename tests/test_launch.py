@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import os
 import pathlib
 import signal
 import sys
@@ -14,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from jaxckpt.launch import _events, _supervise
+from jaxckpt.launch import _events, _priority, _registry, _supervise, _timeline
 from jaxckpt.launch import _launcher as launch
 
 # A fake training process: one step event every few ms, its step kept in its memory root
@@ -59,7 +60,7 @@ CHILD = textwrap.dedent(
         except FileExistsError:
             return False
 
-    emit("env", coordinator=env["JAXCKPT_COORDINATOR"], n=n,
+    emit("env", coordinator=env["JAXCKPT_COORDINATOR"], n=n, nice=os.nice(0),
          devices=env["JAXCKPT_CPU_DEVICES"], domain=env["JAXCKPT_FAILURE_DOMAIN"],
          memory_root=str(root), woken=woken,
          cache=env.get("JAX_COMPILATION_CACHE_DIR"),
@@ -276,6 +277,82 @@ def test_standby_spares_take_over_and_are_reaped(run, capsys, tmp_path) -> None:
     while not all(map(_dead, spares)):
         assert time.monotonic() < deadline, "a spare outlived the launcher"
         time.sleep(0.05)
+
+
+def test_shrink_then_grow_back_on_spares_when_the_node_registers(run, capsys, tmp_path) -> None:
+    code, report = run(
+        *("-n", "3", "--standby", "--lose-node", "2@3", "--processes-after-failure", "2"),
+        *("--return-node", "2@5", "--grow-at-save"),
+        steps=60,
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    attempts = report["attempts"]
+    assert [a["outcome"] for a in attempts] == ["signal", "stopped", "ok"]
+    assert [a["nodes"] for a in attempts] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    assert [a["standby"] for a in attempts] == [False, True, True]
+    assert attempts[1]["stop_requested_at"] is not None and attempts[1]["stopped"]
+    assert len(report["failures"]) == 1 and report["restarts"] == 1
+    (grow,) = report["grows"]
+    assert grow["from_processes"] == 2 and grow["to_processes"] == 3
+    assert grow["nodes_added"] == [2] and grow["restart"]["nodes"] == [0, 1, 2]
+    timeline = grow["restart"]["timeline"]
+    assert timeline["kind"] == "grow" and timeline["standby"] is True
+    assert timeline["stopped_after_s"] >= 0 and timeline["recovery_s"] is not None
+    assert "node2 registered" in out and "grow back in attempt 1" in out
+    assert "stopped" in _timeline.format_timeline(timeline)
+    # The first spares prepared at normal priority before the job started, then waited at
+    # nice 19; those started while a job trained started at 19. Woken, each had nice 0
+    # again (as root; without CAP_SYS_NICE the launcher says it cannot give it back).
+    niced = [int(p.read_text()) for p in (tmp_path / "markers").glob("nice-*")]
+    assert 0 in niced and _priority.NICEST in niced, niced
+    woken = [e for e in events_of(out, "env") if e["woken"]]
+    assert len(woken) == 5  # 2 processes after the loss, 3 after the grow
+    if "cannot give process" not in out:
+        assert {e["nice"] for e in woken} == {0}
+
+
+def test_a_new_host_registers_in_the_directory(run, capsys, tmp_path) -> None:
+    register = tmp_path / "hosts"
+    _registry.register(str(register), 7)  # a host that is up before the job needs it
+    (register / "notes.txt").write_text("not a node")
+    code, report = run(
+        *("-n", "2", "--lose-node", "1@3", "--processes-after-failure", "1"),
+        *("--register-dir", str(register), "--grow-at-save"),
+        steps=40,
+    )
+    assert code == 0, capsys.readouterr().out[-3000:]
+    assert [a["nodes"] for a in report["attempts"]] == [[0, 1], [0], [0, 7]]
+    assert report["grows"][0]["nodes_added"] == [7]
+    assert sorted(p.name for p in register.iterdir()) == ["notes.txt"]  # node7 was taken
+
+
+def test_registry_takes_each_node_once_and_polls_at_most_every_half_second(tmp_path) -> None:
+    registry = _registry.Registry(str(tmp_path / "r"))
+    _registry.register(registry.directory, 3)
+    _registry.register(registry.directory, 1)
+    assert registry.take() == [1, 3]
+    _registry.register(registry.directory, 4)
+    assert registry.take() == []  # within POLL_S of the last read
+    time.sleep(_registry.POLL_S)
+    assert registry.take() == [4] and registry.take() == []
+
+
+def test_spares_wait_at_a_low_priority_and_get_it_back(tmp_path) -> None:
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    with _supervise.ProcessSet(sleeper, [{}], nice=_priority.NICEST) as procs:
+        pid = procs.procs[0].pid
+        assert os.getpriority(os.PRIO_PROCESS, pid) == _priority.NICEST
+        autogroup = pathlib.Path(f"/proc/{pid}/autogroup")
+        if autogroup.exists():  # where the kernel schedules sessions first
+            assert autogroup.read_text().split()[-1] == str(_priority.NICEST)
+        refused = procs.set_nice(0)
+        if refused:  # not root: raising a priority needs CAP_SYS_NICE
+            assert "CAP_SYS_NICE" in refused[0]
+        else:
+            assert os.getpriority(os.PRIO_PROCESS, pid) == 0
+    with pytest.raises(ValueError, match="nice value"):
+        _priority.lower(20)
 
 
 def test_parsing_helpers() -> None:
