@@ -55,6 +55,7 @@ from examples.recovery import (
     Step,
     check_resize,
     compare_bitwise,
+    cpu_share,
     fail,
     plural,
     print_recovery,
@@ -320,6 +321,8 @@ def standby_slowdown(
     ``waiting``: the first attempts of runs 2 and 3 (their spares, prepared before the
     job started, wait at nice 19) over their steps before the failure; ``preparing``: the
     grown job of run 3, while the spares that replace the ones it woke prepare at nice 19.
+    Step times drift with the machine's load between runs; ``cpu_share`` (the CPU the
+    spares used while the jobs trained, over the jobs') does not, and bounds the slowdown.
     """
     waiting = [
         (lost.steps[0], range(2, cfg.fail_at)),
@@ -328,16 +331,30 @@ def standby_slowdown(
     grown = elastic.steps[-1]
     preparing = [(grown, range(min(grown, default=0) + 1, cfg.steps + 1))]
     found = {"waiting": slowdown(reference, waiting), "preparing": slowdown(reference, preparing)}
-    print("Training with the spares beside it, against the reference (median step time):")
+    firsts = [lost.report["attempts"][0], elastic.report["attempts"][0]]
+    later = [*lost.report["attempts"][1:], *elastic.report["attempts"][1:]]
+    cpu = {"waiting": cpu_share(firsts), "preparing": cpu_share(later)}
+    print("Training with the spares beside it, against the reference (median step time), and")
+    print("the CPU the spares took while the job trained, over the job's own:")
     for name, figure in found.items():
-        if figure is not None:
-            print(
-                f"  spares {name:<10} {figure['with_s'] * 1e3:.0f} ms vs"
-                f" {figure['without_s'] * 1e3:.0f} ms without: x{figure['ratio']}"
-                f" over {figure['steps']} steps"
+        share = cpu[name]
+        print(
+            f"  spares {name:<10}"
+            + (
+                f" {figure['with_s'] * 1e3:.0f} ms vs {figure['without_s'] * 1e3:.0f} ms"
+                f" without: x{figure['ratio']} over {figure['steps']} steps;"
+                if figure
+                else ""
             )
+            + (
+                f" CPU {share['standby_cpu_s']:.2f} s vs the job's {share['job_cpu_s']:.1f} s:"
+                f" {share['share']:.2%}"
+                if share
+                else ""
+            )
+        )
     print()
-    return found
+    return {**found, "cpu_share": cpu}
 
 
 # ----------------------------------------------------------------------------- main

@@ -307,3 +307,14 @@ def slowdown(reference: dict[int, Step], windows: list[tuple[dict[int, Step], ra
         "without_s": round(b, 4),
         "steps": len(with_spares),
     }
+
+
+def cpu_share(attempts: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The CPU seconds the spares used while these attempts trained, over the job's
+    (the launcher's ``cpu_s`` of each attempt): the bound of their slowdown on CPUs the
+    job keeps busy."""
+    used = [a["cpu_s"] for a in attempts if a.get("cpu_s")]
+    job, spares = sum(c["job"] for c in used), sum(c["standby"] for c in used)
+    if not used or job <= 0:
+        return None
+    return {"share": round(spares / job, 4), "standby_cpu_s": spares, "job_cpu_s": job}

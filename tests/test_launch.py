@@ -301,6 +301,10 @@ def test_shrink_then_grow_back_on_spares_when_the_node_registers(run, capsys, tm
     assert timeline["stopped_after_s"] >= 0 and timeline["recovery_s"] is not None
     assert "node2 registered" in out and "grow back in attempt 1" in out
     assert "stopped" in _timeline.format_timeline(timeline)
+    # The CPU the job and the spares used while the job trained, counted from its first step.
+    cpu = [a["cpu_s"] for a in attempts]
+    assert all(c is not None and c["job"] >= 0 and c["standby"] >= 0 for c in cpu), cpu
+    assert all(c["seconds"] > 0 for c in cpu), cpu
     # The first spares prepared at normal priority before the job started, then waited at
     # nice 19; those started while a job trained started at 19. Woken, each had nice 0
     # again (as root; without CAP_SYS_NICE the launcher says it cannot give it back).

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from jaxckpt.launch._children import Job
+from jaxckpt.launch._cpu import CpuShare
 from jaxckpt.launch._events import (
     RestoredEvent,
     StepEvent,
@@ -59,6 +60,8 @@ class Attempt:
         last_step_at: Wall-clock time of the last ``step`` event.
         stop_requested_at: Wall-clock time the launcher asked the job to stop, if it did.
         ended_at: Wall-clock end of the run (every process exited, or killed).
+        cpu_s: CPU seconds the job and the hot spares used from its first ``step`` event
+            to its end (`_cpu.CpuShare`), or None if it never trained.
     """
 
     index: int
@@ -81,6 +84,7 @@ class Attempt:
     stop_requested_at: float | None = None
     ended_at: float = 0.0
     stopped: bool = False  # a process printed a ``stopped`` event
+    cpu_s: dict[str, float] | None = None
 
 
 def run_attempt(
@@ -94,6 +98,7 @@ def run_attempt(
     spares: Job | None = None,
     on_training: Callable[[], None] | None = None,
     should_stop: Callable[[Attempt], bool] | None = None,
+    spare_pids: Callable[[], list[int]] = list,
 ) -> Attempt:
     """Runs the process set once, until all exit 0 or one fails or hangs.
 
@@ -112,6 +117,8 @@ def run_attempt(
             process gets SIGTERM (once): a JAX job's preemption notice, on which the
             examples stop at the next step the processes agree on, after its save
             (``stopped`` event, exit 0).
+        spare_pids: The processes of the hot spares beside the job, whose CPU time is
+            counted with the job's while it trains (``cpu_s``).
 
     Returns:
         ``attempt``, filled in.
@@ -121,8 +128,12 @@ def run_attempt(
     attempt.started_at = time.time()
     job = _wake(spares, envs, attempt) if spares is not None else Job(command, envs)
     output = _Output(attempt, job.lines, start, on_training)
+    usage = CpuShare(spare_pids)
     with job:
-        _watch(job, output, attempt, hang_timeout, injection, should_stop)
+        _watch(job, output, attempt, hang_timeout, injection, should_stop, usage)
+        if attempt.first_step_s is not None:
+            usage.sample([p.pid for p in job.processes.procs], force=True)
+    attempt.cpu_s = usage.result()
     # Collect what the dead processes wrote before they died.
     deadline = time.monotonic() + 2.0
     while output.open_streams and time.monotonic() < deadline:
@@ -245,12 +256,15 @@ def _watch(
     hang_timeout: float,
     injection: tuple[int, int] | None,
     should_stop: Callable[[Attempt], bool] | None,
+    usage: CpuShare,
 ) -> None:
     """Reads the job's output until every process exited 0 with its output closed, or one
     failed or hung: that one goes into `attempt`. Asks the job to stop (SIGTERM to every
     process) once `should_stop` says so."""
     while True:
         output.read_waiting()
+        if attempt.first_step_s is not None:
+            usage.sample([p.pid for p in job.processes.procs])
         if attempt.stop_requested_at is None and should_stop is not None and should_stop(attempt):
             attempt.stop_requested_at = time.time()
             job.processes.terminate()

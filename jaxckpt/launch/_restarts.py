@@ -175,6 +175,7 @@ class Restarts:
             spares=woken,
             on_training=self._prepare_spares,
             should_stop=self._should_stop,
+            spare_pids=self._standby.pids if self._standby is not None else list,
         )
         self.attempts.append(attempt)
         return attempt, inject is not None

@@ -98,6 +98,10 @@ class Standby:
             job.processes.set_nice(self.nice)  # lowering a priority is always allowed
         return why
 
+    def pids(self) -> list[int]:
+        """The processes of every spare job held."""
+        return [p.pid for job in self._jobs.values() for p in job.processes.procs]
+
     def preparing(self, size: int) -> bool:
         """Whether the spare job of `size` processes still prepares (held, every process
         alive, not all ready yet)."""
