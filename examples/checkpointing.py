@@ -156,15 +156,16 @@ class RestorePreparer:
     """For a hot spare while it waits: compiles ahead what restoring the newest step onto
     its target compiles, so that the restart only reads and places.
 
-    A thread looks at ``ckpt_dir`` every few seconds and, when a newer step appears,
-    calls `jaxckpt.TieredCheckpointHandler.prepare_restore` for it (jaxckpt's reshard of
-    the leaves replicated across processes: a restore onto another process count needs
-    it). The spare waits at a low priority, and so does this thread: it takes CPU the
-    job leaves idle. Any step of the job's layout will do; a step deleted meanwhile is
-    skipped.
+    A thread looks at ``ckpt_dir`` and, once a step is there, calls
+    `jaxckpt.TieredCheckpointHandler.prepare_restore` for it (jaxckpt's reshard of the
+    leaves replicated across processes: a restore onto another process count needs it);
+    then again for the newest step every ``every_s``, in case a restart changed the
+    layout the job saves in (a prepared program is not compiled twice). The spare waits
+    at a low priority, and so does this thread: it takes CPU the job leaves idle. A step
+    deleted meanwhile is skipped.
     """
 
-    def __init__(self, ckpt_dir: str, abstract_state: PyTree, every_s: float = 5.0):
+    def __init__(self, ckpt_dir: str, abstract_state: PyTree, every_s: float = 30.0):
         self._dir = Path(ckpt_dir)
         self._target = jaxckpt.TieredRestore(abstract_state)
         self._every_s = every_s
@@ -174,10 +175,11 @@ class RestorePreparer:
         self._thread.start()
 
     def stop(self, timeout_s: float = 60.0) -> tuple[int, int, float, float] | None:
-        """Stops looking (a compilation under way ends first: the restore needs it);
-        returns the last preparation: ``(step, leaves resharded, start, end)``."""
+        """Stops looking; returns the last preparation: ``(step, leaves resharded, start,
+        end)``. Waits for one under way only if none ended before (the restore needs it)."""
         self._done.set()
-        self._thread.join(timeout_s)
+        if self.prepared is None:
+            self._thread.join(timeout_s)
         return self.prepared
 
     def _newest(self) -> int | None:
@@ -198,4 +200,5 @@ class RestorePreparer:
                     pass  # not finalized yet, or deleted by the manager: the next one
                 else:
                     self.prepared, last = (step, leaves, start, time.time()), step
-            self._done.wait(self._every_s)
+            # Until the first step is prepared, look often; then now and then.
+            self._done.wait(1.0 if last is None else self._every_s)
