@@ -24,13 +24,23 @@ Two things shorten a restart:
   environment is kept) and, unless set, ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0``.
   JAX reads both at import; a restarted process loads its executables instead of
   compiling them again.
-- ``--standby``: hot spares. Once an attempt trains, the launcher starts the job of the
-  next one: its processes get ``JAXCKPT_STANDBY=1`` and the job variables above (a
-  coordinator port of their own), so they import jax, join their job and prepare what
-  does not depend on where they run (the examples build their mesh and compile their
-  train step), then wait for one line on stdin. At a restart each gets
-  ``{"env": {...}}``, every variable above; only the memory root, failure domain and
-  failure injection are new to it. The command must support it (the examples do).
+- ``--standby``: hot spares (`_standby`). Before the first attempt, the launcher starts
+  a spare job of each size a restart may take (the job's, ``--processes-after-failure``,
+  and with ``--grow-at-save`` the launched size): its processes get
+  ``JAXCKPT_STANDBY=1`` and the job variables above (a coordinator port of their own),
+  so they import jax, join their job and prepare what does not depend on where they
+  run (the examples build their mesh, compile their train step and prepare their
+  restore), print a ``standby`` event and wait for one line on stdin; the job starts
+  once they are ready, and they wait at nice 19 (`_priority`). At a restart the spares
+  of its size get ``{"env": {...}}``, every variable above (only the memory root,
+  failure domain and failure injection are new to them), and nice 0 back; the spares
+  that replace them start once the restarted job trains, at nice 19. The command must
+  support it (the examples do).
+
+Elastic jobs (`_restarts`): with ``--processes-after-failure M`` a failure restarts the
+job on M of its nodes; a node that registers later (``--register-dir``, `_registry`;
+``--return-node K@S`` simulates it) grows it back to ``-n`` with ``--grow-at-save``: the
+job gets SIGTERM, stops after its next save, and restarts on the larger set of nodes.
 """
 
 from __future__ import annotations
