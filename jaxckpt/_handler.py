@@ -51,8 +51,6 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._session = _session.Session(options, on_metrics)
         self._saves = _save_operation.SaveOperation(self._session)
         self._restores = _restore_operation.RestoreOperation(self._session)
-        # The run and the background work, for the tools and tests that look at them.
-        self._runs, self._background = self._session.runs, self._session.background
 
     @property
     def options(self) -> TierOptions:
@@ -214,6 +212,16 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def pending_persistence(self) -> set[int]:
         """Steps queued or being written to persistent storage."""
         return self._session.pending_persistence()
+
+    def inspect(self) -> _session.Inspection:
+        """A look at this handler's state on this process, for jaxckpt's benchmark and
+        tests: the open run's memory tier (which steps and parts it holds, where), its
+        peers, and a wait for memory retention alone.
+
+        The objects it returns are internal types, with no compatibility promise; they
+        are documented in the `run/` package (`_session.Inspection`).
+        """
+        return _session.Inspection(self._session)
 
     def preservation_policy(self, base: Any, directory: Any = None) -> Any:
         """An Orbax PreservationPolicy that keeps what `base` keeps, the newest

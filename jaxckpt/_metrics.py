@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from absl import logging as log
 
@@ -106,19 +106,6 @@ class Publisher:
         )
 
 
-class Restored(Protocol):
-    """What a restore's measurements are made of (`_restore.Restorer`)."""
-
-    @property
-    def bytes_by_tier(self) -> dict[str, int]: ...
-
-    @property
-    def bytes_needed(self) -> int: ...
-
-    @property
-    def failures(self) -> list[str]: ...
-
-
 def restore_line(metrics: dict[str, Any]) -> str:
     """One line for a `restore` event: the step, its sources by share of bytes, the time."""
     by_tier = metrics.get("bytes_by_tier") or {}
@@ -135,18 +122,20 @@ def restore_line(metrics: dict[str, Any]) -> str:
     )
 
 
-def restore_metrics(step: int, seconds: float, restorer: Restored) -> dict[str, Any]:
-    """The `restore` event of a restore of `step` that took `seconds`."""
-    by_tier = restorer.bytes_by_tier
+def restore_metrics(
+    step: int, seconds: float, bytes_by_tier: dict[str, int], bytes_needed: int, fallbacks: int
+) -> dict[str, Any]:
+    """The `restore` event of a restore of `step` that took `seconds`: the bytes it read
+    from each tier, the bytes of the target's regions it read (with `bytes_by_tier`, how
+    much more a restore onto another mesh read than it needed: tiles, `_tiles`), and
+    how many chunk reads fell back to another copy."""
     return {
         "event": "restore",
         "process": _multihost.process_index(),
         "step": step,
         "seconds": seconds,
-        "bytes_by_tier": dict(by_tier),
-        # The bytes of the target's regions this process read: with `bytes_by_tier`, how
-        # much more a restore onto another mesh read than it needed (tiles: `_tiles`).
-        "bytes_needed": restorer.bytes_needed,
-        "tier": max(by_tier, key=by_tier.__getitem__) if by_tier else "none",
-        "fallbacks": len(restorer.failures),
+        "bytes_by_tier": dict(bytes_by_tier),
+        "bytes_needed": bytes_needed,
+        "tier": max(bytes_by_tier, key=bytes_by_tier.__getitem__) if bytes_by_tier else "none",
+        "fallbacks": fallbacks,
     }

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import manager, mesh_1d, save, sharded_state
+from helpers import attach_peers, manager, mesh_1d, save, sharded_state
 
 import jaxckpt
 from jaxckpt.tiers import _memory_tier, _persist_job, _persister
@@ -30,46 +30,47 @@ def fake_job(step: int) -> _persister.PersistJob:
     return _persister.PersistJob(FakeManifest(step), Path("src"), Path("item"), Path("final"))  # type: ignore[arg-type]
 
 
-def test_close_after_a_drain_timeout_never_starts_a_second_worker(monkeypatch):
+def test_close_after_a_drain_timeout_never_starts_a_second_worker():
     gate = threading.Event()
     running: list[int] = []
     overlap: list[tuple[int, ...]] = []
     done: list[int] = []
+    workers: list[threading.Thread] = []  # the thread each job ran on
     lock = threading.Lock()
 
-    def persist(self, job):
-        with lock:
-            running.append(job.manifest.step)
-            if len(running) > 1:
-                overlap.append(tuple(running))
-        if job.manifest.step == 1:
-            assert gate.wait(30)
-        time.sleep(0.05)
-        with lock:
-            running.remove(job.manifest.step)
-            done.append(job.manifest.step)
-        return {"event": "persist", "step": job.manifest.step}
+    class Store:
+        """Persists nothing: records each job, holding step 1 until the gate opens."""
 
-    monkeypatch.setattr(_persister.Persister, "_persist", persist)
-    p = _persister.Persister(None, timeout_s=1.0)
+        def persist(self, job, **kwargs):
+            with lock:
+                running.append(job.manifest.step)
+                workers.append(threading.current_thread())
+                if len(running) > 1:
+                    overlap.append(tuple(running))
+            if job.manifest.step == 1:
+                assert gate.wait(30)
+            time.sleep(0.05)
+            with lock:
+                running.remove(job.manifest.step)
+                done.append(job.manifest.step)
+            return {"event": "persist", "step": job.manifest.step}
+
+    p = _persister.Persister(None, timeout_s=1.0, store_at=lambda path: Store())
     p.submit(fake_job(1))
-    worker = p._thread
-
     with pytest.raises(TimeoutError, match=r"steps \[1\]"):
         p.close()  # step 1 is stuck: the drain gives up after 1 s
     p.submit(fake_job(2))  # goes to the same worker, after step 1; not dropped
     p.submit(fake_job(3))
-    assert p._thread is worker and worker.is_alive()  # no second worker
     gate.set()
     p.drain(timeout_s=10)
     assert done == [1, 2, 3] and not overlap
+    assert workers[1] is workers[0] and workers[2] is workers[0]  # no second worker
     p.close()
-    deadline = time.monotonic() + 5
-    while any(t.name == "jaxckpt-persist" for t in threading.enumerate()):
-        assert time.monotonic() < deadline, "the worker did not stop"
-        time.sleep(0.01)
+    workers[0].join(timeout=30)
+    assert not workers[0].is_alive(), "the worker did not stop"
     p.submit(fake_job(4))  # a closed persister starts a fresh worker
     p.drain(timeout_s=10)
+    assert workers[3] is not workers[0]
     assert done[-1] == 4
     p.close()
 
@@ -144,6 +145,7 @@ class _SlowPeers:
     """Stands in for the peer service of a one-process test: a push that takes a while."""
 
     holders: dict[int, list[int]] = {}
+    run_id = "slow-peers"  # the run they were met for
 
     def __init__(self, writing: list[int]):
         self.writing, self.during_push, self.pushed = writing, None, []
@@ -178,10 +180,8 @@ def test_persistence_starts_once_the_part_is_on_its_peers(memory_root, ckpt_dir,
 
     monkeypatch.setattr(_persist_job, "write_chunks", spy)
     peers = _SlowPeers(writing)
-    h = handler(memory_root, persist_every=1, replicas=1)
-    monkeypatch.setattr(
-        h._runs, "connect", lambda memory: setattr(h._runs, "peers", peers) or peers
-    )
+    h = handler(memory_root, persist_every=1, replicas=1, run_id=peers.run_id)
+    attach_peers(h, peers, monkeypatch)  # met already: the save's meeting finds them
     with manager(ckpt_dir, h, use_async=False) as mngr:
         save(mngr, 1, sharded_state(mesh_1d()))
         h.wait_for_persistence()

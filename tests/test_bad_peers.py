@@ -9,7 +9,7 @@ copy is deleted first (a lost node), so the peer is the first source tried;
 the persisted copy is the fallback, or is deleted too.
 
 Also here: the peer service's token, interface binding, path confinement and
-request size limits, at the level of `Peers.connect` and raw HTTP.
+request size limits, at the level of the run's meeting (`_choreography.meeting`) and raw HTTP.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import pytest
 from helpers import (
     abstract,
     assert_tree_equal,
+    attach_peers,
     flip_slab_byte,
     manager,
     mesh_1d,
@@ -49,6 +50,7 @@ from jaxckpt.peer import _peers
 from jaxckpt.peer._client import check_part, fetch_file
 from jaxckpt.peer._server import PeerServer
 from jaxckpt.peer._wire import TOKEN_HEADER, PeerAddress
+from jaxckpt.run import _choreography
 from jaxckpt.tiers import _index, _memory_tier, _quarantine
 
 RUN = "bad-peers-run"
@@ -175,18 +177,14 @@ class FakePeers(_peers.Peers):
         self.holder_memory, self.ckpt_dir = holder_memory, ckpt_dir
 
     def exchange_inventories(self, local: _peers.Inventory) -> _holdings.Holdings:
+        """The pretend job's exchange of inventories (`attach` puts it in the real one's
+        place): process 0's, and what process 1 holds."""
         held = {s: set(o) for s, o in self.held.items()}
         if self.holder_memory is not None and self.ckpt_dir is not None:
             for s in self.holder_memory.steps():
                 index = _index.read_index(self.ckpt_dir / str(s) / "train")
                 held[s] = _index.memory_parts(self.holder_memory, s, index)
         return _holdings.Holdings.of({0: local, 1: held})
-
-
-def attach(h: jaxckpt.TieredCheckpointHandler, peers: _peers.Peers, monkeypatch) -> None:
-    """Makes `h` use `peers` instead of meeting other processes through jax.distributed."""
-    h._runs.peers = peers
-    monkeypatch.setattr(h._runs, "connect", lambda memory: peers)
 
 
 def own_server(root: Path, run_id: str = RUN) -> PeerServer:
@@ -351,7 +349,7 @@ def restore_through_peer(kind, fallback, saved, tmp_path, monkeypatch) -> tuple[
         shutil.rmtree(_memory_tier.MemoryTier(memory_root, RUN).step_dir(1))  # node loss
         if not fallback:
             shutil.rmtree(ckpt / "1" / "train" / _format.part_dir_name(0))
-        attach(h, FakePeers(own, address, held={1: {0}}), monkeypatch)
+        attach_peers(h, FakePeers(own, address, held={1: {0}}), monkeypatch)
         mngr = manager(ckpt, h)
         try:
             outcome = bounded(lambda: restore(mngr, 1, abstract(expected)), expected, h)
@@ -438,7 +436,7 @@ def test_a_holder_checks_its_copy_before_quarantining_it(saved, tmp_path):
         server.close()
 
 
-# ---- the peer service of a real `Peers.connect` ---------------------------------
+# ---- the peer service of a real meeting -------------------------------------------
 
 
 def _raw(address: PeerAddress, request: bytes, timeout: float = 5.0) -> bytes:
@@ -460,14 +458,14 @@ def _status(response: bytes) -> int:
 
 @pytest.fixture
 def connected(tmp_path, caplog):
-    """A one-process `Peers.connect` bound to 127.0.0.2, with everything logged."""
+    """A one-process meeting (`_choreography.meeting`) bound to 127.0.0.2, everything logged."""
     caplog.set_level(logging.DEBUG)
     root = tmp_path / "memory"
     options = TierOptions(str(root), peer_host="127.0.0.2", run_id=RUN, timeout_s=0.5)
     memory = _memory_tier.MemoryTier(str(root), RUN)
     memory.prepare(str(tmp_path / "ckpt"), 0)
     try:
-        peers = _peers.Peers.connect(memory, options)
+        peers = _choreography.meeting(_peers.Hello.serving(memory, options))
     except OSError as e:  # pragma: no cover - loopback aliases missing
         pytest.skip(f"cannot bind 127.0.0.2: {e}")
     yield peers, root
@@ -476,14 +474,16 @@ def connected(tmp_path, caplog):
 
 def test_token_is_random_per_run_and_never_logged(connected, tmp_path, caplog):
     peers, root = connected
-    token = peers._token
+    token = peers.token
     assert len(token) == 64 and int(token, 16) >= 0  # 256 random bits, hex
     other_root = tmp_path / "other"
     other_memory = _memory_tier.MemoryTier(str(other_root), RUN)
     other_memory.prepare(str(tmp_path / "ckpt2"), 0)
-    other = _peers.Peers.connect(other_memory, TierOptions(str(other_root), run_id=RUN))
+    other = _choreography.meeting(
+        _peers.Hello.serving(other_memory, TierOptions(str(other_root), run_id=RUN))
+    )
     try:
-        assert other._token != token
+        assert other.token != token
     finally:
         other.close()
     (root / RUN / "f").write_bytes(b"secret")
@@ -540,7 +540,7 @@ def test_paths_outside_the_root_are_refused(connected, tmp_path, method, path):
     (root / RUN / "link").symlink_to(tmp_path)
     response = _raw(
         peers.addresses[0],
-        f"{method} {path} HTTP/1.1\r\nHost: x\r\n{TOKEN_HEADER}: {peers._token}\r\n\r\n".encode(),
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\n{TOKEN_HEADER}: {peers.token}\r\n\r\n".encode(),
     )
     assert 400 <= _status(response) < 500, response[:200]
     assert b"top secret" not in response
@@ -549,7 +549,7 @@ def test_paths_outside_the_root_are_refused(connected, tmp_path, method, path):
 
 def test_oversized_or_malformed_requests_are_refused(connected):
     peers, _ = connected
-    address, token = peers.addresses[0], peers._token
+    address, token = peers.addresses[0], peers.token
     auth = f"Host: x\r\n{TOKEN_HEADER}: {token}\r\n"
     long_line = f"GET /files/{RUN}/{'a' * 70000} HTTP/1.1\r\n{auth}\r\n".encode()
     assert _status(_raw(address, long_line)) == 414

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import faults
 import pytest
 from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
 
 import jaxckpt
-from jaxckpt import _faults
+from jaxckpt import _faults, _metrics
 from jaxckpt.run import _choreography
 from jaxckpt.tiers import _index, _paths
 
@@ -51,24 +52,26 @@ def test_memory_for_only_looks_the_run_up(memory_root, ckpt_dir):
     state = sharded_state(mesh_1d())
     h = handler(memory_root, persist_every=1000)
     item = _paths.ItemDir.parse(Path(ckpt_dir) / "1" / "train")
-    assert h._runs.memory_for(item) is None
+    run = h.inspect().run
+    assert run.memory_for(item) is None
     assert not Path(memory_root).exists() or not list(Path(memory_root).iterdir())
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)  # opens the run
         mngr.wait_until_finished()
-        memory = h._runs.memory_for(item)
+        memory = run.memory_for(item)
         assert memory is not None and memory.steps() == [1]
-        assert h._runs.memory_for(_paths.ItemDir.parse(Path(ckpt_dir) / "2" / "train")) is memory
+        assert run.memory_for(_paths.ItemDir.parse(Path(ckpt_dir) / "2" / "train")) is memory
 
 
 def test_exchanges_run_only_in_their_order(memory_root, ckpt_dir):
     h = handler(memory_root)
     try:
         item = _paths.ItemDir.parse(Path(ckpt_dir) / "1" / "train")
-        op = _choreography.RestoreChoreography(h._runs, item, h._session.publisher)
+        run = h.inspect().run
+        op = _choreography.RestoreChoreography(run, item, _metrics.Publisher())
         with pytest.raises(RuntimeError, match="exchange 'inventories' out of order"):
             op.inventories()
-        listing = _choreography.ListChoreography(h._runs, item)
+        listing = _choreography.ListChoreography(run, item)
         with pytest.raises(RuntimeError, match="ended without its exchange 'meet'"), listing:
             pass
     finally:
@@ -87,9 +90,8 @@ def test_a_failure_before_each_exchange_is_raised_and_the_handler_goes_on(
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)
         mngr.wait_until_finished()
-        monkeypatch.setenv(_faults.ENV, f"{_faults.FAIL}{point}@*")
         injected = rf"\[process 0\] injected fault before {point} of step"
-        with pytest.raises(RuntimeError, match=injected):
+        with faults.failing(point), pytest.raises(RuntimeError, match=injected):
             if operation == "save":
                 save(mngr, 2, state)
                 mngr.wait_until_finished()
@@ -97,7 +99,6 @@ def test_a_failure_before_each_exchange_is_raised_and_the_handler_goes_on(
                 restore(mngr, 1, abstract(state))
             else:
                 h.restorable_steps(Path(ckpt_dir) / "0" / "train")
-        monkeypatch.delenv(_faults.ENV)
         save(mngr, 3, state)
         mngr.wait_until_finished()
         assert_tree_equal(restore(mngr, 3, abstract(state)), state)
@@ -106,4 +107,15 @@ def test_a_failure_before_each_exchange_is_raised_and_the_handler_goes_on(
 
 def test_an_unknown_fault_point_is_refused():
     with pytest.raises(ValueError, match=r"Unknown fault point 'restore\.plan'"):
-        _faults.injected("restore.plan", 1, 0)
+        _faults.failure("restore.plan", 1, 0)
+    with pytest.raises(ValueError, match=r"Unknown fault point 'persist_start'"):
+        _faults.at("persist_start", 1, 0)
+
+
+def test_a_hook_runs_at_every_point_only_while_installed():
+    seen: list[tuple[str, int | None, int]] = []
+    with _faults.hooked(lambda point, step, process: seen.append((point, step, process))):
+        _faults.at("persist_begin", 4, 0)
+        assert _faults.failure("save.meet", 4, 1) is None  # the hook raised nothing
+    _faults.at("persist_begin", 5, 0)
+    assert seen == [("persist_begin", 4, 0), ("save.meet", 4, 1)]

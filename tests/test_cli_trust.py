@@ -37,7 +37,7 @@ def test_a_quarantined_memory_copy_shows_in_ls_and_verify_with_its_reason(
             save(mngr, step, state)
         mngr.wait_until_finished()
         h.wait_for_persistence()
-        run_id = h._runs.memory.run_id
+        run_id = h.inspect().memory.run_id
     part = _memory_tier.MemoryTier(memory_root, run_id).part_dir(2, 0)
     flip_slab_byte(part, "['w']", (0, 0), at=3, bit=0x08)
     with manager(ckpt_dir, jaxckpt.TieredCheckpointHandler(options)) as mngr:
@@ -95,7 +95,7 @@ def test_a_quarantine_marker_without_a_reason_is_checked_by_verify(capsys, memor
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)
         mngr.wait_until_finished()
-        part = h._runs.memory.part_dir(1, 0)
+        part = h.inspect().memory.part_dir(1, 0)
     flip_slab_byte(part, "['w']", (0, 0))
     (part / ".corrupt").touch()
     code, text = jaxckpt_cli(capsys, "ls", ckpt_dir, "--memory-root", memory_root)

@@ -20,6 +20,7 @@ from jaxckpt import TierOptions
 from jaxckpt.bench import _coordinator, _scale
 from jaxckpt.coord import _agreement, _placement, _plan
 from jaxckpt.peer import _peers
+from jaxckpt.run import _choreography
 
 COUNT = 24
 RACK = 4  # processes a failure domain
@@ -57,9 +58,7 @@ def restore_after_losing(
     manifests = _scale.manifests(COUNT, _scale.leaves(COUNT))
 
     def one(p: int):
-        addresses = _peers.Addresses(RUN, {}, 30.0)
-        peers = _peers.Peers(_scale._Service(p), "t" * 64, RUN, addresses, holders[p], replicas, 30)
-        inventories = peers.exchange_inventories({STEP: held[p]})
+        inventories = _choreography.exchange_inventories(RUN, {STEP: held[p]}, 30)
         plan = _plan.plan_step(STEP, manifests, p, inventories.for_step(STEP), persisted)
         error = None
         if not plan.restorable:
@@ -166,14 +165,15 @@ def test_levels_a_lost_zone_and_a_rack_of_the_other_refuse_alike_or_read_persist
 
 
 def test_levels_reach_the_placement_through_the_run_set_up():
-    """`Peers.meet` (the run's set-up) places over the zone/rack/host domains the
+    """The run's meeting (`_choreography.meeting`) places over the zone/rack/host domains the
     processes post, and `holders_with` (a replicated leaf: every process a partner)
     looks the partners' domains up: each copy in the other zone, one copy a holder."""
     partners = [tuple(q for q in range(COUNT) if q != p) for p in range(COUNT)]
 
     def meet(p: int) -> tuple:
         opts = TierOptions("/nonexistent", replicas=1, failure_domain=LEVELS[p])
-        peers = _peers.Peers.meet("run-levels", lambda: _scale._Service(p), opts)
+        hello = _peers.Hello.start("run-levels", lambda: _scale.StubService(p), opts)
+        peers = _choreography.meeting(hello)
         return peers.holders, peers.holders_with(partners)
 
     results = _coordinator.Simulation(COUNT).run(meet)

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 
+import faults
 import pytest
 from helpers import (
     abstract,
+    attach_peers,
     flip_slab_byte,
     manager,
     mesh_1d,
@@ -31,13 +32,13 @@ from helpers import (
     sharded_state,
     slab_chunk,
 )
-from test_bad_peers import RUN, TOKEN, FakePeers, Outcome, attach, bounded, own_server, tally
+from test_bad_peers import RUN, TOKEN, FakePeers, Outcome, bounded, own_server, tally
 
 import jaxckpt
 from jaxckpt._options import TierOptions
 from jaxckpt.format import _format
 from jaxckpt.peer._server import PeerServer
-from jaxckpt.tiers import _memory_tier, _persister, _slab
+from jaxckpt.tiers import _memory_tier, _slab
 
 STEP = 1
 LEAF = "['w']"  # sharded over 8 devices: 8 chunks in process 0's part
@@ -134,7 +135,7 @@ def save_step(memory_root: str, ckpt: Path, *, persist: bool) -> None:
 def restore_step(memory_root: str, ckpt: Path, peers=None, monkeypatch=None) -> Outcome:
     h = jaxckpt.TieredCheckpointHandler(TierOptions(memory_root, run_id=RUN, timeout_s=5))
     if peers is not None:
-        attach(h, peers, monkeypatch)
+        attach_peers(h, peers, monkeypatch)
     mngr = manager(ckpt, h)
     expected = state()
     outcome = bounded(lambda: restore(mngr, STEP, abstract(expected)), expected, h)
@@ -245,32 +246,22 @@ def test_corrupt_index_manifest_is_never_believed(how, memory_root, ckpt_dir):
 
 
 @pytest.mark.parametrize("how", ["flip_byte", "zero_chunk", "truncate"])
-def test_memory_corrupted_before_persistence_is_not_persisted(
-    how, memory_root, ckpt_dir, monkeypatch
-):
+def test_memory_corrupted_before_persistence_is_not_persisted(how, memory_root, ckpt_dir):
     """The persister verifies what it copies: damage in memory never becomes durable."""
-    gate = threading.Event()
-    original = _persister.Persister._persist
-
-    def held(self, job):
-        assert gate.wait(30)
-        return original(self, job)
-
-    monkeypatch.setattr(_persister.Persister, "_persist", held)
     h = jaxckpt.TieredCheckpointHandler(TierOptions(memory_root, run_id=RUN, persist_every=1))
     mngr = manager(ckpt_dir, h)
-    save(mngr, STEP, state())
-    mngr.wait_until_finished()
-    corrupt(memory_part(memory_root), how)
-    gate.set()
-    try:  # the failure may be reported here (see test_resources) or kept for close()
-        h.wait_for_persistence()
-        errors = h._background.persister.take_errors()
-    except OSError as e:
-        errors = [e]
-    assert errors, "persisting a damaged memory copy must fail"
+    with faults.held("persist_begin") as gate:
+        save(mngr, STEP, state())
+        mngr.wait_until_finished()
+        corrupt(memory_part(memory_root), how)
+        gate.set()
+        # The failure is raised by the wait, or else kept for close().
+        with pytest.raises(OSError, match=rf"Persisting step {STEP} .*failed"):
+            try:
+                h.wait_for_persistence()
+            finally:
+                mngr.close()
     assert not persisted_part(ckpt_dir).exists()
-    mngr.close()
     outcome = restore_step(memory_root, ckpt_dir)
     tally(f"corrupt_{how}_before_persist", "memory+persistent", outcome)
     check(outcome, how, fallback=False)

@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+import faults
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -82,26 +83,14 @@ def test_newest_persisted_step_survives_garbage_collection(memory_root, ckpt_dir
         assert_tree_equal(restored, state)
 
 
-def test_steps_still_being_persisted_are_kept_with_the_newest_durable_one(
-    memory_root, ckpt_dir, monkeypatch
-):
+def test_steps_still_being_persisted_are_kept_with_the_newest_durable_one(memory_root, ckpt_dir):
     """While step 4 is being persisted, step 2 (durable) and 4 both survive LatestN(1)."""
-    import threading
-
-    from jaxckpt.tiers import _persister
-
-    gate = threading.Event()
-    original = _persister.Persister._persist
-
-    def held(self, job):
-        if job.manifest.step == 4:
-            assert gate.wait(60)
-        return original(self, job)
-
-    monkeypatch.setattr(_persister.Persister, "_persist", held)
     state = {"x": jax.device_put(np.arange(16.0), NamedSharding(mesh_1d(), P("data")))}
     h = handler(memory_root, persist_every=2)
-    with manager(ckpt_dir, h, use_async=False, max_to_keep=1) as mngr:
+    with (
+        manager(ckpt_dir, h, use_async=False, max_to_keep=1) as mngr,
+        faults.held("persist_begin", steps={4}) as gate,
+    ):
         for step in range(1, 7):
             save(mngr, step, state)
             if step == 2:

@@ -2,7 +2,8 @@
 
 Owner phases run in one process: a subprocess saves steps 1 and 2 (drained:
 finalized and persisted), then step 3 with `JAXCKPT_FAULT=<phase>@3`, so it
-SIGKILLs itself at that exact point of step 3's save (`jaxckpt._faults`). The
+SIGKILLs itself at that exact point of step 3's save (`support/faults.py`, a hook at
+`jaxckpt._faults`' point). The
 manager's own finalize (the rename of the step directory) is cut the same way
 by wrapping Orbax's `AtomicRenameTemporaryPath.finalize` in the subprocess.
 The test process is then the restarted job: a new handler and manager on the
@@ -86,7 +87,10 @@ SAVE_AND_CRASH = """
 import os, signal
 from orbax.checkpoint._src.path import atomicity
 from helpers import manager, save, sharded_state, mesh_1d
+import faults
 import jaxckpt
+
+faults.install_from_env()  # JAXCKPT_FAULT kills this process at its point
 
 memory_root, ckpt, fault = os.environ["MEMORY_ROOT"], os.environ["CKPT"], os.environ["ORBAX_FAULT"]
 if fault:  # cut the manager's finalize of step 3 before or after its rename

@@ -6,6 +6,7 @@ import json
 import shutil
 import threading
 
+import faults
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -28,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt.tiers import _kept, _persister, _slab
+from jaxckpt.tiers import _kept, _slab
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -119,7 +120,7 @@ def test_reshard_onto_other_meshes(memory_root, ckpt_dir, shape):
         assert restored[k].sharding.is_equivalent_to(target[k].sharding, len(target[k].shape)), k
 
 
-def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypatch):
+def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir):
     from jaxckpt.restore import _chunk_reads
     from jaxckpt.tiers import _paths
 
@@ -128,14 +129,7 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
             np.arange(64, dtype=np.float32).reshape(16, 4), NamedSharding(mesh_1d(), P("data"))
         )
     }
-    read = []
-    original = _chunk_reads.ChunkReads._read_tile
-
-    def spy(self, leaf, index, tile, owner=None):
-        read.append(index)
-        return original(self, leaf, index, tile, owner)
-
-    monkeypatch.setattr(_chunk_reads.ChunkReads, "_read_tile", spy)
+    chunk_bytes = state["w"].nbytes // 8  # 8 chunks of 2 rows
     h = handler(memory_root)
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)
@@ -147,16 +141,16 @@ def test_reads_only_chunks_a_target_shard_needs(memory_root, ckpt_dir, monkeypat
             1,
             {"w": jax.ShapeDtypeStruct((16, 4), np.float32, sharding=NamedSharding(one, P()))},
         )
-        assert sorted(read) == [(i, 0) for i in range(8)]
+        assert h.last_restore_metrics["bytes_by_tier"] == {"memory": 8 * chunk_bytes}
         np.testing.assert_array_equal(restored["w"], state["w"])
-        # A region of rows 3..6 touches saved chunks 1, 2 and 3 only.
-        read.clear()
+        # A region of rows 3..6 touches saved chunks 1, 2 and 3 (rows 2..7) only.
+        run = h.inspect().run
         item = _paths.ItemDir.parse(ckpt_dir / "1" / "train")
-        plan = h._runs.global_view(item, h._runs.memory).plan(1)
-        readers = _chunk_reads.reader_factory(item.path, h._runs.memory, h._runs.peers, 1)
+        plan = run.held(item, run.memory).view().plan(1)
+        readers = _chunk_reads.reader_factory(item.path, run.memory, run.peers, 1)
         chunks = _chunk_reads.ChunkReads(plan, readers, 0)
         (rows,) = chunks.read_regions(0, [(slice(3, 7), slice(0, 4))])
-        assert sorted(read) == [(1, 0), (2, 0), (3, 0)]
+        assert chunks.bytes_by_tier == {"memory": 3 * chunk_bytes}
         np.testing.assert_array_equal(rows, np.asarray(state["w"])[3:7])
 
 
@@ -217,18 +211,10 @@ def test_persisted_copy_is_compressed_and_complete(memory_root, ckpt_dir):
 
 
 @pytest.fixture
-def slow_persistence(monkeypatch):
+def slow_persistence():
     """Holds every persistence job until the test releases it."""
-    gate = threading.Event()
-    original = _persister.Persister._persist
-
-    def held(self, job):
-        assert gate.wait(60), "test never released persistence"
-        return original(self, job)
-
-    monkeypatch.setattr(_persister.Persister, "_persist", held)
-    yield gate
-    gate.set()
+    with faults.held("persist_begin") as gate:
+        yield gate
 
 
 def test_persistence_does_not_block_the_next_save(memory_root, ckpt_dir, slow_persistence):
@@ -243,8 +229,8 @@ def test_persistence_does_not_block_the_next_save(memory_root, ckpt_dir, slow_pe
         assert not (ckpt_dir / "2/train/part_00000").exists()  # not durable yet
         # A pending step is kept in memory whatever the retention says.
         save(mngr, 4, state), save(mngr, 5, state), mngr.wait_until_finished()
-        h._background.retainer.wait(30)  # retention after step 5 has run
-        assert h._runs.memory.steps() == [2, 4, 5]  # 3 went; 4 waits to be persisted too
+        h.inspect().wait_for_retention(30)  # retention after step 5 has run
+        assert h.inspect().memory.steps() == [2, 4, 5]  # 3 went; 4 waits to be persisted too
         slow_persistence.set()
     # close() drained the queue.
     assert (ckpt_dir / "2/train/part_00000/manifest.json").exists()
@@ -306,7 +292,7 @@ def test_flipped_byte_in_memory_falls_back_to_persistent(memory_root, ckpt_dir):
         save(mngr, 1, state)
         mngr.wait_until_finished()
         h.wait_for_persistence()
-        flip_slab_byte(h._runs.memory.part_dir(1, 0), "['w']", (0, 0), at=3)
+        flip_slab_byte(h.inspect().memory.part_dir(1, 0), "['w']", (0, 0), at=3)
         restored = restore(mngr, 1, abstract(state))
         assert_tree_equal(restored, state)
         assert h.last_restore_metrics["fallbacks"] == 1
@@ -319,7 +305,7 @@ def test_flipped_byte_without_other_copy_raises(memory_root, ckpt_dir):
     with manager(ckpt_dir, h) as mngr:
         save(mngr, 1, state)
         mngr.wait_until_finished()
-        flip_slab_byte(h._runs.memory.part_dir(1, 0), "['w']", (3, 0), at=-1, bit=0x01)
+        flip_slab_byte(h.inspect().memory.part_dir(1, 0), "['w']", (3, 0), at=-1, bit=0x01)
         with pytest.raises(
             FileNotFoundError, match=r"chunk \(3, 0\) of \['w'\].*checksum mismatch"
         ):
@@ -345,10 +331,10 @@ def test_large_leaves_read_in_the_background_fail_and_fall_back_alike(memory_roo
             save(mngr, step, state)
             mngr.wait_until_finished()
         h.wait_for_persistence()
-        flip_slab_byte(h._runs.memory.part_dir(2, 0), "['big2']", (5, 0), at=7)
+        flip_slab_byte(h.inspect().memory.part_dir(2, 0), "['big2']", (5, 0), at=7)
         assert_tree_equal(restore(mngr, 2, abstract(state)), state)
         assert h.last_restore_metrics["fallbacks"] == 1
-        flip_slab_byte(h._runs.memory.part_dir(1, 0), "['big1']", (3, 0), at=-1, bit=0x01)
+        flip_slab_byte(h.inspect().memory.part_dir(1, 0), "['big1']", (3, 0), at=-1, bit=0x01)
         with pytest.raises(FileNotFoundError, match=r"chunk \(3, 0\) of \['big1'\]"):
             restore(mngr, 1, abstract(state))
         assert _restore.LEAF_POOL.queued() == 0
@@ -369,7 +355,7 @@ def test_memory_of_another_run_is_never_used(memory_root, tmp_path):
         save(mngr, 1, other)
         mngr.wait_until_finished()
         h.wait_for_persistence()
-    stale_part = h._runs.memory.part_dir(1, 0)
+    stale_part = h.inspect().memory.part_dir(1, 0)
     (stale_part / "manifest.json").write_text(
         (stale_part / "manifest.json").read_text().replace('"save_id":"', '"save_id":"x')
     )
@@ -387,38 +373,27 @@ def test_retention_bounds_memory(memory_root, ckpt_dir):
             save(mngr, step, state)
         mngr.wait_until_finished()
         h.wait_for_persistence()
-        assert h._runs.memory.steps() == [4, 5]
+        assert h.inspect().memory.steps() == [4, 5]
         with pytest.raises(FileNotFoundError, match="newest restorable step is 5"):
             restore(mngr, 2, abstract(state))
 
 
-def test_without_spare_slabs_the_tier_holds_only_the_kept_steps(memory_root, ckpt_dir, monkeypatch):
+def test_without_spare_slabs_the_tier_holds_only_the_kept_steps(memory_root, ckpt_dir):
     """Step 0 is still being persisted when the later saves' retention runs, so they
     keep it; once it is durable it leaves the tier without waiting for another save,
     and only the kept step's slab is left (no spares)."""
-    from jaxckpt.tiers._persister import Persister
-
-    release = threading.Event()
-    persist = Persister._persist
-
-    def slow(self, job):
-        if job.manifest.step == 0:
-            release.wait(30)
-        return persist(self, job)
-
-    monkeypatch.setattr(Persister, "_persist", slow)
     state = sharded_state(mesh_1d())
     h = handler(memory_root, memory_keep=1, persist_every=1000, spare_slabs=False)
-    with manager(ckpt_dir, h) as mngr:
+    with manager(ckpt_dir, h) as mngr, faults.held("persist_begin", steps={0}) as release:
         for step in range(4):
             save(mngr, step, state)
             mngr.wait_until_finished()
-        h._background.retainer.wait(30)
-        assert h._runs.memory.steps() == [0, 3]  # 0 is kept: not durable yet
+        h.inspect().wait_for_retention(30)
+        assert h.inspect().memory.steps() == [0, 3]  # 0 is kept: not durable yet
         release.set()
         h.wait_for_persistence()
-        assert h._runs.memory.steps() == [3]
-        assert [p.parent.name for p in h._runs.memory.run_dir.rglob("slab")] == ["part_00000"]
+        assert h.inspect().memory.steps() == [3]
+        assert [p.parent.name for p in h.inspect().memory.run_dir.rglob("slab")] == ["part_00000"]
         assert_tree_equal(restore(mngr, 3, abstract(state)), state)
         assert_tree_equal(restore(mngr, 0, abstract(state)), state)
 
@@ -538,7 +513,7 @@ def test_restored_arrays_outlive_their_slab(memory_root, ckpt_dir):
             save(mngr, step, {"w": weights(step)})
             mngr.wait_until_finished()
         h.wait_for_persistence()
-        assert h._runs.memory.steps() == [5]
+        assert h.inspect().memory.steps() == [5]
         np.testing.assert_array_equal(np.asarray(restored), np.asarray(weights(1)))
 
         update = jax.jit(lambda x: x * 2 + 1, donate_argnums=0)

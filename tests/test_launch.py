@@ -256,7 +256,9 @@ def test_compilation_cache_is_passed_to_every_process(run, capsys, tmp_path) -> 
 
 
 def test_standby_spares_take_over_and_are_reaped(run, capsys, tmp_path) -> None:
-    code, report = run("-n", "2", "--standby", "--max-restarts", "2", "--kill", "1@3", steps=30)
+    # Steps enough for the spares started once the restart trains to get going (their
+    # markers) before the job ends, on a loaded machine too.
+    code, report = run("-n", "2", "--standby", "--max-restarts", "2", "--kill", "1@3", steps=150)
     out = capsys.readouterr().out
     assert code == 0 and report["restarts"] == 1
     first, second = report["attempts"]
@@ -283,7 +285,7 @@ def test_shrink_then_grow_back_on_spares_when_the_node_registers(run, capsys, tm
     code, report = run(
         *("-n", "3", "--standby", "--lose-node", "2@3", "--processes-after-failure", "2"),
         *("--return-node", "2@5", "--grow-at-save"),
-        steps=60,
+        steps=200,  # 4 s: the registration and the stop come while the job trains
     )
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
@@ -323,7 +325,7 @@ def test_a_new_host_registers_in_the_directory(run, capsys, tmp_path) -> None:
     code, report = run(
         *("-n", "2", "--lose-node", "1@3", "--processes-after-failure", "1"),
         *("--register-dir", str(register), "--grow-at-save"),
-        steps=40,
+        steps=100,
     )
     assert code == 0, capsys.readouterr().out[-3000:]
     assert [a["nodes"] for a in report["attempts"]] == [[0, 1], [0], [0, 7]]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
-import threading
 import time
 from pathlib import Path
 
+import faults
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt.tiers import _persist_job, _slab, _zarr
-from jaxckpt.tiers._persister import Persister
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -78,7 +77,7 @@ def test_failed_memory_write_leaves_no_staging_chunks(hold, memory_root, ckpt_di
         with pytest.raises(OSError, match="Step 1 does not fit in the memory tier"):
             save(mngr, 1, state_of(0.1))
         time.sleep(0.6)  # a write still in flight would land by now
-        assert leftovers(Path(memory_root) / h._runs.memory.run_id / ".staging") == []
+        assert leftovers(Path(memory_root) / h.inspect().memory.run_id / ".staging") == []
 
 
 def test_failed_persistence_leaves_no_staging_dirs(memory_root, ckpt_dir, monkeypatch):
@@ -100,20 +99,15 @@ def test_full_tmpfs_memory_tier_leaves_nothing(tmp_path, ckpt_dir):
             with pytest.raises(OSError, match=r"Step 1 does not fit in the memory tier.*size="):
                 save(mngr, 1, state_of(4, leaves=8))
             time.sleep(0.3)
-            assert leftovers(root / h._runs.memory.run_id / ".staging") == []
+            assert leftovers(root / h.inspect().memory.run_id / ".staging") == []
 
 
-def test_full_persistent_storage_leaves_nothing(memory_root, tmp_path, monkeypatch):
+def test_full_persistent_storage_leaves_nothing(memory_root, tmp_path):
     # The persist waits for the save to return: the disk fills up with its part,
     # not (by a race) before the manager has written the step's own files.
-    saved = threading.Event()
-    persist = Persister._persist
-    monkeypatch.setattr(
-        Persister, "_persist", lambda self, job: saved.wait(30) and persist(self, job)
-    )
     with small_tmpfs(tmp_path / "disk", "2m") as ckpt:
         h = handler(memory_root, persist_every=1)
-        with manager(ckpt, h, use_async=False) as mngr:
+        with manager(ckpt, h, use_async=False) as mngr, faults.held("persist_begin") as saved:
             save(mngr, 1, state_of(4, leaves=8))
             saved.set()
             with pytest.raises(OSError, match="step 1"):

@@ -59,7 +59,7 @@ class Job:
     def __init__(self, store: FakeStore, monkeypatch: pytest.MonkeyPatch):
         self.store = store
         self._monkeypatch = monkeypatch
-        self._members: dict[int, _multihost.Member] = {}  # a process keeps its rounds
+        self.members: dict[int, _multihost.Member] = {}  # a process keeps its rounds
 
     def __call__(
         self, count: int, fn: Callable[[int], Any], processes: list[int] | None = None
@@ -67,12 +67,12 @@ class Job:
         self._monkeypatch.setattr(_multihost, "process_count", lambda: count)
         results: dict[int, Any] = {}
         for p in range(count):
-            self._members.setdefault(p, _multihost.Member(self.store, p, count)).count = count
+            self.members.setdefault(p, _multihost.Member(self.store, p, count)).count = count
 
         def one(p: int) -> None:
             started = time.monotonic()
             try:
-                with _multihost.bound(self._members[p]):
+                with _multihost.bound(self.members[p]):
                     results[p] = ("ok", fn(p), time.monotonic() - started)
             except Exception as e:
                 results[p] = ("error", e, time.monotonic() - started)
@@ -87,7 +87,7 @@ class Job:
 
     def left(self) -> list[str]:
         """The keys in the store that no later exchange would delete."""
-        return left_over(self.store.data, list(self._members.values()))
+        return left_over(self.store.data, list(self.members.values()))
 
 
 @pytest.fixture

@@ -170,7 +170,7 @@ def test_a_step_the_manager_deletes_before_its_upload_leaves_no_objects_and_no_e
     def objects(url: str) -> list[str]:
         _storage.forget_listings(_storage.as_path(url))
         fs = fsspec.filesystem(kind)
-        return fs.find(fs._strip_protocol(url) + "/")
+        return fs.find(fsspec.core.strip_protocol(url) + "/")
 
     monkeypatch.setattr(_object_store.ObjectStore, "_upload_with_retries", held)
     state = sharded_state(mesh_1d())

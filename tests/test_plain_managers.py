@@ -9,6 +9,7 @@ import os
 import shutil
 import threading
 
+import faults
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -80,16 +81,13 @@ def test_a_late_persist_never_enters_a_step_the_manager_is_deleting(
     save of step 6): its part does not enter the step directory being deleted, the
     deletion and every save succeed, and after every memory tier is lost step 5
     restores from the kept area."""
-    from jaxckpt.tiers._persister import Persister
-
     release, persisted = threading.Event(), threading.Event()
-    persist, rmtree = Persister._persist, shutil.rmtree
+    rmtree = shutil.rmtree
     entered: list[bool] = []
 
-    def held(self, job):
-        if job.manifest.step == 5:
+    def held(step, process):
+        if step == 5:
             assert release.wait(60), "the manager never deleted step 5"
-        return persist(self, job)
 
     def deleting(path, *args, **kwargs):
         if os.path.basename(os.fspath(path)) == "5" and not release.is_set():
@@ -102,7 +100,6 @@ def test_a_late_persist_never_enters_a_step_the_manager_is_deleting(
         if event["event"] == "persist" and event["step"] == 5:
             persisted.set()
 
-    monkeypatch.setattr(Persister, "_persist", held)
     monkeypatch.setattr(shutil, "rmtree", deleting)
     mesh = mesh_1d()
     states = {step: sharded_state(mesh, seed=step) for step in range(8)}
@@ -110,7 +107,7 @@ def test_a_late_persist_never_enters_a_step_the_manager_is_deleting(
         jaxckpt.TierOptions(memory_root, persist_every=5), on_metrics=on_metrics
     )
     setup = {"max_to_keep": 1, "enable_async_checkpointing": use_async}
-    with _manager(ckpt_dir, h, setup) as mngr:
+    with faults.at("persist_begin", held), _manager(ckpt_dir, h, setup) as mngr:
         for step in range(8):
             mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(states[step])))
         h.wait_for_persistence()  # an asynchronous manager may still be deleting
@@ -126,25 +123,17 @@ def test_a_late_persist_never_enters_a_step_the_manager_is_deleting(
 
 
 def test_a_part_whose_persist_ends_after_a_newer_save_began_enters_its_step_later(
-    memory_root, ckpt_dir, monkeypatch
+    memory_root, ckpt_dir
 ):
     """max_to_keep=3 keeps step 5: its part, persisted once step 6's save has begun,
     is in its step directory after wait_for_persistence, durable there."""
-    from jaxckpt.tiers._persister import Persister
-
-    release = threading.Event()
-    persist = Persister._persist
-
-    def held(self, job):
-        if job.manifest.step == 5:
-            assert release.wait(60)
-        return persist(self, job)
-
-    monkeypatch.setattr(Persister, "_persist", held)
     mesh = mesh_1d()
     states = {step: sharded_state(mesh, seed=step) for step in range(8)}
     h = _handler(memory_root)
-    with _manager(ckpt_dir, h, {"max_to_keep": 3}) as mngr:
+    with (
+        _manager(ckpt_dir, h, {"max_to_keep": 3}) as mngr,
+        faults.held("persist_begin", steps={5}) as release,
+    ):
         for step in range(8):
             mngr.save(step, args=ocp.args.Composite(train=jaxckpt.TieredSave(states[step])))
         mngr.wait_until_finished()

@@ -9,7 +9,7 @@ import struct
 import pytest
 from test_launch import run  # noqa: F401  (the launcher on fake children)
 
-from jaxckpt.bench import _figure
+from jaxckpt.bench import _figure, _plot
 from jaxckpt.bench import _run as bench
 from jaxckpt.launch import _timeline_plot
 
@@ -74,7 +74,7 @@ def test_bench_plot_refuses_what_it_cannot_draw(tmp_path, capsys):
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"figures": []}))
     with pytest.raises(ValueError, match="no figure with a ratio"):
-        bench._plot.plot(json.loads(empty.read_text()), tmp_path / "x.png")
+        _plot.plot(json.loads(empty.read_text()), tmp_path / "x.png")
 
 
 def test_launcher_draws_the_recovery_timeline(run, tmp_path, capsys):  # noqa: F811

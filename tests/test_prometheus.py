@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
+import faults
 import portpicker
 import prometheus_client as prom
 from helpers import abstract, manager, mesh_1d, restore, save, sharded_state
@@ -68,22 +69,20 @@ def test_served_over_http():
     assert 'jaxckpt_last_step{operation="save",process="0"} 7.0' in text
 
 
-def test_the_handler_reports_its_failures(memory_root, ckpt_dir, monkeypatch):
+def test_the_handler_reports_its_failures(memory_root, ckpt_dir):
     """A failed persist, a refused save and a failed restore reach the failures counter."""
     import pytest
 
-    from jaxckpt.tiers import _persister
-
-    def broken(self, job):
-        raise OSError(28, "No space left on device (injected)")
-
-    monkeypatch.setattr(_persister.Persister, "_persist", broken)
+    no_space = OSError(28, "No space left on device (injected)")
     metrics = jaxckpt.PrometheusMetrics()
     handler = jaxckpt.TieredCheckpointHandler(
         jaxckpt.TierOptions(memory_root, persist_every=1), on_metrics=metrics
     )
     state = sharded_state(mesh_1d())
-    with manager(ckpt_dir, handler, use_async=False) as mngr:
+    with (
+        manager(ckpt_dir, handler, use_async=False) as mngr,
+        faults.failing("persist_begin", no_space),
+    ):
         save(mngr, 1, state)
         with pytest.raises(OSError, match="step 1"):
             handler.wait_for_persistence()

@@ -55,7 +55,7 @@ def relayed_job(
     leader_of = _relay.leaders(domains)
     stores = {leader: _kv.RelayStore() for leader in set(leader_of)}
     for p in range(len(domains)):
-        member = job._members.setdefault(p, _multihost.Member(store, p, len(domains)))
+        member = job.members.setdefault(p, _multihost.Member(store, p, len(domains)))
         leader = leader_of[p]
         member.relay = _relay.Relay(
             leader,

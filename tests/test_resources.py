@@ -21,10 +21,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save
+from helpers import abstract, assert_tree_equal, attach_peers, manager, mesh_1d, restore, save
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_bad_peers import RUN, TOKEN, FakePeers, Proxy, attach, own_server, small_state
+from test_bad_peers import RUN, TOKEN, FakePeers, Proxy, own_server, small_state
 
 import jaxckpt
 from jaxckpt._options import TierOptions
@@ -82,8 +82,10 @@ def test_memory_tier_full_injected_enospc(memory_root, ckpt_dir, monkeypatch):
     assert_unchanged(state, before)
     assert 2 not in mngr.all_steps()
     h.wait_for_persistence()
-    assert h._runs.memory.steps() == [1]  # nothing half-written is visible
-    assert not [p for p in (h._runs.memory.run_dir / ".staging").iterdir() if "step_2" in p.name]
+    assert h.inspect().memory.steps() == [1]  # nothing half-written is visible
+    assert not [
+        p for p in (h.inspect().memory.run_dir / ".staging").iterdir() if "step_2" in p.name
+    ]
     assert_tree_equal(restore(mngr, 1, abstract(small_state(1))), small_state(1))
 
     full = False  # space is back: the next save works
@@ -158,7 +160,9 @@ def test_holder_memory_full_fails_the_save_clearly(tiny_tmpfs, tmp_path, monkeyp
     ckpt = tmp_path / "ckpt"
     h = handler(str(tmp_path / "memory"), persist_every=1000, replicas=1, timeout_s=10)
     with PeerServer(holder_root, run_id=RUN, token=TOKEN) as holder:
-        attach(h, FakePeers(own_server(tmp_path / "own"), holder.address, push=True), monkeypatch)
+        attach_peers(
+            h, FakePeers(own_server(tmp_path / "own"), holder.address, push=True), monkeypatch
+        )
         mngr = manager(ckpt, h)
         with pytest.raises(Exception) as err:
             save(mngr, 1, big_state(1))
@@ -217,7 +221,7 @@ def test_slow_peer_within_the_timeout_gets_its_replica(tmp_path, monkeypatch):
     with PeerServer(holder_root, run_id=RUN, token=TOKEN) as holder:
         proxy = Proxy(holder.address, delay=0.01, chunk=1024)
         try:
-            attach(
+            attach_peers(
                 h, FakePeers(own_server(tmp_path / "own"), proxy.address, push=True), monkeypatch
             )
             with manager(tmp_path / "ckpt", h) as mngr:
@@ -239,7 +243,7 @@ def test_stalled_peer_is_skipped_in_bounded_time_and_recovers(tmp_path, monkeypa
     with PeerServer(holder_root, run_id=RUN, token=TOKEN) as holder:
         proxy = Proxy(holder.address)
         try:
-            attach(
+            attach_peers(
                 h, FakePeers(own_server(tmp_path / "own"), proxy.address, push=True), monkeypatch
             )
             mngr = manager(tmp_path / "ckpt", h)

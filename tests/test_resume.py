@@ -166,7 +166,7 @@ def _damage_newest(memory_root, ckpt_dir):
     """Steps 1..3 with persist_every=2 (step 2 durable, step 3 in memory only), then
     8 bytes of step 3's slab overwritten; the job restarts (a new handler and manager)."""
     mngr, handler = _saved(memory_root, ckpt_dir, [1, 2, 3])
-    run_id = handler._runs.memory.run_id
+    run_id = handler.inspect().memory.run_id
     mngr.close()
     part = _memory_tier.MemoryTier(memory_root, run_id).part_dir(3, 0)
     slab, offset, _ = slab_chunk(part, "['w']", (2, 0))
@@ -180,7 +180,7 @@ def _damage_newest(memory_root, ckpt_dir):
 def handler_run(mngr) -> str:
     """The run id of the memory tier `mngr`'s jaxckpt handler uses."""
     (handler,) = _resume.tiered_handlers(mngr).values()
-    return handler._runs.memory.run_id
+    return handler.inspect().memory.run_id
 
 
 def test_a_damaged_newest_copy_is_not_offered_again(memory_root, ckpt_dir):
@@ -221,7 +221,7 @@ def test_a_damaged_copy_with_another_copy_falls_back_and_is_quarantined(memory_r
     """Step 2 is durable too: its damaged memory copy falls back to the persisted one,
     and is quarantined, so later restores read the persisted copy directly."""
     mngr, handler = _saved(memory_root, ckpt_dir, [1, 2])
-    part = handler._runs.memory.part_dir(2, 0)
+    part = handler.inspect().memory.part_dir(2, 0)
     slab, offset, _ = slab_chunk(part, "['w']", (0, 0))
     with open(slab, "r+b") as f:
         f.seek(offset)

@@ -48,7 +48,7 @@ def test_manager_opened_through_a_symlink_finds_the_memory_tier(memory_root, tmp
         mngr.wait_until_finished()
         h.wait_for_persistence()
         assert len(os.listdir(memory_root)) == 1
-        assert h._runs.memory.steps() == [2]
+        assert h.inspect().memory.steps() == [2]
         assert_tree_equal(restore(mngr, 2, abstract(state)), state)
         assert h.last_restore_metrics["tier"] == "memory"
 

@@ -21,6 +21,7 @@ from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator, _scale, _scale_cli
 from jaxckpt.coord import _agreement, _multihost, _placement, _published
 from jaxckpt.peer import _peers
+from jaxckpt.run import _choreography
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 30.0  # virtual seconds
@@ -150,7 +151,7 @@ def test_a_late_process_raises_at_once_as_the_others_did():
 
 def _multihost_sleep(seconds: float) -> None:
     """Spends virtual time: a blocking get of a key nobody sets."""
-    client = _multihost._session()[0]
+    client = _multihost.session()[0]
     try:
         client.blocking_key_value_get("sleep", int(seconds * 1000))
     except RuntimeError as e:
@@ -224,21 +225,23 @@ def test_setup_moves_under_a_kilobyte_a_process_and_tells_each_its_holders():
 
     def meet(p: int, replicas: int) -> tuple:
         opts = TierOptions("/nonexistent", replicas=replicas, failure_domain=domains[p])
-        peers = _peers.Peers.meet("run-x", lambda: _scale._Service(p), opts)
+        peers = _choreography.meeting(
+            _peers.Hello.start("run-x", lambda: _scale.StubService(p), opts)
+        )
         try:
             holders = peers.holders
         except ValueError as e:
             holders = str(e)
         # Any other process's address is looked up when first needed.
         seen = [peers.addresses[q] for q in range(count)]
-        return holders, seen, peers._token
+        return holders, seen, peers.token
 
     sim, results = simulate(count, lambda p: meet(p, 2))
     assert all(ok for ok, _ in results), results[:2]
     placed = _placement.place_replicas(domains, 2)
     for p, (_, (holders, seen, token)) in enumerate(results):
         assert holders == placed[p], (p, holders)
-        assert seen == [_scale._Service(q).address for q in range(count)]
+        assert seen == [_scale.StubService(q).address for q in range(count)]
         assert token == results[0][1][2] and len(token) == 64  # one token for the run
     # The addresses stay published for the run; no exchange is left in the store (but the
     # set-up's outcome and shares, which the next exchange deletes).
@@ -251,7 +254,9 @@ def test_setup_moves_under_a_kilobyte_a_process_and_tells_each_its_holders():
 
 # ---- relay groups ------------------------------------------------------------------------
 
-EXCHANGES = {"save": 1, "restore": 2}  # a save's agreement; a restore's inventories, verdict
+# A save's agreement; a restore's inventories and verdict (its reshard is a jax collective,
+# not the coordinator's; its meeting, once per run, is the set-up's).
+EXCHANGES = {"save": 1, "restore": 2}
 DECIDER_CALLS = 8  # the decider's own calls an exchange: its reads, claim, outcome, deletes
 
 

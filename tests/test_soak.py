@@ -73,7 +73,7 @@ for step in range(1, saves + 1):
             "rss_mib": round(me.memory_info().rss / 2**20, 1),
             "tmpfs_kib": tree_bytes(memory_root) // 1024,
             "ckpt_kib": tree_bytes(ckpt) // 1024,
-            "memory_steps": len(h._runs.memory.steps()),
+            "memory_steps": len(h.inspect().memory.steps()),
             "ckpt_steps": len(mngr.all_steps()),
             "threads": threading.active_count(),
             "tasks": me.num_threads(),

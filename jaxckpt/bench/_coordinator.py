@@ -38,7 +38,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from jaxckpt.coord import _multihost, _published, _relay
@@ -440,15 +440,13 @@ class ReplayClient:
     alone (to measure its CPU time and memory without the other threads). `for_relay()`
     is its client of its relay store: both answer from the one recorded list, in order."""
 
-    def __init__(self, calls: list[tuple[str, bool, Any]], prefix: str = ""):
-        self._calls = iter(calls)
+    def __init__(self, calls: Iterable[tuple[str, bool, Any]], prefix: str = ""):
+        self._calls = iter(calls)  # an iterator stays itself: `for_relay` shares it
         self._prefix = prefix
 
     def for_relay(self) -> ReplayClient:
         """The same process's client of its relay store (its recorded "relay_" calls)."""
-        relay = ReplayClient([], RELAY)
-        relay._calls = self._calls
-        return relay
+        return ReplayClient(self._calls, RELAY)
 
     def _next(self, method: str) -> Any:
         method = self._prefix + method

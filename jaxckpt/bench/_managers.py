@@ -62,7 +62,7 @@ class Jaxckpt:
     def memory_dir(self) -> Path | None:
         """This process's memory-tier run directory: removed by the benchmark once
         closed and no other process may still read it."""
-        memory = self.handler._runs.memory
+        memory = self.handler.inspect().memory
         return memory.run_dir if memory is not None else None
 
     def save(self, step: int, state: Any) -> None:

@@ -347,7 +347,8 @@ def _push_alone(cfg: dict[str, Any], ours: Jaxckpt, sync: Sync) -> list[dict[str
     once and with nothing else running, as the loopback baseline sends (the product's
     push: sendfile out; the holder receives into a free slab, checks every chunk,
     renames, and recycles the copy it replaced). Seconds and bytes sent, per push."""
-    peers, memory = ours.handler._runs.peers, ours.handler._runs.memory
+    look = ours.handler.inspect()
+    peers, memory = look.peers, look.memory
     if peers is None or memory is None or not cfg["replicas"]:
         return []
     me = jax.process_index()

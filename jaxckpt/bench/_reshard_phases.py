@@ -144,7 +144,7 @@ def _measure(
         )
         # Every memory tier is lost: each process drops the step from its own (the run
         # is open now: the restore opened it).
-        memory = ours.handler._runs.memory
+        memory = ours.handler.inspect().memory
         assert memory is not None
         shutil.rmtree(memory.step_dir(STEP), ignore_errors=True)
         sync(f"reshard/{d.name}/forgotten")
@@ -173,7 +173,7 @@ def _timed(
     start = time.perf_counter()
     restored = jax.block_until_ready(restore())
     seconds = time.perf_counter() - start
-    # IMPORTANT: nobody drops a copy (the next tier) while another process may read it.
+    # Every process restored before any drops a copy (the next tier) another may read.
     sync(f"{name}/done")
     return seconds, restored
 

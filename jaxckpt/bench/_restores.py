@@ -49,7 +49,7 @@ def run(
     pi, out = jax.process_index(), {}
     saved = tr.state(step)
     mngr, handler = ours.mngr, ours.handler
-    memory = handler._runs.memory
+    memory = handler.inspect().memory
     assert memory is not None
 
     def jaxckpt_restore(name: str, transposed: bool = False) -> None:
@@ -60,7 +60,7 @@ def run(
         ).train
         jax.block_until_ready(restored)
         seconds = time.perf_counter() - start
-        # IMPORTANT: nobody deletes a copy (next source) while another process may read it.
+        # Every process restored before any deletes a copy (next source) another may read.
         sync(f"restored/{name}")
         m = ours.metrics("restore", step)[-1]
         out[name] = {

@@ -32,7 +32,7 @@ def jaxckpt(
     pi, records = jax.process_index(), []
     for step in range(1, count + 1):
         sync(f"{tag}/{step}")
-        memory = ours.handler._runs.memory
+        memory = ours.handler.inspect().memory
         free = _slab_inodes(memory.run_dir / ".free") if memory else set()
         wall = time.time()
         start = time.perf_counter()
@@ -44,7 +44,7 @@ def jaxckpt(
         # done before the next save, which then finds its slab.
         ours.handler.wait_for_persistence(ours.timeout_s)
         (metrics,) = ours.metrics("save", step)
-        memory = ours.handler._runs.memory
+        memory = ours.handler.inspect().memory
         manifest = memory.read_manifest(step, pi) if memory else None
         slab = _slab_inodes(memory.part_dir(step, pi), "slab") if memory else set()
         written = manifest.created - wall if manifest else None

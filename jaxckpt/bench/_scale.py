@@ -14,7 +14,7 @@ group (about sqrt(N / 20), at most 32) or `--relay-group`, the lowest the
 leader, whose own store its members call, `--relay-latency-us` a call), or
 with `--no-relay` straight against the coordinator, as before the relay:
 
-- setup: the peer set-up (`Peers.meet`: the run's token, every process's
+- setup: the peer set-up (`_choreography.meeting`: the run's token, every process's
   address published, its address and failure domain posted, the replica
   placement computed once by the decider, each process told its holders);
 - save: one save's agreement (`_agreement.agree_on_save`: verdict, tree digest
@@ -25,7 +25,7 @@ with `--no-relay` straight against the coordinator, as before the relay:
   memory, read as `_index.read_index` reads it from storage: its first bytes,
   the process's own part's row and entry; the bytes and CPU of that are the
   row's `index_bytes` and `index_cpu_s`, charged to every process and included
-  in its CPU figures), the inventories (`Peers.exchange_inventories`; the lost
+  in its CPU figures), the inventories (`_choreography.exchange_inventories`; the lost
   process holds nothing, its part lives on its peer), every process's plan
   (`_plan.plan_step` over that lazily read index, and the chunk owners), which
   must find every part, and the verdict (`_agreement.agree`).
@@ -53,8 +53,9 @@ from jaxckpt._options import TierOptions
 from jaxckpt.bench import _coordinator
 from jaxckpt.coord import _agreement, _holdings, _kv, _multihost, _placement, _plan, _relay
 from jaxckpt.format import _format
-from jaxckpt.peer._peers import Addresses, Peers
+from jaxckpt.peer._peers import Hello
 from jaxckpt.peer._wire import PeerAddress
+from jaxckpt.run import _choreography
 from jaxckpt.tiers import _index, _step_index
 
 OPS: Final = ("setup", "save", "restore")
@@ -72,8 +73,9 @@ FIGURES: Final = ("rpcs", "coordinator_bytes", "modeled_s", "plan_cpu_s", "peak_
 INDEX_READERS: Final = 3  # processes whose index read is measured (the median is charged)
 
 
-class _Service:
-    """A peer data service that is only an address (nothing connects to it here)."""
+class StubService:
+    """A peer data service that is only an address (nothing connects to it): the simulated
+    processes' (`Peers.meet`), here and in the coordination tests."""
 
     def __init__(self, p: int):
         self.address = PeerAddress(f"10.{p >> 16}.{(p >> 8) & 255}.{p & 255}", 40000 + p % 20000)
@@ -154,7 +156,7 @@ class Setup:
             timeout_s=TIMEOUT_S,
             failure_domain=_domain(p, self.count),
         )
-        peers = Peers.meet(RUN_ID, lambda: _Service(p), opts)
+        peers = _choreography.meeting(Hello.start(RUN_ID, lambda: StubService(p), opts))
         if len(peers.holders) != 1:  # the decider placed them once
             raise RuntimeError(f"process {p} was told holders {peers.holders}")
 
@@ -239,9 +241,7 @@ class Restore:
 
     def _restore(self, p: int) -> bool:
         self.charge(p, self.index_cpu_s)  # its read of the step's index, measured before
-        addresses = Addresses(RUN_ID, {}, TIMEOUT_S)
-        peers = Peers(_Service(p), "t" * 64, RUN_ID, addresses, self.holders[p], 1, TIMEOUT_S)
-        held = peers.exchange_inventories({STEP: self.inventory[p]})
+        held = _choreography.exchange_inventories(RUN_ID, {STEP: self.inventory[p]}, TIMEOUT_S)
         ok, error = True, None
         if p in self.planners:
             plan = _plan.plan_step(STEP, self.manifests, p, held.for_step(STEP), set())
@@ -257,7 +257,7 @@ class Restore:
             self.charge(p, self.plan_cpu_s)
         self.planned[p] = self.clock(p)
         # Let go of the table before the verdict: the simulation holds N processes at once.
-        del held, peers
+        del held
         _agreement.agree(error, tag=f"restore/{RUN_ID}/{STEP}", what="restore", timeout_s=TIMEOUT_S)
         return ok
 

@@ -150,6 +150,16 @@ def read_layout(
     return _padded(sharding, found, stored_shape, chunk_shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class Resharding:
+    """Leaves read 1/R a process, each in its `ReadLayout` (`layouts`; None: the stored
+    array itself), to carry onto their `targets` by `reshard`; none: nothing to do."""
+
+    arrays: tuple[jax.Array, ...] = ()
+    targets: tuple[jax.sharding.Sharding, ...] = ()
+    layouts: tuple[ReadLayout | None, ...] = ()
+
+
 def reshard(
     arrays: list[jax.Array],
     shardings: list[jax.sharding.Sharding],

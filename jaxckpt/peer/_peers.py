@@ -1,18 +1,19 @@
 """The other processes: their addresses, who holds whose replicas, and what they hold.
 
-`Peers.connect` is collective (every process calls it once per run): every
-process starts its peer data service on `TierOptions.peer_host` (without
-the run's token yet: a request waits for it), publishes its address in
-the coordinator's store and posts its address and failure domain to one
-exchange, process 0 the run's secret token too, which every process gets back
-and serves under from then on. No process reads every address: the process
-that decides the exchange computes the replica placement
-(`_placement.place_replicas`, a pure function of the failure domains) once and
-tells each process only its holders and their addresses
-(`_agreement.agree_each`), so the set-up moves O(N) bytes through the
-coordinator, a few hundred a process. Any other address (a holder of another
-owner's part, read on a restore onto another mesh) is looked up when first
-needed (`Addresses`).
+The run's peers meet once per run, in one exchange of the choreographies
+(`_choreography.meeting`; this module takes part in no exchange itself). Before
+it, every process starts its peer data service on `TierOptions.peer_host`
+(without the run's token yet: a request waits for it) and publishes its address
+in the coordinator's store (`Hello`); in it, each posts its address and failure
+domain, process 0 the run's secret token too, which every process gets back and
+serves under from then on. No process reads every address: the process that
+decides the exchange computes the replica placement (`placement_shares`:
+`_placement.place_replicas`, a pure function of the failure domains) once and
+tells each process only its holders and their addresses, and its relay group,
+so the set-up moves O(N) bytes through the coordinator, a few hundred a process.
+Any other address (a holder of another owner's part, read on a restore onto
+another mesh) is looked up when first needed (`Addresses`). After it, `Peers`
+reads and pushes the copies other processes hold.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 from absl import logging as log
 
 from jaxckpt import _faults, _options
-from jaxckpt.coord import _agreement, _holdings, _kv, _multihost, _placement, _published, _relay
+from jaxckpt.coord import _holdings, _kv, _multihost, _placement, _published, _relay
 from jaxckpt.format import _format
 from jaxckpt.peer import _client, _relay_client, _server, _wire
 from jaxckpt.tiers import _memory_tier, _slab
@@ -92,9 +93,11 @@ class Peers:
         replicas: int,
         timeout_s: float,
         domain: str = "",
+        relay: _relay.Relay | None = None,
     ):
         """Args: `holders` are the processes that keep copies of this process's parts,
-        or why `replicas` cannot be placed (raised by `holders` when a save needs them)."""
+        or why `replicas` cannot be placed (raised by `holders` when a save needs them);
+        `relay` is this process's relay group (None: it calls the coordinator itself)."""
         self._server = server
         self._token = token
         self.run_id = run_id
@@ -104,153 +107,16 @@ class Peers:
         self._domain = domain  # this process's failure domain
         self._partnered: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.skipped: list[tuple[int, int]] = []  # (step, holder) of pushes that failed
-        self._timeout_s = timeout_s
-        # IMPORTANT: a peer that stalls for half the timeout is given up (its copy skipped,
-        # or the next source read), so that a process that met one still reaches the
-        # agreement after its push or restore in time: the others wait there for at most
-        # the whole timeout from their own arrival.
+        # A peer that stalls for half the timeout is given up (its copy skipped, or the
+        # next source read): the operation's next exchange, which the others wait in for
+        # the whole timeout, is still reached in time (`_choreography`).
         self._peer_timeout_s = timeout_s / 2
-        self._relay: _relay.Relay | None = None  # its relay group (`meet`)
+        self.relay = relay
 
-    @classmethod
-    def connect(cls, memory: _memory_tier.MemoryTier, options: _options.TierOptions) -> Peers:
-        """Starts this process's peer service and meets the others (collective).
-
-        Raises:
-          ValueError: if `options.replicas` cannot be placed in other failure domains.
-          TimeoutError: if another process does not show up within the timeout.
-          Any error another process met starting its peer service (the same
-            built-in type, naming it), on every process.
-        """
-
-        def serve() -> _server.PeerServer:
-            server = _server.PeerServer(
-                memory.run_dir.parent,
-                run_id=memory.run_id,
-                token=None,  # the run's, told by `meet` (requests wait for it)
-                host=options.peer_host,
-                io_timeout=options.timeout_s,
-                reuse_free_slabs=options.spare_slabs,
-                memory_budget=options.memory_budget,
-            )
-            try:
-                server.start()
-            except BaseException:
-                server.close()
-                raise
-            return server
-
-        return cls.meet(memory.run_id, serve, options)
-
-    @classmethod
-    def decline(cls, run_id: str, options: _options.TierOptions, error: BaseException) -> None:
-        """Takes part in meeting the others without a memory tier to serve (collective).
-
-        A process whose memory tier failed calls this where the others call
-        `connect`, so that they all learn of `error` at once instead of waiting
-        for it, and every process's exchanges stay in step.
-
-        Raises:
-          `error` (marked as agreed), always.
-        """
-        cls.meet(run_id, None, options, error)
-        raise _agreement.mark_agreed(error)  # meet raised it already; for the type checker
-
-    @classmethod
-    def meet(
-        cls,
-        run_id: str,
-        serve: Callable[[], Service] | None,
-        options: _options.TierOptions,
-        error: BaseException | None = None,
-    ) -> Peers:
-        """The exchange of `connect` (collective; see the module docstring). `serve()`
-        starts this process's service; None (or `error`) takes part without one, and
-        every process raises the error."""
-        me = _multihost.process_index()
-        server = None
-        if error is None and serve is not None:
-            try:
-                server = serve()
-                # IMPORTANT: published before the exchange below, so that once it ends
-                # every address is there to look up.
-                published = {**server.address.to_dict(), "domain": options.resolved_failure_domain}
-                _published.publish(address_name(run_id, me), json.dumps(published))
-            except Exception as e:  # agreed on below, so every process raises it
-                if server is not None:
-                    server.close()
-                server, error = None, e
-        hello: dict[str, Any] | None = None
-        if server is not None:
-            hello = {"address": server.address.to_dict(), "domain": options.resolved_failure_domain}
-            if me == 0:
-                hello["token"] = secrets.token_hex(32)
-        try:
-            # IMPORTANT: a process that cannot serve still takes part, with its error, so
-            # the others raise it at once instead of timing out.
-            with _multihost.direct():  # the groups are formed by this exchange
-                common, told = _agreement.agree_each(
-                    error,
-                    tag=f"peers/{run_id}/hello",
-                    what=f"Starting the peer data service of run {run_id}",
-                    timeout_s=options.timeout_s,
-                    payload=hello,
-                    share=lambda everyone: placement_shares(
-                        everyone, options.replicas, options.relay_group
-                    ),
-                )
-            assert server is not None  # no process failed, this one included
-            token = str(common["token"])
-            server.set_token(token)
-        except BaseException:
-            if server is not None:
-                server.close()
-                _published.unpublish(address_name(run_id, me))
-            raise
-        known = {me: server.address}
-        holders: tuple[int, ...] | ValueError
-        if "placement_error" in told:
-            holders = ValueError(told["placement_error"])
-        else:
-            holders = tuple(int(h) for h, _ in told["holders"])
-            known.update({int(h): _wire.PeerAddress.from_dict(a) for h, a in told["holders"]})
-        addresses = Addresses(run_id, known, options.timeout_s)
-        peers = cls(
-            server,
-            token,
-            run_id,
-            addresses,
-            holders,
-            options.replicas,
-            options.timeout_s,
-            options.resolved_failure_domain,
-        )
-        # IMPORTANT: every process binds its relay group here, right after the same
-        # exchange, so that no leader waits for a member that posts elsewhere.
-        peers._relay = peers._relay_of(told.get("relay"), server)
-        _multihost.use_relay(peers._relay)
-        return peers
-
-    def _relay_of(self, told: dict[str, Any] | None, server: Service) -> _relay.Relay | None:
-        """This process's relay group, as the set-up's decider told it (None: alone)."""
-        if not told:
-            return None
-        me = _multihost.process_index()
-        leader = int(told.get("leader", me))  # the decider alone in its group: no leader
-        store: _kv.KeyValueClient
-        if leader == me:
-            store = server.relay_store
-        else:
-            address = _wire.PeerAddress.from_dict(told["address"])
-            store = _relay_client.RelayClient(
-                address, token=self._token, run_id=self.run_id, timeout=self._peer_timeout_s
-            )
-        return _relay.Relay(
-            leader,
-            tuple(sorted({int(p) for p in told.get("members", (leader, me))})),
-            store,
-            tuple(int(p) for p in told.get("leaders", ())),
-        )
+    @property
+    def token(self) -> str:
+        """The run's secret: every request to a peer service carries it; never logged."""
+        return self._token
 
     @property
     def holders(self) -> tuple[int, ...]:
@@ -286,7 +152,7 @@ class Peers:
         return self._partnered[1]
 
     def close(self) -> None:
-        _multihost.use_relay(None, replacing=self._relay)
+        _multihost.use_relay(None, replacing=self.relay)
         self._server.close()
         _published.unpublish(address_name(self.run_id, _multihost.process_index()))
 
@@ -381,7 +247,7 @@ class Peers:
         dest = f"{_memory_tier.MemoryTier.step_name(step)}/{_format.part_dir_name(owner)}"
 
         def push(holder: int) -> int:
-            _faults.maybe_crash("replicate", step, owner)
+            _faults.at("replicate", step, owner)
             try:
                 return _client.push_part(
                     self.addresses[holder],
@@ -413,22 +279,171 @@ class Peers:
         sent = await asyncio.gather(*(asyncio.to_thread(push, h) for h in targets))
         return sum(sent)
 
-    def exchange_inventories(self, local: Inventory) -> _holdings.Holdings:
-        """Who holds which part of which step, every process (collective).
 
-        Each process posts its inventory, as offsets from itself; the decider groups
-        the processes by what they posted and every process reads only the groups
-        (`_holdings`): a few hundred bytes and O(distinct inventories) of decoding,
-        whatever the process count.
-        """
-        me = _multihost.process_index()
-        outcome = _multihost.converge(
-            _holdings.wire(me, local),
-            _holdings.combine,
-            tag=f"inventory/{self.run_id}",
-            timeout_s=self._timeout_s,
+class Hello:
+    """This process's side of the run's meeting of the peers, around its one exchange.
+
+    The exchange itself (`_agreement.agree_each`) is the choreography's
+    (`_choreography.meeting`); here are this process's own steps: before it, its
+    peer service started without the run's token (a request waits for it) and its
+    address published (`start`, `publish`), or no service and why (`declined`), the
+    error taken to the exchange so that every process raises it; after it, the
+    `Peers` made of what the exchange told this process (`met`), or the service
+    closed and its address taken back where the exchange failed (`abandon`).
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        options: _options.TierOptions,
+        server: Service | None,
+        error: BaseException | None,
+    ):
+        self.run_id = run_id
+        self.options = options
+        self.error = error  # why this process cannot serve (None: it serves)
+        self._server = server
+        self._me = _multihost.process_index()
+        self._payload: dict[str, Any] | None = None
+
+    @classmethod
+    def start(
+        cls, run_id: str, serve: Callable[[], Service], options: _options.TierOptions
+    ) -> Hello:
+        """Starts this process's peer service (`serve()`); an error is kept (`error`)."""
+        try:
+            return cls(run_id, options, serve(), None)
+        except Exception as e:  # taken to the exchange: every process raises it
+            return cls(run_id, options, None, e)
+
+    @classmethod
+    def serving(cls, memory: _memory_tier.MemoryTier, options: _options.TierOptions) -> Hello:
+        """`start` with a `PeerServer` over the run's memory tier."""
+
+        def serve() -> _server.PeerServer:
+            server = _server.PeerServer(
+                memory.run_dir.parent,
+                run_id=memory.run_id,
+                token=None,  # the run's, told by the meeting (requests wait for it)
+                host=options.peer_host,
+                io_timeout=options.timeout_s,
+                reuse_free_slabs=options.spare_slabs,
+                memory_budget=options.memory_budget,
+            )
+            try:
+                server.start()
+            except BaseException:
+                server.close()
+                raise
+            return server
+
+        return cls.start(memory.run_id, serve, options)
+
+    @classmethod
+    def declined(cls, run_id: str, options: _options.TierOptions, error: BaseException) -> Hello:
+        """Takes part without a peer service (this process's memory tier failed: `error`),
+        so that the others learn of it at once instead of waiting for it."""
+        return cls(run_id, options, None, error)
+
+    def publish(self) -> None:
+        """Publishes this process's address and failure domain in the coordinator's store,
+        for any process to look up when it needs them (`Addresses`); an error is kept."""
+        if self._server is None:
+            return
+        published = {
+            **self._server.address.to_dict(),
+            "domain": self.options.resolved_failure_domain,
+        }
+        try:
+            _published.publish(address_name(self.run_id, self._me), json.dumps(published))
+        except Exception as e:  # taken to the exchange: every process raises it
+            self.abandon()
+            self.error = e
+
+    @property
+    def tag(self) -> str:
+        """The name the meeting's exchange meets under."""
+        return f"peers/{self.run_id}/hello"
+
+    @property
+    def what(self) -> str:
+        """What fails, in the messages of a failed meeting."""
+        return f"Starting the peer data service of run {self.run_id}"
+
+    def payload(self) -> dict[str, Any] | None:
+        """What this process posts: its address and failure domain; process 0 the run's
+        secret token too (made once). None where it cannot serve."""
+        if self._server is None or self.error is not None:
+            return None
+        if self._payload is None:
+            self._payload = {
+                "address": self._server.address.to_dict(),
+                "domain": self.options.resolved_failure_domain,
+            }
+            if self._me == 0:
+                self._payload["token"] = secrets.token_hex(32)
+        return self._payload
+
+    def share(self, everyone: list[Any]) -> dict[str, Any]:
+        """What the exchange's decider tells every process and each (`placement_shares`)."""
+        return placement_shares(everyone, self.options.replicas, self.options.relay_group)
+
+    def met(self, common: dict[str, Any], told: dict[str, Any]) -> Peers:
+        """This process's `Peers`, from what the exchange told every process (`common`: the
+        run's token) and this one alone (`told`: its holders and their addresses, or why
+        none can be placed; its relay group), which its service serves under from now."""
+        server, options = self._server, self.options
+        assert server is not None and self.error is None  # no process failed, this one included
+        token = str(common["token"])
+        server.set_token(token)
+        known = {self._me: server.address}
+        holders: tuple[int, ...] | ValueError
+        if "placement_error" in told:
+            holders = ValueError(told["placement_error"])
+        else:
+            holders = tuple(int(h) for h, _ in told["holders"])
+            known.update({int(h): _wire.PeerAddress.from_dict(a) for h, a in told["holders"]})
+        relay = _relay_of(told.get("relay"), server, token, self.run_id, options.timeout_s / 2)
+        return Peers(
+            server,
+            token,
+            self.run_id,
+            Addresses(self.run_id, known, options.timeout_s),
+            holders,
+            options.replicas,
+            options.timeout_s,
+            options.resolved_failure_domain,
+            relay,
         )
-        return _holdings.decode(outcome, _multihost.process_count())
+
+    def abandon(self) -> None:
+        """Closes this process's service and takes its address back (the meeting failed)."""
+        if self._server is not None:
+            self._server.close()
+            _published.unpublish(address_name(self.run_id, self._me))
+            self._server = None
+
+
+def _relay_of(
+    told: dict[str, Any] | None, server: Service, token: str, run_id: str, timeout_s: float
+) -> _relay.Relay | None:
+    """This process's relay group, as the meeting's decider told it (None: alone)."""
+    if not told:
+        return None
+    me = _multihost.process_index()
+    leader = int(told.get("leader", me))  # the decider alone in its group: no leader
+    store: _kv.KeyValueClient
+    if leader == me:
+        store = server.relay_store
+    else:
+        address = _wire.PeerAddress.from_dict(told["address"])
+        store = _relay_client.RelayClient(address, token=token, run_id=run_id, timeout=timeout_s)
+    return _relay.Relay(
+        leader,
+        tuple(sorted({int(p) for p in told.get("members", (leader, me))})),
+        store,
+        tuple(int(p) for p in told.get("leaders", ())),
+    )
 
 
 def placement_shares(

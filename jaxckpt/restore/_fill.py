@@ -5,17 +5,21 @@ byte was read; here every leaf is materialised where the target says: onto the
 target's sharding (through `Restorer.array`, placed together by
 `Restorer.place`), as numpy on the host, or uncommitted; per-process values as
 `_target.source` or the user's `per_process_fn` choose; typed PRNG keys with
-their impl, and weak types kept where the target has them.
+their impl, and weak types kept where the target has them. Leaves read 1/R a
+process wait for the reshard onto their targets, a collective the restore's
+choreography runs (`Filled`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxckpt.coord import _read_layout
 from jaxckpt.format import _format, _sharding, _tree, _weak_type
 from jaxckpt.restore._restore import Restorer
 from jaxckpt.restore._target import (
@@ -32,19 +36,40 @@ from jaxckpt.restore._target import (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Filled:
+    """A restored tree on this process, but for its leaves read 1/R a process: those wait
+    in `resharding` for the collective that carries them onto their targets (the restore
+    choreography's exchange `reshard`); `tree` takes its result and makes the tree."""
+
+    resharding: _read_layout.Resharding
+    _finish: Callable[[Sequence[jax.Array]], Any]
+
+    def tree(self, resharded: Sequence[jax.Array]) -> Any:
+        """The restored tree, the arrays of `resharding` replaced by `resharded`."""
+        return self._finish(resharded)
+
+
 def fill(
     restorer: Restorer, records: Sequence[_format.LeafRecord], target: Any, ctx: Context
-) -> Any:
-    """The restored tree, in the structure and layout of `target` (None: everything on host)."""
+) -> Filled:
+    """The restored tree, in the structure and layout of `target` (None: everything on
+    host), once the leaves read 1/R a process are resharded (`Filled`)."""
     if target is None:
-        return _tree.nest(
+        nested = _tree.nest(
             [(r.keys, _leaf(restorer, i, r, None, ctx)) for i, r in enumerate(records)]
         )
+        return Filled(_read_layout.Resharding(), lambda resharded: nested)
     pairs, treedef = match(records, target, ctx)
     out = [_leaf(restorer, i, records[i], leaf, ctx) for i, leaf in pairs]
     placed = restorer.place(out)
-    kept = [_weak_type.as_target(v, leaf) for v, (_, leaf) in zip(placed, pairs, strict=True)]
-    return jax.tree_util.tree_unflatten(treedef, kept)
+
+    def finish(resharded: Sequence[jax.Array]) -> Any:
+        values = placed.resharded(resharded)
+        kept = [_weak_type.as_target(v, leaf) for v, (_, leaf) in zip(values, pairs, strict=True)]
+        return jax.tree_util.tree_unflatten(treedef, kept)
+
+    return Filled(placed.resharding, finish)
 
 
 def resharded_leaves(

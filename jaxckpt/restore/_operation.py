@@ -1,9 +1,10 @@
 """The restore as Orbax calls it (`TieredCheckpointHandler.restore`), in order: the
 item directory parsed, the step's index read once, the run opened, the target
 checked, the exchanges `meet` and `inventories` (the plan: a source per part), the
-reads (`_restore.Restorer` into `_fill`), and the exchange `agree`. Also the two
-other reads of an item: its metadata and its restorable steps (a collective list).
-The one module of `restore` that runs a choreography (`run`)."""
+reads on this process (`_restore.Restorer` into `_fill`), and the exchanges `agree`
+and `reshard`. Also the two other reads of an item: its metadata and its
+restorable steps (a collective list). The one module of `restore` that runs a
+choreography (`run`); the read engine below it takes part in no exchange."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class RestoreOperation:
         indexes = {step: index}  # read once: the recovery and the inventories reuse it
         # 3. Open the run: its memory tier, under the run id the index records.
         memory = op.open(recorded, indexes)
-        # 4. The target, validated before anything is read (agreed on at the end).
+        # 4. The target, validated before anything is read (a failure: agreed on in `agree`).
         fns = (args.iterator_state_fn, args.per_process_fn)
         if index:
             ctx = _target.Context(index, pi, count, step, *fns)
@@ -73,50 +74,44 @@ class RestoreOperation:
             raise FileNotFoundError(view.not_restorable_message(item.path, plan))
         # Agreed before the pin (which may drop this process's memory from its plan alone).
         from_persistent = bool(plan.suspects)
-        # IMPORTANT: the step's slabs are read in place (mapped) and lent to the restored
-        # arrays; a pin keeps the step from being retired (by any process sharing the
-        # memory root) before they are marked lent, which keeps them from being reused.
+        # Its slabs are read in place and lent to the restored arrays: pinned meanwhile.
         plan, pin = _chunk_reads.pin_memory(memory, plan, pi)
-        # 6. The reads, fastest source first, into the target's shardings.
+        # 6. The reads, fastest source first, into the target's shardings, on this
+        # process's devices (a leaf replicated across processes: 1/R here).
         readers = _chunk_reads.reader_factory(
             item.path, memory, op.peers, step, plan.manifests, pi, timeout_s
         )
-
-        def unavailable(e: _chunk_reads.ChunkUnavailableError) -> FileNotFoundError:
-            return FileNotFoundError(
-                f"{runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
-            )
-
-        def agree_on_reads(error: BaseException | None) -> None:
-            # 7, held early: before a collective reshard (data-parallel replicas), so that
-            # no process enters it alone; a read that failed is agreed on as it is raised.
-            if isinstance(error, _chunk_reads.ChunkUnavailableError):
-                error = unavailable(error)
-            op.agree(error)
-
         restorer = _restore.Restorer(
             plan,
             readers,
             pi,
             runs.redact,
             timeout_s=timeout_s,
-            on_damaged=_chunk_reads.quarantiner(memory, runs.peers, step, pi),
-            agree=agree_on_reads if count > 1 else None,
+            on_damaged=_chunk_reads.quarantiner(memory, op.peers, step, pi),
+            spread=count > 1,
             from_persistent=from_persistent,
         )
         try:
             ctx = _target.Context(plan.manifests, pi, count, step, *fns)
-            result = _fill.fill(restorer, plan.leaves, args.abstract_state, ctx)
+            filled = _fill.fill(restorer, plan.leaves, args.abstract_state, ctx)
+            # 7. Exchanges `agree` (every process read its leaves) and, at once, `reshard`
+            # (the leaves read 1/R a process, onto their targets).
+            result = filled.tree(op.agree_and_reshard(filled.resharding))
         except _chunk_reads.ChunkUnavailableError as e:
-            raise unavailable(e) from e
+            raise FileNotFoundError(
+                f"{runs.redact(str(e))}. {view.newest_restorable_sentence(exclude=step)}"
+            ) from e
         finally:
             restorer.finish()
             if pin is not None:
                 pin.release()
         seconds = time.perf_counter() - start
-        self._session.publisher.publish(_metrics.restore_metrics(step, seconds, restorer))
-        # 7. Exchange `agree` (the verdict): when the choreography's block ends, unless
-        # held before the reshard of data-parallel replicas (`agree_on_reads`).
+        chunks = restorer.chunks
+        self._session.publisher.publish(
+            _metrics.restore_metrics(
+                step, seconds, chunks.bytes_by_tier, chunks.bytes_needed, len(chunks.failures)
+            )
+        )
         return result
 
     def _index(

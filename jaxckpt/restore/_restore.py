@@ -3,8 +3,10 @@
 For each target shard (any sharding, any process count) only the chunks that
 intersect this process's target shards are read (`_chunk_reads`, verified, with
 fallback). A per-process leaf (every part holds its own value) is read from the one
-owner the caller names. A leaf replicated across processes is read 1/R a process and
-resharded onto its target by one collective (`_read_layout`).
+owner the caller names. A leaf replicated across processes is read 1/R a process
+(`_read_layout`) and left in that layout (`Placed.resharding`): the reshard onto
+its target is a collective, the restore choreography's exchange `reshard`. The
+engine itself only reads and places bytes on this process's devices.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import concurrent.futures
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import jax
@@ -40,13 +42,12 @@ class Restorer:
         redact: Callable[[str], str] = str,
         timeout_s: float = 120.0,
         on_damaged: _chunk_reads.OnDamaged | None = None,
-        agree: Callable[[BaseException | None], None] | None = None,
+        spread: bool = False,
         from_persistent: bool = False,
     ):
-        """`agree(error)`: the restore's agreement across processes (collective; raises on
-        every process if one failed). Given, a leaf replicated across processes is read
-        1/R a process and resharded by a collective, which `place` starts only once the
-        processes agreed that every read succeeded (see `array`).
+        """`spread`: a leaf replicated across processes is read 1/R a process (several
+        processes: every process restores, and their plans and targets agree), left in
+        that layout by `place` for the reshard onto its target (`Placed.resharding`).
 
         `from_persistent`: some part of the step is in no process's memory, so the job
         reads from persistent storage (the same on every process: the inventories'
@@ -58,8 +59,7 @@ class Restorer:
         """
         self._plan = plan
         self._whole_chunks = from_persistent
-        self._agree = agree
-        self.agreed = False  # whether `place` held the restore's agreement
+        self._spread = spread
         self.chunks = _chunk_reads.ChunkReads(
             plan, reader_for, process_index, redact, timeout_s, on_damaged
         )
@@ -101,7 +101,7 @@ class Restorer:
         # over the replica axes carries it to the others (`place`): no byte read twice.
         layout = (
             _layout(record, data_sharding, self._whole_chunks)
-            if owner is None and self._agree is not None
+            if owner is None and self._spread
             else None
         )
         read_as = layout.sharding if layout is not None else data_sharding
@@ -145,31 +145,24 @@ class Restorer:
             reading.set_result(read())
         return Deferred(record, read_as, reading, data_sharding if layout else None, shape, layout)
 
-    def place(self, values: list[Any]) -> list[Any]:
-        """`values` with every `Deferred` among them put on its devices as a jax.Array,
-        once every leaf is read: one `make_array_from_callback` a leaf, which puts all
-        its host buffers on their devices in one call (a `device_put` per shard costs
-        ~0.4 ms: seconds for a tree of thousands of leaves). Leaves read 1/R a process
-        (`array`) are then resharded onto their targets, all in one collective."""
+    def place(self, values: list[Any]) -> Placed:
+        """`values` with every `Deferred` among them put on this process's devices as a
+        jax.Array, once every leaf is read: one `make_array_from_callback` a leaf, which
+        puts all its host buffers on their devices in one call (a `device_put` per shard
+        costs ~0.4 ms: seconds for a tree of thousands of leaves). Leaves read 1/R a
+        process (`array`) stay in their read layout, listed for the reshard onto their
+        targets (`Placed.resharding`); nothing here involves another process."""
         out: list[Any] = list(values)
         deferred = [(k, v) for k, v in enumerate(values) if isinstance(v, Deferred)]
-        spread = any(d.then is not None for _, d in deferred)
         try:
             pending = [(k, d, d.reading.result()) for k, d in deferred]
-        except BaseException as e:
+        except BaseException:
             # IMPORTANT: no read may still run when the restore fails (and unpins the step).
             for _, d in deferred:
                 d.reading.cancel()
             concurrent.futures.wait([d.reading for _, d in deferred])
-            if spread and isinstance(e, Exception):
-                self._agree_once(e)  # the others do not start the collective: all raise
             raise
-        if spread:
-            # IMPORTANT: the reshard is a collective: every process starts it or none.
-            self._agree_once(None)
-        resharded: list[
-            tuple[int, jax.Array, jax.sharding.Sharding, _read_layout.ReadLayout | None]
-        ] = []
+        spread: list[tuple[int, jax.Array, jax.sharding.Sharding, Deferred]] = []
         for k, d, bufs in pending:
             shape = d.shape
 
@@ -178,23 +171,15 @@ class Restorer:
 
             data = jax.make_array_from_callback(shape, d.sharding, shard)
             if d.then is not None:
-                resharded.append((k, data, d.then, d.layout))
+                spread.append((k, data, d.then, d))
                 continue
-            key_impl = d.record.key_impl
-            out[k] = jax.random.wrap_key_data(data, impl=key_impl) if key_impl else data
-        if resharded:
-            gathered = _read_layout.reshard(
-                [r[1] for r in resharded], [r[2] for r in resharded], [r[3] for r in resharded]
-            )
-            for (k, *_), whole in zip(resharded, gathered, strict=True):
-                key_impl = out[k].record.key_impl
-                out[k] = jax.random.wrap_key_data(whole, impl=key_impl) if key_impl else whole
-        return out
-
-    def _agree_once(self, error: BaseException | None) -> None:
-        assert self._agree is not None
-        self.agreed = True
-        self._agree(error)
+            out[k] = _with_key_impl(data, d.record)
+        resharding = _read_layout.Resharding(
+            tuple(data for _, data, _, _ in spread),
+            tuple(target for _, _, target, _ in spread),
+            tuple(d.layout for *_, d in spread),
+        )
+        return Placed(out, resharding, tuple((k, d.record) for k, *_, d in spread))
 
     def host_array(self, leaf: int, owner: int | None = None) -> np.ndarray:
         """The whole saved array leaf as one numpy array (`owner`: as for `array`)."""
@@ -267,6 +252,29 @@ class Deferred:
     then: jax.sharding.Sharding | None = None  # the target, resharded onto from `sharding`
     shape: tuple[int, ...] = ()  # of the array read (a padded read layout's: see `layout`)
     layout: _read_layout.ReadLayout | None = None  # how the replicas shared the read
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """Every leaf on this process's devices (`values`), but those read 1/R a process:
+    they are in their read layout, listed in `resharding` for the collective that
+    carries them onto their targets; `resharded` puts its result in their places."""
+
+    values: list[Any]
+    resharding: _read_layout.Resharding
+    _spread: tuple[tuple[int, _format.LeafRecord], ...] = ()  # (position, record) of each
+
+    def resharded(self, arrays: Sequence[jax.Array]) -> list[Any]:
+        """`values`, with the leaves of `resharding` replaced by `arrays` (their targets')."""
+        out = list(self.values)
+        for (k, record), whole in zip(self._spread, arrays, strict=True):
+            out[k] = _with_key_impl(whole, record)
+        return out
+
+
+def _with_key_impl(data: jax.Array, record: _format.LeafRecord) -> Any:
+    """`data` as typed PRNG keys where the leaf was saved as such."""
+    return jax.random.wrap_key_data(data, impl=record.key_impl) if record.key_impl else data
 
 
 # Leaves of this many bytes on are read on `LEAF_POOL`, several at once (a peer's

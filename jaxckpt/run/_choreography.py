@@ -11,25 +11,43 @@ with an optional local error:
 | operation | exchanges, in order |
 |---|---|
 | save (`SaveChoreography`) | `meet` (the peers, once per run; in `async_save`), `agree` (the commit's verdict, before the index manifest) |
-| restore (`RestoreChoreography`) | `meet` (once per run), `inventories`, `agree` (the verdict) |
+| restore (`RestoreChoreography`) | `meet` (once per run), `inventories`, `agree` (the verdict), `reshard` (at once after it) |
 | list (`ListChoreography`) | `meet` (once per run), `inventories`, `agree` |
 | release (`ReleaseChoreography`) | `agree` (every process persisted its part of the newest step), then each frees its own tier |
+
+Every cross-process step of jaxckpt is one of these exchanges, run from this
+module (tests/test_layout.py checks that no other module outside `coord/` calls
+one): `meet` is `meeting` (the coordinator's `_agreement.agree_each`),
+`inventories` is `exchange_inventories` (`_multihost.converge`), `agree` is
+`_agreement.agree` (a save's `agree_on_save`), `reshard` is a jax collective
+(`_read_layout.reshard`). The modules below take this process's own steps
+around them: `_run.Run` opens the run and says what this process holds,
+`_peers.Hello` starts and ends its peer service, the read engine reads and
+places bytes on this process's devices.
 
 Between exchanges, a process does its own work. A failure there ends that
 work, not the choreography: a restore's or a listing's choreography is a
 context manager, and an error that leaves its block takes part in every
 exchange not yet run (declining the meeting without a memory tier, offering
 the inventories only what its tier holds) and is then raised on every process
-by the last one (`agree`); a save keeps its error (`local`) and takes it to the
-next exchange. A local error taken to an exchange the work called (one
-injected there) ends that work after the exchange, the same way. An exchange that raises an
-agreed error (`_agreement`) ends the choreography on every process at once.
-So a failing process takes part by construction, wherever it fails.
+by `agree`; a save keeps its error (`local`) and takes it to the next
+exchange. A local error taken to an exchange the work called (one injected
+there) ends that work after the exchange, the same way. An exchange that
+raises an agreed error (`_agreement`) ends the choreography on every process
+at once. So a failing process takes part by construction, wherever it fails.
 
-Each exchange is also a fault-injection point (`_faults`,
-`JAXCKPT_FAULT=fail:<operation>.<exchange>@<step>[@<process>]`), and so is the
-opening of the run (`<operation>.open`): the tests fail one process just
-before each exchange and check that every process raises the same error.
+Two rules of time and order hold it together. A call to a peer between two
+exchanges gives up after half the timeout (`_peers.Peers`), so that a process
+that met a stalled peer still reaches the next exchange before the others,
+waiting there for the whole timeout, give up on it. And a jax collective
+(`reshard`) has no timeout and nothing after it to report a failure: it is
+entered only right after a verdict that every process passed.
+
+Each exchange is also a fault point (`_faults`: a hook the tests install fails
+this process there, `<operation>.<exchange>`), and so is the opening of the run
+(`<operation>.open`): the tests fail one process just before each exchange and
+check that every process raises the same error (`restore.reshard`'s failure is
+taken to the verdict just before it).
 """
 
 from __future__ import annotations
@@ -39,14 +57,74 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
 from typing import ClassVar
 
+import jax
 from absl import logging as log
 
 from jaxckpt import _faults, _metrics
-from jaxckpt.coord import _agreement, _multihost
+from jaxckpt.coord import _agreement, _holdings, _multihost, _placement, _read_layout
 from jaxckpt.format import _format
 from jaxckpt.peer import _peers
 from jaxckpt.run import _run
 from jaxckpt.tiers import _index, _memory_tier, _paths
+
+
+def meeting(hello: _peers.Hello) -> _peers.Peers:
+    """The exchange `meet` itself (collective, once per run): every process's peer
+    service and failure domain posted, the replicas placed once by the decider, each
+    process told its holders and its relay group (`_peers`).
+
+    Args:
+      hello: this process's side of it (`_peers.Hello`: started, or declined).
+
+    Returns:
+      This process's `Peers` (replicas that cannot be placed are not an error here:
+      `Peers.holders` raises it, where a save needs them).
+
+    Raises:
+      On every process alike: this process's error (`hello.error`), or another's
+      (the same built-in type, naming it); TimeoutError if a process does not take
+      part in time.
+    """
+    # Published before the exchange: once it ends, every address is there to look up.
+    hello.publish()
+    try:
+        # A process that cannot serve takes part all the same, with its error, so that
+        # the others raise it at once. The exchange forms the relay groups: it goes
+        # straight to the coordinator, whatever an earlier run left bound.
+        with _multihost.direct():
+            common, told = _agreement.agree_each(
+                hello.error,
+                tag=hello.tag,
+                what=hello.what,
+                timeout_s=hello.options.timeout_s,
+                payload=hello.payload(),
+                share=hello.share,
+            )
+    except BaseException:
+        hello.abandon()
+        raise
+    peers = hello.met(common, told)
+    # Every process binds its relay group here, right after the same exchange, so that
+    # no leader waits for a member that posts elsewhere.
+    _multihost.use_relay(peers.relay)
+    return peers
+
+
+def exchange_inventories(
+    run_id: str, local: _peers.Inventory, timeout_s: float
+) -> _holdings.Holdings:
+    """The exchange `inventories` itself (collective): who holds which part of which
+    step, every process. Each posts `local` as offsets from itself; the decider groups
+    the processes by what they posted and every process reads only the groups
+    (`_holdings`): a few hundred bytes and O(distinct inventories) of decoding,
+    whatever the process count."""
+    outcome = _multihost.converge(
+        _holdings.wire(_multihost.process_index(), local),
+        _holdings.combine,
+        tag=f"inventory/{run_id}",
+        timeout_s=timeout_s,
+    )
+    return _holdings.decode(outcome, _multihost.process_count())
 
 
 class Choreography:
@@ -88,15 +166,18 @@ class Choreography:
           indexes: step -> index manifests read already (not read again).
         """
         self._recorded = recorded
-        _faults.maybe_fail(f"{self.VERB}.open", self.step, self._process)
+        _faults.at(f"{self.VERB}.open", self.step, self._process)
         self.memory = self._run.open(self._required_item(), recorded, indexes)
         return self.memory
 
     # ---- the exchanges -----------------------------------------------------------
 
-    def _enter(self, name: str, error: BaseException | None) -> BaseException | None:
+    def _enter(
+        self, name: str, error: BaseException | None, inject: bool = True
+    ) -> BaseException | None:
         """Enters the exchange `name` (each once, in `EXCHANGES` order); returns the local
-        error it takes: this process's first (`error`, or one injected for the tests)."""
+        error it takes: this process's first (`error`, or, with `inject`, one injected
+        for the tests)."""
         done = len(self._done)
         expected = self.EXCHANGES[done] if done < len(self.EXCHANGES) else None
         if name != expected:
@@ -106,21 +187,43 @@ class Choreography:
             )
         self._done.append(name)
         if self.error is None:
-            self.error = error or _faults.injected(f"{self.VERB}.{name}", self.step, self._process)
+            self.error = error
+        if self.error is None and inject:
+            self.error = _faults.failure(f"{self.VERB}.{name}", self.step, self._process)
         return self.error
 
     def _meet(self, error: BaseException | None, place: bool) -> _peers.Peers | None:
-        """The exchange `meet`: the peers, met once per run (collective where they are not
-        met yet). With a local error and no memory tier, declines: every process raises."""
+        """The exchange `meet`: the run's peers, met once per run (`meeting`, where they
+        are not met yet, in several processes). Without a memory tier (`error` says why),
+        this process declines: every process raises. With `place`, the replicas'
+        placement is checked (a save's)."""
         error = self._enter("meet", error)
         run_id = self._required_item().run_id(
             self._options.run_id, self._recorded.run_id if self._recorded else None
         )
         try:
-            self.peers = self._run.meet(self.memory, run_id, error, place)
+            self.peers = self._run.peers_of(run_id)
+            if self.peers is None and _multihost.process_count() > 1:
+                hello = (
+                    _peers.Hello.serving(self.memory, self._options)
+                    if self.memory is not None
+                    else _peers.Hello.declined(
+                        run_id, self._options, error or RuntimeError("no memory tier")
+                    )
+                )
+                self.peers = self._run.adopt(meeting(hello))
         except Exception:
             self._unmet = True
             raise
+        if self.memory is None:
+            return None
+        if place:  # computing the placement validates it
+            if self.peers is not None:
+                self.peers.holders  # noqa: B018
+            else:
+                _placement.place_replicas(
+                    [self._options.resolved_failure_domain], self._options.replicas
+                )
         return self.peers
 
     def _agree(self, error: BaseException | None, what: str) -> None:
@@ -141,8 +244,10 @@ class Choreography:
             "agree": lambda: self._agree(error, self._what()),
         }
         for name in self.EXCHANGES[len(self._done) :]:
-            if name == "inventories" and self._unmet:
-                self._enter(name, error)
+            if (name == "inventories" and self._unmet) or name == "reshard":
+                # No inventories without the peers met; no reshard after a verdict, which
+                # raised an error on every process (in one, as it is).
+                self._enter(name, error, inject=False)
                 continue
             exchanges[name]()
         raise error
@@ -150,11 +255,17 @@ class Choreography:
     def _inventories(
         self, error: BaseException | None, indexes: dict[int, _index.Index] | None = None
     ) -> _index.GlobalView:
-        """The exchange `inventories`: what every process holds in memory (collective).
-        With a local error, this process offers what its tier holds, or nothing without
-        one, and fails afterwards (in `agree`)."""
+        """The exchange `inventories`: what every process holds in memory, for every
+        finalized step (`exchange_inventories`, once the run's peers are met; alone, this
+        process's). With a local error, this process offers what its tier holds, or
+        nothing without one, and fails afterwards (in `agree`)."""
         self._enter("inventories", error)
-        return self._run.inventories(self._required_item(), self.memory, indexes)
+        held = self._run.held(self._required_item(), self.memory, indexes)
+        if self.peers is None:
+            return held.view()
+        return held.view(
+            exchange_inventories(self.peers.run_id, held.local, self._options.timeout_s)
+        )
 
     def _raise_kept(self) -> None:
         """After an exchange the operation's own work called: a local error taken to it
@@ -208,7 +319,7 @@ class _Collective(Choreography):
     """A restore or a listing: 1. `meet` (once per run), 2. `inventories`, 3. `agree`,
     around the operation's own work (a context manager: see the module docstring)."""
 
-    EXCHANGES = ("meet", "inventories", "agree")
+    EXCHANGES: ClassVar[tuple[str, ...]] = ("meet", "inventories", "agree")
 
     def meet(self) -> _peers.Peers | None:
         """1. The peers, met once per run (reading needs no placement)."""
@@ -228,13 +339,15 @@ class _Collective(Choreography):
 
 
 class RestoreChoreography(_Collective):
-    """A restore: 1. `meet` (once per run), 2. `inventories`, 3. `agree` (the verdict).
+    """A restore: 1. `meet` (once per run), 2. `inventories`, 3. `agree` (the verdict),
+    4. `reshard` (the leaves read 1/R a process, onto their targets).
 
     Used as a context manager around the restore's own work (see the module
     docstring): a failure anywhere in it is published and agreed on.
     """
 
     VERB = "restore"
+    EXCHANGES = ("meet", "inventories", "agree", "reshard")
 
     def __init__(self, run: _run.Run, item: _paths.ItemDir, publisher: _metrics.Publisher):
         super().__init__(run, item, item.step)
@@ -243,11 +356,30 @@ class RestoreChoreography(_Collective):
     def __enter__(self) -> RestoreChoreography:
         return self
 
-    def agree(self, error: BaseException | None = None) -> None:
-        """3. The verdict, held early: before a collective every process must enter
-        together (the reshard of data-parallel replicas), so that none enters it alone
-        while another has failed. The block's end then runs no exchange."""
+    def agree_and_reshard(self, resharding: _read_layout.Resharding) -> list[jax.Array]:
+        """3. The verdict: every process read and placed its leaves, or all raise. Then
+        at once 4. the reshard: the leaves read 1/R a process carried onto their targets
+        by one jax collective (`_read_layout.reshard`; none where no leaf needs it, the
+        same on every process, whose plans and targets agree).
+
+        A jax collective has no timeout, and nothing after it could tell the others of
+        a failure: so every process enters it only once all agreed to, with nothing
+        run between the two, and a failure injected before the reshard
+        (`restore.reshard`) is taken to the verdict.
+
+        Returns:
+          The arrays of `resharding`, on their targets' shardings, in order.
+        """
+        error = _faults.failure(f"{self.VERB}.reshard", self.step, self._process)
         self._agree(error, self._what())
+        self._enter("reshard", None, inject=False)
+        if not resharding.arrays:
+            return []
+        return list(
+            _read_layout.reshard(
+                list(resharding.arrays), list(resharding.targets), list(resharding.layouts)
+            )
+        )
 
     def _failed(self, error: BaseException) -> None:
         super()._failed(error)
@@ -352,7 +484,11 @@ class SaveChoreography(Choreography):
     ) -> None:
         """2. The commit's verdict (`_agreement.agree_on_save`): every process committed
         the same tree, or all raise. With this part's index `entry` and `write_index`, the
-        deciding process writes the step's one index before any process returns."""
+        deciding process writes the step's one index within the exchange, once every
+        process committed the same tree and before any returns: a step is indexed by
+        every process or by none. A save enters it only once its part is committed in
+        memory and pushed to its holders (`_save.Save.commit`), so that an index never
+        points at copies that do not exist."""
         error = self._enter("agree", None)
         # Blocking, on the commit future's own thread and event loop (Orbax's): no hop
         # to an executor thread, which that fresh loop would start anew at every save.

@@ -1,22 +1,24 @@
-"""This process's side of a run: its memory tier, its peers, and the exchanges with the others.
+"""This process's side of a run: its memory tier, its peers, and what it holds.
 
 A run is one checkpoint directory's saves and restores (its run id names its
 memory tier, `_paths.ItemDir.run_id`). `Run` holds the run in use and does, for
-the operations' choreographies (`_choreography`), everything that involves the
-other processes or a crashed run:
+the operations' choreographies (`_choreography`), this process's own side of
+everything that involves the other processes or a crashed run:
 
 - opening the run (`open`, step 1 of every save and restore): its memory tier,
   and once per run the crashed run's leftovers taken over (`_recovery`);
   `memory_for` only looks the open tier up;
-- the meeting of the peers (once per run, a collective) and the placement check;
-- the exchange of inventories behind every restore plan (`inventories`).
+- the run's peers, once met (`peers_of`, `adopt`: the meeting is the choreographies');
+- what this process holds in memory (`held`), which it offers to the exchange of
+  inventories behind every restore plan.
 
-Which process runs which exchange, and when, is the choreographies' business:
-each exchange here runs as it is asked to, with or without a local error.
+No exchange runs here: which process takes part in which exchange, and when, is
+the choreographies' business.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from absl import logging as log
 
 from jaxckpt import _resources
 from jaxckpt._options import TierOptions
-from jaxckpt.coord import _multihost, _placement
+from jaxckpt.coord import _holdings, _multihost
 from jaxckpt.format import _format
 from jaxckpt.peer import _peers
 from jaxckpt.run import _recovery
@@ -38,6 +40,23 @@ from jaxckpt.tiers import (
     _retention,
     _slab,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What this process holds in memory for every finalized step of an item (`local`),
+    the steps (step -> item directory) and the index manifests read on the way."""
+
+    steps: dict[int, Path]
+    local: _peers.Inventory
+    indexes: dict[int, _index.Index]
+
+    def view(self, inventories: _holdings.Holdings | None = None) -> _index.GlobalView:
+        """Every process's holdings (`inventories`, as exchanged; None: this one's alone)
+        with the steps and their indexes: what plans a restore."""
+        pi = _multihost.process_index()
+        held = inventories if inventories is not None else {pi: self.local}
+        return _index.GlobalView(self.steps, held, pi, self.indexes)
 
 
 class Run:
@@ -118,59 +137,28 @@ class Run:
             )
         return memory
 
-    # ---- the exchanges (in the order of `_choreography`) -----------------------
+    # ---- this process's side of the exchanges (run by `_choreography`) ---------------
 
-    def meet(
-        self,
-        memory: _memory_tier.MemoryTier | None,
-        run_id: str,
-        error: BaseException | None,
-        place: bool,
-    ) -> _peers.Peers | None:
-        """Meets the other processes, once per run (collective): with a memory tier,
-        connects (and with `place`, checks that the replicas can be placed); without
-        one (`error` says why), takes part all the same, and every process raises.
+    def peers_of(self, run_id: str) -> _peers.Peers | None:
+        """The peers of run `run_id`, if this process met them already (once per run)."""
+        return self.peers if self.peers is not None and self.peers.run_id == run_id else None
 
-        Raises:
-          `error` (or another process's, marked as agreed) where a meeting happened
-          without a memory tier; what `connect` or the placement raises.
-        """
-        if memory is None:
-            if _multihost.process_count() > 1 and (
-                self.peers is None or self.peers.run_id != run_id
-            ):
-                _peers.Peers.decline(run_id, self._options, error or RuntimeError("no memory tier"))
-            return None
-        peers = self.connect(memory)
-        if not place:
-            return peers
-        if peers is not None:
-            peers.holders  # noqa: B018 -- computing the placement validates it
-        else:
-            _placement.place_replicas(
-                [self._options.resolved_failure_domain], self._options.replicas
-            )
+    def adopt(self, peers: _peers.Peers) -> _peers.Peers:
+        """Keeps `peers`, just met, as the run's (closing those of the run before)."""
+        if self.peers is not None and self.peers is not peers:
+            self.peers.close()
+        self.peers = peers
         return peers
 
-    def connect(self, memory: _memory_tier.MemoryTier) -> _peers.Peers | None:
-        """Meets the other processes once per run (collective); None in one process."""
-        if _multihost.process_count() == 1:
-            return None
-        if self.peers is None or self.peers.run_id != memory.run_id:
-            if self.peers is not None:
-                self.peers.close()
-            self.peers = _peers.Peers.connect(memory, self._options)
-        return self.peers
-
-    def inventories(
+    def held(
         self,
         item: _paths.ItemDir,
         memory: _memory_tier.MemoryTier | None,
         indexes: dict[int, _index.Index] | None = None,
-    ) -> _index.GlobalView:
-        """What every process holds in memory, for every finalized step (collective, once
-        the run's peers are met). Without a memory tier, or if it cannot be listed, this
-        process offers nothing (the others read from peers or persistent storage).
+    ) -> Held:
+        """What this process holds in memory, for every finalized step of `item`: its
+        side of the exchange `inventories`. Without a memory tier, or if it cannot be
+        listed, nothing (the others read from peers or persistent storage).
 
         `indexes` are index manifests read already (step -> index): not read again.
         """
@@ -192,20 +180,7 @@ class Run:
         except OSError as e:
             log.warning("jaxckpt: [process %d] cannot list what it holds: %s", pi, e)
             local = {}
-        # The run's peers, met in the exchange before (`meet`; `connect` meets no one again).
-        peers = self.connect(memory) if memory is not None else self.peers
-        inventories = peers.exchange_inventories(local) if peers is not None else {pi: local}
-        return _index.GlobalView(steps, inventories, pi, known)
-
-    def global_view(
-        self,
-        item: _paths.ItemDir,
-        memory: _memory_tier.MemoryTier,
-        indexes: dict[int, _index.Index] | None = None,
-    ) -> _index.GlobalView:
-        """`meet` (once per run) and `inventories`: both collective."""
-        self.connect(memory)
-        return self.inventories(item, memory, indexes)
+        return Held(steps, local, known)
 
     def verify_held(self, memory: _memory_tier.MemoryTier, steps: Iterable[int]) -> None:
         """Checks every part this process holds in memory for `steps` against its

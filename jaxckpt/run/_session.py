@@ -1,6 +1,7 @@
 """A handler's life on this process: its options, the metrics it publishes, the
 work its saves leave running (`_background`: persistence, retention), the retention
-keeper and the run; and the calls that wait for that work or end it (close, release)."""
+keeper and the run; the calls that wait for that work or end it (close, release); and
+the one look at that state from outside (`Inspection`: the benchmark's and the tests')."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 from jaxckpt import _metrics
 from jaxckpt._options import TierOptions
 from jaxckpt.coord import _multihost
+from jaxckpt.peer import _peers
 from jaxckpt.run import _background, _choreography, _run
-from jaxckpt.tiers import _retention
+from jaxckpt.tiers import _memory_tier, _retention
 
 
 class Session:
@@ -59,3 +61,47 @@ class Session:
     def pending_persistence(self) -> set[int]:
         """Steps queued or being written to persistent storage."""
         return self.background.persister.pending_steps()
+
+
+class Inspection:
+    """One handler's state on this process, as jaxckpt's benchmark and tests look at it
+    (`TieredCheckpointHandler.inspect()`), instead of reaching into private attributes.
+
+    A live view: each attribute is looked up when read. The objects it returns are
+    internal (no compatibility promise); use them to look and to wait, and leave their
+    private state alone.
+    """
+
+    def __init__(self, session: Session):
+        self._session = session
+
+    @property
+    def run(self) -> _run.Run:
+        """The handler's run on this process (`_run.Run`): its memory tier and peers, the
+        lookups and exchanges a choreography runs on it."""
+        return self._session.runs
+
+    @property
+    def memory(self) -> _memory_tier.MemoryTier | None:
+        """The memory tier of the run open on this process (the one the handler's latest
+        save, restore or listing opened), or None before the first: which steps and parts
+        it holds (`steps()`, `part_dir(step, process)`) and where (`run_dir`)."""
+        return self._session.runs.memory
+
+    @property
+    def peers(self) -> _peers.Peers | None:
+        """That run's peers (addresses, holders, skipped pushes), or None in one process
+        or before they were met."""
+        return self._session.runs.peers
+
+    def wait_for_retention(self, timeout_s: float | None = None) -> None:
+        """Waits for the memory retention the saves so far queued, and for nothing else
+        (`wait_for_persistence` waits for persistence too).
+
+        Raises:
+          TimeoutError: if it has not ended within `timeout_s` (default: the options').
+        """
+        options = self._session.options
+        self._session.background.retainer.wait(
+            options.timeout_s if timeout_s is None else timeout_s
+        )

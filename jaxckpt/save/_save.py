@@ -109,7 +109,7 @@ class Save:
             )
             self.metrics.host_staging = "slab"
             self.metrics.slab_copy_s = self._staged.seconds
-        _faults.maybe_crash("snapshot", self._step, self._process)
+        _faults.at("snapshot", self._step, self._process)
         self.metrics.stall_s = time.perf_counter() - self._started
 
     async def commit(self) -> None:
@@ -177,9 +177,9 @@ class Save:
                 nonfinite=nonfinite,
             )
             (staging / _format.MANIFEST_FILE).write_text(manifest.to_json())
-            _faults.maybe_crash("memory_write", step, pi)
+            _faults.at("memory_write", step, pi)
             part = memory.commit(staging, step, pi)
-            _faults.maybe_crash("memory_commit", step, pi)
+            _faults.at("memory_commit", step, pi)
         except BaseException as e:
             _fs.remove_entry(staging)
             if _fs.is_out_of_space(e):
@@ -248,7 +248,7 @@ class Save:
             metrics.replicate_bytes = sent
             metrics.replicate_bytes_per_s = sent / max(push_s, 1e-9)
             metrics.safe_on_peers_s = time.perf_counter() - self._started
-            _faults.maybe_crash("replicated", step, pi)
+            _faults.at("replicated", step, pi)
         # Persistence starts once the part is on its peers, beside the agreement and the
         # index: the fast tiers first (a node is lost more often than a rack), and a
         # persist beside the push would share the cores and the network with it
@@ -264,10 +264,8 @@ class Save:
                     committed=committed,
                 )
             )
-        # IMPORTANT: the step's index is written within the agreement, by the one process
-        # that decides it, once every process committed the same tree: a step is indexed
-        # by every process or by none. It is written only after every memory part is
-        # committed (and replicated), so an index never points at copies that do not exist.
+        # The choreography's exchange `agree`, now that the part is committed and pushed:
+        # the step's index is written within it (`SaveChoreography.agree`).
         manifest = dataclasses.replace(manifest, metrics=metrics.to_dict())
         agree_start = time.perf_counter()
         await self._choreography.agree(
@@ -276,7 +274,7 @@ class Save:
         self.metrics.agree_s = time.perf_counter() - agree_start
         # One process wrote the step's objects: the others' cached listings do not show them.
         _storage.forget_listings(self._item.path)
-        _faults.maybe_crash("index", step, pi)
+        _faults.at("index", step, pi)
         self._services.publisher.announce(self._set_up())
         self._services.publisher.publish(metrics.to_dict())
 

@@ -80,7 +80,7 @@ class FileStore:
             sync_start = time.perf_counter()
             _fs.fsync_tree(staging)
             fsync_s = time.perf_counter() - sync_start
-            _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
+            _faults.at("persist_write", manifest.step, manifest.owner)
             job.await_commit(timeout_s)
             # A step the manager deleted (its garbage collection, one save later) before
             # this persist ended is persisted into the kept area only (`_kept`).
@@ -93,7 +93,7 @@ class FileStore:
                 except FileNotFoundError:
                     gone = True
             placing = self._commit(job, manifest, staging, gone)
-            _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
+            _faults.at("persist_commit", manifest.step, manifest.owner)
             # fsync_s: flushing the part to stable storage.
             return _persist_job.persist_metrics(manifest, copy_s, fsync_s=fsync_s)
         finally:

@@ -62,7 +62,7 @@ class ObjectStore:
         self._upload_with_retries(manifest, job.source_part, part, deadline, compression, timeout_s)
         copy_s = time.perf_counter() - start
         manifest = _persist_job.with_persist_time(manifest, copy_s)
-        _faults.maybe_crash("persist_write", manifest.step, manifest.owner)
+        _faults.at("persist_write", manifest.step, manifest.owner)
         job.await_commit(timeout_s)
         try:
             if not job.resumed:
@@ -88,7 +88,7 @@ class ObjectStore:
         # IMPORTANT: the manifest object is the durability marker: written last, after
         # every chunk is stored and the manager has finalized the step.
         _storage.write_object(part / _format.MANIFEST_FILE, manifest.to_json())
-        _faults.maybe_crash("persist_commit", manifest.step, manifest.owner)
+        _faults.at("persist_commit", manifest.step, manifest.owner)
         return _persist_job.persist_metrics(manifest, copy_s)
 
     def _upload_with_retries(

@@ -24,6 +24,7 @@ from typing import Any
 
 from absl import logging as log
 
+from jaxckpt import _faults
 from jaxckpt.tiers import _index, _memory_tier, _step_dirs, _step_gate, _store
 from jaxckpt.tiers._persist_job import PersistJob
 
@@ -59,7 +60,8 @@ def part_job(
 
 
 class Persister:
-    """A single background worker that persists parts in submission order."""
+    """A single background worker that persists parts in submission order, each on the
+    store its checkpoint directory lies on (`store_at`: `_store.at`, or a unit test's)."""
 
     def __init__(
         self,
@@ -69,8 +71,10 @@ class Persister:
         closing: threading.Event | None = None,
         on_failed: Callable[[dict[str, Any]], None] | None = None,
         on_settled: Callable[[], None] | None = None,
+        store_at: Callable[[Path], _store.PersistentStore] = _store.at,
     ):
         self._compression = compression
+        self._store_at = store_at  # the store a job's checkpoint directory lies on
         # Called once a step leaves the queue (persisted or not), before `drain` can
         # return: memory retention may retire it now (`MemoryRetainer.again`).
         self._on_settled = on_settled
@@ -220,6 +224,7 @@ class Persister:
 
     def _persist(self, job: PersistJob) -> dict[str, Any]:
         """Persists one job on its store; its `persist` event."""
-        return _store.at(job.final_item_dir).persist(
+        _faults.at("persist_begin", job.manifest.step, job.manifest.owner)
+        return self._store_at(job.final_item_dir).persist(
             job, compression=self._compression, timeout_s=self._timeout_s, closing=self._closing
         )

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt.run import _choreography
 
 REPO = Path(__file__).resolve().parents[2]
 # What a child Python process needs to import jaxckpt and the test modules by name.
@@ -131,6 +132,18 @@ def train_state(mesh: Mesh, data_seed: int = 0) -> tuple[dict[str, Any], Any]:
 
 def fresh_iterator(data_seed: int = 0) -> Any:
     return iter(grain.MapDataset.range(1000).shuffle(seed=data_seed).batch(4).to_iter_dataset())
+
+
+def attach_peers(h: jaxckpt.TieredCheckpointHandler, peers: Any, monkeypatch: Any) -> None:
+    """Makes `h`'s run use `peers` (a stand-in for the peer service, in one process)
+    instead of meeting the other processes of a jax.distributed job."""
+    h.inspect().run.adopt(peers)  # met already: a save's or restore's meeting finds them
+    if hasattr(peers, "exchange_inventories"):  # their pretend job's inventories
+        monkeypatch.setattr(
+            _choreography,
+            "exchange_inventories",
+            lambda run_id, local, timeout_s: peers.exchange_inventories(local),
+        )
 
 
 def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 180) -> str:

@@ -13,12 +13,12 @@ import mp_worker  # starts JAX: 2 CPU devices per process, jax.distributed on lo
 import os
 from pathlib import Path
 
+import faults
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from mp_worker import attempt, check, manager, mesh, state, target
 
 import jaxckpt
-from jaxckpt import _faults
 
 
 def scenario_choreography(args: dict) -> dict:
@@ -50,7 +50,7 @@ def scenario_choreography(args: dict) -> dict:
         directory = ckpt / point if operation == "save" else ckpt / "shared"
         mngr, h = manager(str(directory), timeout_s=timeout_s, replicas=1, persist_every=1000)
         multihost_utils.sync_global_devices(f"before-{point}")
-        os.environ[_faults.ENV] = f"{_faults.FAIL}{point}@*@{failing}"
+        os.environ[faults.ENV] = f"{faults.FAIL}{point}@*@{failing}"
         try:
             if operation == "save":
                 out[key] = attempt(lambda mngr=mngr: save(mngr, 1))
@@ -61,7 +61,7 @@ def scenario_choreography(args: dict) -> dict:
             else:
                 out[key] = attempt(lambda h=h: h.restorable_steps(ckpt / "shared" / "0" / "train"))
         finally:
-            del os.environ[_faults.ENV]
+            del os.environ[faults.ENV]
         out[key]["failing"] = failing
         mngr.close()
 

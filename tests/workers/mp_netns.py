@@ -77,15 +77,15 @@ def scenario_network(args: dict) -> dict:
         if name.startswith("save"):
             out[name] = attempt(lambda step=step: save(step))
             out[name]["skipped"] = sorted(
-                {holder for s, holder in h._runs.peers.skipped if s == step}
+                {holder for s, holder in h.inspect().peers.skipped if s == step}
             )
         else:
             dropped = drop_own_part(step)
             out[name] = attempt(lambda step=step: restore(step))
             out[name]["dropped"] = dropped
     # Its holders' addresses it was told; the others' it looks up.
-    out["addresses"] = [h._runs.peers.addresses[p].host for p in range(jax.process_count())]
-    out["holders"] = list(h._runs.peers.holders)
+    out["addresses"] = [h.inspect().peers.addresses[p].host for p in range(jax.process_count())]
+    out["holders"] = list(h.inspect().peers.holders)
     phase(args["sync"], "end")
     mngr.close()
     return out

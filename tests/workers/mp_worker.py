@@ -26,13 +26,16 @@ jax.distributed.initialize(
     initialization_timeout=60,
 )
 
+import faults  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import _internals  # noqa: E402
+from jaxckpt import _faults, _internals  # noqa: E402
+
+faults.install_from_env()  # JAXCKPT_FAULT: a test crashes or fails this process at a point
 
 ROWS = 48  # divisible by 8, 6 and 4 devices
 
@@ -305,9 +308,10 @@ def scenario_recover(args: dict) -> dict:
             entry = {"run": r, "tier": tier, "lose": run["lose"]}
             entry["newest"] = _restore_step(mngr, h, mngr.latest_step(), follow=True)
             entry["previous"] = _restore_step(mngr, h, args["previous"], follow=False)
-            if h._runs.peers is not None:
-                tokens.append(h._runs.peers._token)
-                hosts.add(h._runs.peers.addresses[pi].host)
+            peers = h.inspect().peers
+            if peers is not None:
+                tokens.append(peers.token)
+                hosts.add(peers.addresses[pi].host)
             mngr.close()
             recovered.append(entry)
     return {"recovered": recovered, "tokens": tokens, "peer_hosts": sorted(hosts)}
@@ -326,16 +330,13 @@ def attempt(fn) -> dict:
 def slow_persists_on_the_last_process(slow_s: float) -> None:
     """The last process waits `slow_s` before each persist: a verdict that judged a step
     from one process's own persistence would find the slower process's part missing."""
-    from jaxckpt.tiers import _persister
-
     if jax.process_index() == jax.process_count() - 1:
-        original = _persister.Persister._persist
 
-        def slow(self, job):
-            time.sleep(slow_s)
-            return original(self, job)
+        def slow(point, step, process):
+            if point == "persist_begin":
+                time.sleep(slow_s)
 
-        _persister.Persister._persist = slow
+        _faults.install(slow)
 
 
 def main(scenarios: dict) -> None:
