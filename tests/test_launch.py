@@ -358,7 +358,7 @@ def test_spares_wait_at_a_low_priority_and_get_it_back(tmp_path) -> None:
         else:
             assert os.getpriority(os.PRIO_PROCESS, pid) == 0
     with pytest.raises(ValueError, match="nice value"):
-        _priority.lower(20)
+        _priority.set_nice(os.getpid(), 20)
 
 
 def test_parsing_helpers() -> None:

@@ -1,9 +1,9 @@
 """The CPU priority of hot spares: low while they prepare and wait, the job's once woken.
 
 A spare prepares (imports, compiles, runs its train step once) while the job it stands
-by for trains, on the same CPUs when the launcher runs everything on one machine. Started
-with a high nice value it takes only the CPU the job leaves idle, so the job trains at its
-own pace; woken, it gets the job's priority back (`set_nice` 0).
+by for trains, on the same CPUs when the launcher runs everything on one machine. Given a
+high nice value as it starts, it takes mostly the CPU the job leaves idle; woken, it gets
+the job's priority back (`set_nice` 0).
 
 Linux schedules by session first where autogroups are on (``/proc/sys/kernel/
 sched_autogroup_enabled``): every process the launcher starts has a session of its own,
@@ -18,26 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 
 NICEST = 19
-
-
-def lower(nice: int) -> Callable[[], None]:
-    """A ``preexec_fn`` that gives the new process `nice` (0..19) and its autogroup the same.
-
-    Runs in the child between fork and exec: raw system calls only (no lock that another
-    thread of the launcher might hold).
-    """
-    if not 0 <= nice <= NICEST:
-        raise ValueError(f"A nice value must be in 0..{NICEST}, got {nice}.")
-
-    def preexec() -> None:
-        os.nice(nice)
-        with contextlib.suppress(OSError):  # lowering is always allowed; /proc may not be
-            _write_autogroup("self", nice)
-
-    return preexec
 
 
 def set_nice(pid: int, nice: int) -> str | None:

@@ -60,7 +60,8 @@ class ProcessSet:
     Each process gets this process's environment, ``PYTHONUNBUFFERED=1`` and its own
     entries of `envs`; stdin is closed (a pipe with ``stdin_pipe``: `send`) and stderr
     goes with stdout, into ``outputs[i]`` (a file) or else a pipe (``procs[i].stdout``).
-    With ``nice`` > 0 every process starts at that nice value (`_priority.lower`).
+    With ``nice`` > 0 every process gets that nice value as it starts
+    (`_priority.set_nice`, before the interpreter it runs starts any thread of its own).
     Use as a context manager: leaving it kills the set, whatever happened.
     """
 
@@ -73,7 +74,6 @@ class ProcessSet:
         nice: int = 0,
     ):
         self.procs: list[subprocess.Popen[bytes]] = []
-        preexec = _priority.lower(nice) if nice else None
         try:
             for i, extra in enumerate(envs):
                 self.procs.append(
@@ -84,9 +84,10 @@ class ProcessSet:
                         stdout=subprocess.PIPE if outputs is None else outputs[i],
                         stderr=subprocess.STDOUT,
                         start_new_session=True,  # own process group: SIGKILL reaches its children
-                        preexec_fn=preexec,
                     )
                 )
+                if nice:  # lowering a priority is always allowed
+                    _priority.set_nice(self.procs[-1].pid, nice)
         except BaseException:
             self.kill()
             raise
