@@ -24,7 +24,7 @@ step with the reference: how much the waiting spares slow training.
 
 Then one JSON summary line (``recovery_timeline``, ``shrink_recovery_s``,
 ``grow_recovery_s``, ``standby_slowdown``); the exit code is 0 iff every check passes.
-About 4 minutes on 2 cores; ``--quick`` (2 processes, 12 steps) is for tests::
+About 2-4 minutes on 2 cores; ``--quick`` (2 processes, 20 steps) is for tests::
 
     python examples/demo.py [--quick] [--verbose] [--keep]
 """
@@ -88,8 +88,10 @@ class Config:
     pictures: str | None = None  # --pictures: a directory for the timelines' PNGs
 
 
+# Quick steps are short: the grow back (the registration, the stop at a step every process
+# agrees on) needs a dozen of them after the return, on a loaded machine too.
 QUICK = Config(
-    processes=2, steps=12, fail_at=5, shrink_at=4, return_at=6, persist_every=4,
+    processes=2, steps=20, fail_at=5, shrink_at=4, return_at=6, persist_every=4,
     run_timeout_s=300.0,
 )  # fmt: skip
 
@@ -363,7 +365,7 @@ def standby_slowdown(
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the demo; see ``--help``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 processes, 12 steps (tests)")
+    parser.add_argument("--quick", action="store_true", help="2 processes, 20 steps (tests)")
     parser.add_argument("--verbose", action="store_true", help="echo every process's output")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     parser.add_argument("--workdir", help="parent of the scratch directory (default /dev/shm)")
