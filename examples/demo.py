@@ -322,7 +322,8 @@ def standby_slowdown(
 
     ``waiting``: the first attempts of runs 2 and 3 (their spares, prepared before the
     job started, wait at nice 19) over their steps before the failure; ``preparing``: the
-    grown job of run 3, while the spares that replace the ones it woke prepare at nice 19.
+    grown job of run 3, while the spares that replace the ones it woke prepare at nice 19;
+    ``none (restarted)``, its control: the restarted job of run 2, beside no spare.
     Step times drift with the machine's load between runs; ``cpu_share`` (the CPU the
     spares used while the jobs trained, over the jobs') does not, and bounds the slowdown.
     """
@@ -330,18 +331,27 @@ def standby_slowdown(
         (lost.steps[0], range(2, cfg.fail_at)),
         (elastic.steps[0], range(2, cfg.shrink_at)),
     ]
-    grown = elastic.steps[-1]
+    grown, restarted = elastic.steps[-1], lost.steps[-1]
     preparing = [(grown, range(min(grown, default=0) + 1, cfg.steps + 1))]
-    found = {"waiting": slowdown(reference, waiting), "preparing": slowdown(reference, preparing)}
+    # The control for `preparing`: a job just restarted, with no spare left to prepare.
+    alone = [(restarted, range(min(restarted, default=0) + 1, cfg.steps + 1))]
+    found = {
+        "waiting": slowdown(reference, waiting),
+        "preparing": slowdown(reference, preparing),
+        "none (restarted)": slowdown(reference, alone),
+    }
     firsts = [lost.report["attempts"][0], elastic.report["attempts"][0]]
-    later = [*lost.report["attempts"][1:], *elastic.report["attempts"][1:]]
-    cpu = {"waiting": cpu_share(firsts), "preparing": cpu_share(later)}
+    cpu = {
+        "waiting": cpu_share(firsts),
+        "preparing": cpu_share(elastic.report["attempts"][-1:]),
+        "none (restarted)": cpu_share(lost.report["attempts"][-1:]),
+    }
     print("Training with the spares beside it, against the reference (median step time), and")
     print("the CPU the spares took while the job trained, over the job's own:")
     for name, figure in found.items():
         share = cpu[name]
         print(
-            f"  spares {name:<10}"
+            f"  spares {name:<17}"
             + (
                 f" {figure['with_s'] * 1e3:.0f} ms vs {figure['without_s'] * 1e3:.0f} ms"
                 f" without: x{figure['ratio']} over {figure['steps']} steps;"
