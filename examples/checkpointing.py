@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -148,3 +150,55 @@ def restore_latest(manager: Any, handler: Any, abstract_state: PyTree) -> PyTree
         )
     )
     return restored
+
+
+class RestorePreparer:
+    """For a hot spare while it waits: compiles ahead what restoring the newest step onto
+    its target compiles, so that the restart only reads and places.
+
+    A thread looks at ``ckpt_dir`` and, once a step is there, calls
+    `jaxckpt.TieredCheckpointHandler.prepare_restore` for it (jaxckpt's reshard of the
+    leaves replicated across processes: a restore onto another process count needs it);
+    then again for the newest step every ``every_s``, in case a restart changed the
+    layout the job saves in (a prepared program is not compiled twice). The spare waits
+    at a low priority, and so does this thread: it takes CPU the job leaves idle. A step
+    deleted meanwhile is skipped.
+    """
+
+    def __init__(self, ckpt_dir: str, abstract_state: PyTree, every_s: float = 30.0):
+        self._dir = Path(ckpt_dir)
+        self._target = jaxckpt.TieredRestore(abstract_state)
+        self._every_s = every_s
+        self._done = threading.Event()
+        self.prepared: tuple[int, int, float, float] | None = None  # step, leaves, start, end
+        self._thread = threading.Thread(target=self._run, name="prepare-restore", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 60.0) -> tuple[int, int, float, float] | None:
+        """Stops looking; returns the last preparation: ``(step, leaves resharded, start,
+        end)``. Waits for one under way only if none ended before (the restore needs it)."""
+        self._done.set()
+        if self.prepared is None:
+            self._thread.join(timeout_s)
+        return self.prepared
+
+    def _newest(self) -> int | None:
+        steps = [int(p.name) for p in self._dir.glob("*") if p.name.isdigit()]
+        return max(steps, default=None)
+
+    def _run(self) -> None:
+        last = None
+        while not self._done.is_set():
+            step = self._newest() if self._dir.is_dir() else None
+            if step is not None and step != last:
+                start = time.time()
+                try:
+                    leaves = jaxckpt.TieredCheckpointHandler.prepare_restore(
+                        self._dir / str(step) / "train", self._target
+                    )
+                except (FileNotFoundError, NotADirectoryError):
+                    pass  # not finalized yet, or deleted by the manager: the next one
+                else:
+                    self.prepared, last = (step, leaves, start, time.time()), step
+            # Until the first step is prepared, look often; then now and then.
+            self._done.wait(1.0 if last is None else self._every_s)

@@ -1,4 +1,5 @@
-"""`make demo`: lose a node mid-training, recover from memory and peers, lose nothing.
+"""`make demo`: lose a node mid-training, recover from memory and peers, lose nothing;
+shrink when no node replaces it, and grow back when it returns.
 
 Three runs of the LM example (examples/lm.py, quick model) through the local launcher,
 4 processes x 2 CPU devices, a checkpoint EVERY step (memory tier + 1 peer copy) and a
@@ -8,18 +9,22 @@ persisted one every 10 steps:
 2. the same job, with node 1 lost at step 17 (process killed, its memory deleted); the
    launcher restarts all 4 processes, which restore the newest step and train on. The
    loss of every step must be BITWISE identical to the reference;
-3. node 3 lost at step 17 and the job continues on the 3 surviving nodes (a 6-device
-   mesh instead of 8): every later step must train on the same global batch as the
-   reference (the data order survives the resize).
+3. elastic: node 3 lost at step 12 and the job continues on the 3 surviving nodes (a
+   6-device mesh instead of 8); node 3 registers again at step 18 and the launcher grows
+   the job back to 4 processes at its next save (``--grow-at-save``). Every step after
+   each resize must train on the same global batch as the reference (the data order
+   survives both), and no restore may read the persistent tier.
 
 The restarts wake hot spares (``jaxckpt.launch --standby``: processes that joined their
-job, compiled the train step through the persistent compilation cache and ran it once
-while the job trained), and each prints its recovery timeline: per phase, the process
-that ended it last, from the restart to the first trained step.
+job, compiled the train step of their size through the persistent compilation cache and
+ran it once before the job started, then waited at nice 19), and each prints its
+recovery timeline: per phase, the process that ended it last, from the restart to the
+first trained step, as a table and a picture. The runs with spares are compared step by
+step with the reference: how much the waiting spares slow training.
 
-Then one JSON summary line (with ``recovery_timeline``); the exit code is 0 iff both
-checks pass. About 3 minutes on
-2 cores; ``--quick`` (2 processes, 8 steps) is for tests::
+Then one JSON summary line (``recovery_timeline``, ``shrink_recovery_s``,
+``grow_recovery_s``, ``standby_slowdown``); the exit code is 0 iff every check passes.
+About 2-4 minutes on 2 cores; ``--quick`` (2 processes, 20 steps) is for tests::
 
     python examples/demo.py [--quick] [--verbose] [--keep]
 """
@@ -42,10 +47,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: the repository root holds `examples`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.recovery import (
+    Run,
+    Step,
+    check_resize,
+    compare_bitwise,
+    cpu_share,
+    fail,
+    plural,
+    print_recovery,
+    print_timeline,
+    restart_of,
+    slowdown,
+    tiers_of,
+    timeline_summary,
+)
 from jaxckpt import launch
 
 EXAMPLE = Path(__file__).resolve().parent / "lm.py"
-TIERS = ("memory", "peer", "persistent")
 CHILD_LINE = re.compile(r"^\[p(\d+)\] (.*)$")
 ATTEMPT_LINE = re.compile(r"^\[launch\] attempt (\d+): (\d+) processes")
 
@@ -57,36 +79,21 @@ class Config:
     processes: int = 4
     steps: int = 30
     fail_at: int = 17
+    shrink_at: int = 12  # scenario 3: the last node is lost at this step
+    return_at: int = 18  # ... and registers again once the job reached this one
     persist_every: int = 10
     batch: int = 24  # divisible by 8 and 6 devices, 4 and 3 processes
     seed: int = 0
-    run_timeout_s: float = 420.0
+    run_timeout_s: float = 480.0
+    pictures: str | None = None  # --pictures: a directory for the timelines' PNGs
 
 
-QUICK = Config(processes=2, steps=8, fail_at=5, persist_every=4, run_timeout_s=240.0)
-
-
-@dataclasses.dataclass
-class Step:
-    """What process 0 logged for one training step."""
-
-    loss: float
-    data: str  # checksum of the step's global batch
-
-
-@dataclasses.dataclass
-class Run:
-    """One launcher run: what process 0 logged per attempt, and the launcher's report."""
-
-    name: str
-    returncode: int
-    seconds: float
-    report: dict[str, Any]
-    steps: list[dict[int, Step]]  # per attempt: step -> what process 0 logged
-    processes: list[int]  # per attempt: process count
-    unrestorable: list[set[int]]  # per attempt: steps whose restore failed
-    save_seconds: list[float]
-    log: Path
+# Quick steps are short: the grow back (the registration, the stop at a step every process
+# agrees on) needs a dozen of them after the return, on a loaded machine too.
+QUICK = Config(
+    processes=2, steps=20, fail_at=5, shrink_at=4, return_at=6, persist_every=4,
+    run_timeout_s=300.0,
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- running
@@ -114,6 +121,8 @@ def run_job(name: str, cfg: Config, work: Path, flags: Sequence[str], verbose: b
         *("--max-restarts", "1" if flags else "0", *flags),
         # Hot spares: the restart wakes processes that have already imported jax.
         *(["--standby"] if flags else []),
+        # The timeline pictures (--pictures; matplotlib: the plot extra).
+        *(["--timeline-png", f"{cfg.pictures}/{name}.png"] if flags and cfg.pictures else []),
         *("--", sys.executable, str(EXAMPLE), "--quick", "--steps", str(cfg.steps)),
         *("--batch", str(cfg.batch), "--seed", str(cfg.seed), "--ckpt-dir", str(root / "ckpt")),
         *("--replicas", "1", "--persist-every", str(cfg.persist_every)),
@@ -184,7 +193,9 @@ def _show(run: Run, line: str, cfg: Config, verbose: bool) -> None:
             print(f"  [{run.name}] the restore of step {event['step']} failed, the attempt"
                   f" fails (p{process}: {error})")  # fmt: skip
     elif kind == launch.StepEvent.kind and process == 0:
-        run.steps[-1][event["step"]] = Step(float(event["loss"]), str(event.get("data")))
+        run.steps[-1][event["step"]] = Step(
+            float(event["loss"]), str(event.get("data")), event.get("seconds")
+        )
         if not verbose:
             print(
                 f"  [{run.name}] step {event['step']:>3}/{cfg.steps}  loss {event['loss']:.6f}"
@@ -193,192 +204,6 @@ def _show(run: Run, line: str, cfg: Config, verbose: bool) -> None:
             )
     elif kind == launch.SaveEvent.kind and process == 0:
         run.save_seconds.append(float(event["seconds"]))
-
-
-def fail(run: Run, why: str) -> None:
-    """Prints why a run is unusable and the end of its log, then exits 1."""
-    print(f"\nFAILED: {run.name}: {why}. Last lines of {run.log}:")
-    lines = run.log.read_text().splitlines()
-    noise = ('"event": "step"', '"event": "save"', "[Gloo]")
-    print("\n".join(line for line in lines if not any(n in line for n in noise))[-6000:])
-    raise SystemExit(1)
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def plural(count: int, noun: str) -> str:
-    """``1 process``, ``3 processes``."""
-    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith("s") else "s")
-
-
-def bits(x: float) -> str:
-    """The exact value of a loss (a float32 widened to float64) as a hex float."""
-    return x.hex()
-
-
-def compare_bitwise(reference: dict[int, Step], run: Run) -> tuple[bool, list[str]]:
-    """Compares every step of every attempt of ``run`` with the reference, bit for bit.
-
-    Steps computed before the failure and again after the restore are compared both times.
-
-    Returns:
-        ``(identical, table rows)``.
-    """
-    seen: dict[int, list[Step]] = {}
-    for steps in run.steps:
-        for step, logged in steps.items():
-            seen.setdefault(step, []).append(logged)
-    identical = sorted(seen) == sorted(reference)
-    rows = [f"    {'step':>4}  {'uninterrupted':<20}{'recovered run':<20}float32 bits"]
-    for step, want in sorted(reference.items()):
-        got = seen.get(step, [])
-        same = bool(got) and all(bits(g.loss) == bits(want.loss) for g in got)
-        identical &= same
-        shown = repr(got[-1].loss) if got else "missing"
-        note = "" if len(got) < 2 else f"  (computed {len(got)}x: before the failure and after)"
-        rows.append(
-            f"    {step:>4}  {want.loss!r:<20}{shown:<20}{bits(want.loss)}"
-            f"  {'identical' if same else 'DIFFERENT'}{note}"
-        )
-    return identical, rows
-
-
-def restart_of(run: Run) -> dict[str, Any]:
-    """The launcher's report of the first failure and its restart."""
-    failures = run.report.get("failures") or []
-    if not failures or "restart" not in failures[0]:
-        fail(run, "the launcher reports no failure with a restart")
-    return failures[0]
-
-
-def tiers_of(restart: dict[str, Any]) -> list[str]:
-    """The tiers the processes restored from, fastest first."""
-    found = {e.get("tier") for e in restart["restored"].values()}
-    return [t for t in TIERS if t in found] + sorted(str(t) for t in found - set(TIERS))
-
-
-def print_recovery(failure: dict[str, Any]) -> None:
-    """Prints the launcher's recovery report as a table."""
-    restart = failure["restart"]
-    per_process = "  ".join(
-        f"p{i}: {e['tier']} ({e['seconds']} s)" for i, e in restart["restored"].items()
-    )
-    lost = restart["steps_lost"]
-    print(f"  lost node            process {failure['process']} ({failure['status']}) at step"
-          f" {failure['last_step']}, memory root deleted: {failure['node_lost']}")  # fmt: skip
-    print(f"  detected after       {failure['detected_after_s']} s (the launcher watches its"
-          " children; on a cluster JAX's heartbeat or the scheduler notices)")  # fmt: skip
-    print(
-        f"  restored step        {restart['restored_step']} on {plural(restart['processes'], 'process')}"
-    )
-    print(f"  tier per process     {per_process or 'nothing restored'}")
-    print(f"  restore time         {restart['restore_seconds']} s (slowest process)")
-    print(f"  steps of work lost   {lost} (recomputed after the restart)")
-    print(f"  first step after     {restart['first_step_after_s']} s from the restart"
-          " (jax.distributed, restore overlapped with compile, the step)")  # fmt: skip
-    print_timeline(restart["timeline"])
-
-
-def print_timeline(timeline: dict[str, Any]) -> None:
-    """Prints the recovery timeline: per phase, the process that ended it last."""
-    spares = "hot spares woken" if timeline["standby"] else "processes started"
-    print(f"\n  Recovery timeline (seconds from the restart: {spares}; the slowest process"
-          " of each phase):")  # fmt: skip
-    print(f"    {'phase':<12}{'process':>8}{'start':>9}{'end':>9}{'seconds':>9}")
-    for name, span in timeline["slowest"].items():
-        print(
-            f"    {name:<12}{'p' + str(span['process']):>8}{span['start']:>9.3f}"
-            f"{span['end']:>9.3f}{span['seconds']:>9.3f}"
-        )
-    print(
-        f"    restore and compile overlapped {timeline['restore_compile_overlap_s']} s;"
-        f" compilation cache: {timeline['compile_cache_hits']} hit(s),"
-        f" {timeline['compile_cache_misses']} miss(es) of the train step over all processes"
-    )
-    print(
-        f"    failure to first trained step: detected {timeline['detected_after_s']} s"
-        f" + restart {timeline['restart_after_s']} s + first step"
-        f" {timeline['first_step_after_s']} s = {timeline['recovery_s']} s"
-    )
-
-
-def timeline_summary(timeline: dict[str, Any]) -> dict[str, Any]:
-    """The recovery timeline of the summary line: totals and each phase's slowest process."""
-    restore, compile_ = timeline["restore_s"], timeline["compile_s"]
-    bound = max(restore or 0.0, compile_ or 0.0)
-    first = timeline["first_step_after_s"]
-    return {
-        **{
-            k: timeline[k]
-            for k in (
-                "detected_after_s",
-                "restart_after_s",
-                "first_step_after_s",
-                "recovery_s",
-                "standby",
-                "restore_s",
-                "compile_s",
-                "restore_compile_overlap_s",
-                "compile_cache_hits",
-                "compile_cache_misses",
-            )
-        },
-        # How close the restart comes to its floor: reading the state or loading the
-        # executable, whichever is longer (they overlap).
-        "first_step_over_max_restore_compile": (
-            round(first / bound, 2) if first is not None and bound > 0 else None
-        ),
-        # Stricter, and the one that counts with hot spares (they compiled before the
-        # failure): how much the restart adds to reading the state.
-        "first_step_over_restore": (
-            round(first / restore, 2) if first is not None and restore else None
-        ),
-        "phases": {
-            name: {k: span[k] for k in ("process", "start", "end", "seconds")}
-            for name, span in timeline["slowest"].items()
-        },
-    }
-
-
-def check_resize(reference: dict[int, Step], run: Run, cfg: Config) -> dict[str, Any]:
-    """Checks that the run resized after the failure continued the same global data stream.
-
-    Returns:
-        The findings; ``preserved`` is the verdict.
-    """
-    restart = restart_of(run)["restart"]
-    restored = int(restart["restored_step"])
-    after = run.steps[-1] if len(run.steps) > 1 else {}
-    problems = []
-    if restored <= 0 or any(int(e["step"]) != restored for e in restart["restored"].values()):
-        problems.append(
-            f"the {restart['processes']} processes did not all restore step {restored} > 0"
-            " (a restart from scratch replays the data from the beginning)"
-        )
-    if sorted(after) != list(range(restored + 1, cfg.steps + 1)):
-        problems.append(
-            f"after the resize it trained steps {sorted(after)}, expected"
-            f" {restored + 1}..{cfg.steps}"
-        )
-    mismatched = [s for s, got in after.items() if got.data != reference[s].data]
-    if mismatched:
-        problems.append(f"steps {mismatched} trained on other global batches than the reference")
-    rel = [
-        abs(got.loss - reference[s].loss) / abs(reference[s].loss)
-        for s, got in after.items()
-        if s in reference
-    ]
-    return {
-        "preserved": not problems,
-        "problems": problems,
-        "restored_step": restored,
-        "tiers": tiers_of(restart),
-        "processes": restart["processes"],
-        "steps_checked": len(after) - len(mismatched),
-        "max_rel_loss_diff": max(rel, default=None),
-        "timeline": restart["timeline"],
-    }
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -409,11 +234,11 @@ def reference_run(cfg: Config, work: Path, verbose: bool) -> dict[int, Step]:
 
 def node_loss_run(
     reference: dict[int, Step], cfg: Config, work: Path, verbose: bool
-) -> tuple[dict[str, Any], bool]:
+) -> tuple[Run, dict[str, Any], bool]:
     """Scenario 2: lose a node, restart on as many processes, compare bit for bit.
 
     Returns:
-        ``(the launcher's failure report, whether every loss is identical)``.
+        ``(the run, the launcher's failure report, whether every loss is identical)``.
     """
     victim = 1 % cfg.processes
     print(
@@ -436,37 +261,112 @@ def node_loss_run(
         if identical
         else "  => NOT IDENTICAL: the recovered run diverged from the uninterrupted one.\n"
     )
-    return failure, identical
+    return lost, failure, identical
 
 
-def shrink_run(
+def elastic_run(
     reference: dict[int, Step], cfg: Config, work: Path, verbose: bool
-) -> dict[str, Any]:
-    """Scenario 3: lose the last node and continue on the others; check the data order."""
+) -> tuple[Run, dict[str, Any], dict[str, Any]]:
+    """Scenario 3: lose the last node and continue on the others; grow back when it
+    returns. Checks the data order after each resize.
+
+    Returns:
+        ``(the run, the shrink's findings, the grow back's)``.
+    """
     n, last = cfg.processes, cfg.processes - 1
     print(
-        f"3/3  Shrink: node {last} is lost at step {cfg.fail_at} and the job continues on"
-        f" the {plural(n - 1, 'surviving node')} ({2 * (n - 1)} devices instead of {2 * n}).",
+        f"3/3  Elastic: node {last} is lost at step {cfg.shrink_at} and the job continues on"
+        f" the {plural(n - 1, 'surviving node')} ({2 * (n - 1)} devices instead of {2 * n});"
+        f" node {last} registers again at step {cfg.return_at} and the job grows back to"
+        f" {plural(n, 'process')} at its next save.",
         flush=True,
     )
-    flags = ["--lose-node", f"{last}@{cfg.fail_at}", "--processes-after-failure", str(n - 1)]
-    shrunk = run_job("shrink", cfg, work, flags, verbose)
-    if shrunk.returncode or len(shrunk.steps) < 2:
-        fail(shrunk, f"the launcher exited {shrunk.returncode} without a resized run")
-    resize = check_resize(reference, shrunk, cfg)
-    diff = resize["max_rel_loss_diff"]
-    print(f"     done in {shrunk.seconds:.0f} s.\n\n{PRESERVED_MEANS}")
-    print(
-        f"  restored step {resize['restored_step']} from {'+'.join(resize['tiers']) or '-'}"
-        f" on {plural(resize['processes'], 'process')}; {resize['steps_checked']} later steps"
-        " trained on the reference's global batches; largest relative loss difference"
-        f" {'-' if diff is None else f'{diff:.1e}'}"
-    )
-    print_timeline(resize["timeline"])
-    for problem in resize["problems"]:
-        print(f"  PROBLEM: {problem}")
-    print(f"  => data order {'PRESERVED' if resize['preserved'] else 'NOT PRESERVED'}\n")
-    return resize
+    flags = [
+        *("--lose-node", f"{last}@{cfg.shrink_at}", "--processes-after-failure", str(n - 1)),
+        *("--return-node", f"{last}@{cfg.return_at}", "--grow-at-save"),
+    ]
+    run = run_job("elastic", cfg, work, flags, verbose)
+    if run.returncode or len(run.steps) < 3:
+        fail(run, f"the launcher exited {run.returncode} without a shrunk and a grown run")
+    shrink_restart = restart_of(run, "failures")["restart"]
+    grow = restart_of(run, "grows")
+    shrunk_steps, grown_steps = run.steps[-2], run.steps[-1]
+    stopped_at = int(grow["last_step"])
+    shrink = check_resize(reference, shrink_restart, shrunk_steps, stopped_at)
+    grown = check_resize(reference, grow["restart"], grown_steps, cfg.steps)
+    if grow["restart"]["steps_lost"]:
+        grown["preserved"] = False
+        grown["problems"].append(f"the grow back lost {grow['restart']['steps_lost']} step(s)")
+    print(f"     done in {run.seconds:.0f} s.\n\n{PRESERVED_MEANS}")
+    for what, found in (("shrink", shrink), ("grow back", grown)):
+        diff = found["max_rel_loss_diff"]
+        print(
+            f"\n  {what}: restored step {found['restored_step']} from"
+            f" {'+'.join(found['tiers']) or '-'} ({found['persistent_bytes']} bytes from the"
+            f" persistent tier) on {plural(found['processes'], 'process')};"
+            f" {found['steps_checked']} later steps trained on the reference's global"
+            f" batches; largest relative loss difference {'-' if diff is None else f'{diff:.1e}'}"
+        )
+        print_timeline(found["timeline"])
+        for problem in found["problems"]:
+            print(f"  PROBLEM: {problem}")
+        print(f"  => data order {'PRESERVED' if found['preserved'] else 'NOT PRESERVED'}")
+    print()
+    return run, shrink, grown
+
+
+def standby_slowdown(
+    reference: dict[int, Step], cfg: Config, lost: Run, elastic: Run
+) -> dict[str, Any]:
+    """How much the hot spares slow training, step by step against the reference.
+
+    ``waiting``: the first attempts of runs 2 and 3 (their spares, prepared before the
+    job started, wait at nice 19) over their steps before the failure; ``preparing``: the
+    grown job of run 3, while the spares that replace the ones it woke prepare at nice 19;
+    ``none (restarted)``, its control: the restarted job of run 2, beside no spare.
+    Step times drift with the machine's load between runs; ``cpu_share`` (the CPU the
+    spares used while the jobs trained, over the jobs') does not, and bounds the slowdown.
+    """
+    waiting = [
+        (lost.steps[0], range(2, cfg.fail_at)),
+        (elastic.steps[0], range(2, cfg.shrink_at)),
+    ]
+    grown, restarted = elastic.steps[-1], lost.steps[-1]
+    preparing = [(grown, range(min(grown, default=0) + 1, cfg.steps + 1))]
+    # The control for `preparing`: a job just restarted, with no spare left to prepare.
+    alone = [(restarted, range(min(restarted, default=0) + 1, cfg.steps + 1))]
+    found = {
+        "waiting": slowdown(reference, waiting),
+        "preparing": slowdown(reference, preparing),
+        "none (restarted)": slowdown(reference, alone),
+    }
+    firsts = [lost.report["attempts"][0], elastic.report["attempts"][0]]
+    cpu = {
+        "waiting": cpu_share(firsts),
+        "preparing": cpu_share(elastic.report["attempts"][-1:]),
+        "none (restarted)": cpu_share(lost.report["attempts"][-1:]),
+    }
+    print("Training with the spares beside it, against the reference (median step time), and")
+    print("the CPU the spares took while the job trained, over the job's own:")
+    for name, figure in found.items():
+        share = cpu[name]
+        print(
+            f"  spares {name:<17}"
+            + (
+                f" {figure['with_s'] * 1e3:.0f} ms vs {figure['without_s'] * 1e3:.0f} ms"
+                f" without: x{figure['ratio']} over {figure['steps']} steps;"
+                if figure
+                else ""
+            )
+            + (
+                f" CPU {share['standby_cpu_s']:.2f} s vs the job's {share['job_cpu_s']:.1f} s:"
+                f" {share['share']:.2%}"
+                if share
+                else ""
+            )
+        )
+    print()
+    return {**found, "cpu_share": cpu}
 
 
 # ----------------------------------------------------------------------------- main
@@ -475,12 +375,17 @@ def shrink_run(
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the demo; see ``--help``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 processes, 8 steps (tests)")
+    parser.add_argument("--quick", action="store_true", help="2 processes, 20 steps (tests)")
     parser.add_argument("--verbose", action="store_true", help="echo every process's output")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     parser.add_argument("--workdir", help="parent of the scratch directory (default /dev/shm)")
+    parser.add_argument(
+        "--pictures", metavar="DIR", help="also draw each run's timelines as PNGs in DIR"
+    )
     args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else Config()
+    cfg = dataclasses.replace(QUICK if args.quick else Config(), pictures=args.pictures)
+    if args.pictures:
+        os.makedirs(args.pictures, exist_ok=True)
     parent = args.workdir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     work = Path(tempfile.mkdtemp(prefix="jaxckpt-demo-", dir=parent))
     begin = time.monotonic()
@@ -492,8 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         reference = reference_run(cfg, work, args.verbose)
-        failure, identical = node_loss_run(reference, cfg, work, args.verbose)
-        resize = shrink_run(reference, cfg, work, args.verbose)
+        lost, failure, identical = node_loss_run(reference, cfg, work, args.verbose)
+        elastic, shrink, grown = elastic_run(reference, cfg, work, args.verbose)
+        slowed = standby_slowdown(reference, cfg, lost, elastic)
     finally:
         if args.keep:
             print(f"(kept {work})")
@@ -502,20 +408,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     restart = failure["restart"]
     summary = {
         "recovery_timeline": timeline_summary(restart["timeline"]),
-        "resize_recovery_timeline": timeline_summary(resize["timeline"]),
         "recovered_from": tiers_of(restart),
         "restore_seconds": restart["restore_seconds"],
         "steps_lost": restart["steps_lost"],
         "identical_losses": identical,
         "restored_step": restart["restored_step"],
         "detected_after_s": failure["detected_after_s"],
-        "resized_to": resize["processes"],
-        "resize_recovered_from": resize["tiers"],
-        "resize_data_order_preserved": resize["preserved"],
+        "shrink_recovery_s": shrink["timeline"]["recovery_s"],
+        "grow_recovery_s": grown["timeline"]["recovery_s"],
+        "shrink_recovery_timeline": timeline_summary(shrink["timeline"]),
+        "grow_recovery_timeline": timeline_summary(grown["timeline"]),
+        "resized_to": shrink["processes"],
+        "grown_to": grown["processes"],
+        "resize_recovered_from": shrink["tiers"],
+        "grow_recovered_from": grown["tiers"],
+        "persistent_bytes_read": shrink["persistent_bytes"] + grown["persistent_bytes"],
+        "resize_data_order_preserved": shrink["preserved"],
+        "grow_data_order_preserved": grown["preserved"],
+        "standby_slowdown": slowed,
         "demo_seconds": round(time.monotonic() - begin, 1),
     }
     print(json.dumps(summary), flush=True)
-    return 0 if identical and resize["preserved"] else 1
+    return 0 if identical and shrink["preserved"] and grown["preserved"] else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """This process in its job: joining ``jax.distributed``, events, failures, hot spares.
 
 Joining (:func:`setup_jax`), the event lines (:func:`emit`), failure injection
-(:func:`maybe_kill`) and a hot spare's wait for its go line (:func:`await_go`).
+(:func:`maybe_kill`), a hot spare's wait for its go line (:func:`await_go`) and a stop
+the job is asked for (:func:`stop_requested`).
 
 Every process prints one JSON event per line on stdout; the launcher and the demo parse
 them. The events and their fields are defined in ``jaxckpt.launch``
@@ -22,6 +23,10 @@ Environment (set by ``python -m jaxckpt.launch``; all optional):
   line on stdin, ``{"env": {...}}``: the variables of where it runs (memory root, failure
   domain, ...), set before the checkpoint manager is built (:func:`await_go`). End of
   input means the spare is not needed: exit 0.
+
+SIGTERM is JAX's preemption notice once ``jax.distributed`` runs: the launcher sends it to
+grow the job back (``--grow-at-save``), and the loop stops at the step its processes agree
+on, after that step's save (:func:`stop_requested`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from typing import Final
 
 import jax
+from jax.experimental import multihost_utils
 
 from examples.timeline import Timeline
 from jaxckpt import launch
@@ -94,6 +100,20 @@ def maybe_kill(step: int) -> None:
     if at is not None and int(at) == step and int(who) == jax.process_index():
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stop_requested(step: int) -> bool:
+    """Whether the job stops after ``step``, its save included: True on every process at
+    the same step once any of them got a preemption notice (SIGTERM).
+
+    JAX's preemption sync point: each process must call it once at every step, from the
+    same first step on (Orbax's ``CheckpointManager.save`` also asks it, for the same
+    step). False without ``jax.distributed`` (no preemption service).
+    """
+    try:
+        return bool(multihost_utils.reached_preemption_sync_point(step))
+    except RuntimeError:  # no preemption service: one process without jax.distributed
+        return False
 
 
 def await_go(timeline: Timeline) -> None:

@@ -179,22 +179,22 @@ def train(
     batch_abstract = data.abstract_batch(task.records, task.global_batch, mesh)
     ahead = compile_cache.compile_ahead(train_step, timeline, cache_dir, *abstract, batch_abstract)
     iterator = data.make_data_iterator(task.records, args.seed, task.global_batch, mesh)
+    abstract_state = {
+        "params": abstract[0],
+        "opt_state": abstract[1],
+        "rng": abstract[2],
+        "data": iterator,
+        "step": 0,
+    }
     timeline.add("setup", setup_start, time.time())
     if go is not None:
         with timeline.phase("warm_up"):
             warm_up(ahead.result(), init, shardings, batch_abstract, cache_dir)
-        args = go()
+        args = standby(args, go, abstract_state, timeline)
     manager = handler = restored = None
     if not args.no_checkpoint:
         with timeline.phase("manager"):
             manager, handler = checkpointing.open_manager(args, process)
-        abstract_state = {
-            "params": abstract[0],
-            "opt_state": abstract[1],
-            "rng": abstract[2],
-            "data": iterator,
-            "step": 0,
-        }
         with timeline.phase("restore"):
             restored = checkpointing.restore_latest(manager, handler, abstract_state)
     if restored is None:
@@ -207,7 +207,8 @@ def train(
         iterator, step = restored["data"], int(restored["step"])
 
     step_fn, executable = ahead.result(), "ahead"
-    first_step = True
+    first_step, stopped = True, False
+    last_event = time.perf_counter()
     while step < args.steps:
         step_start = time.time()
         batch = data.to_global_batch(next(iterator), mesh)
@@ -223,11 +224,17 @@ def train(
             params, opt_state, rng, loss, data_sum = step_fn(params, opt_state, rng, batch)
         step += 1
         # `data`: checksum of the global batch of this step (compare runs' data order).
+        now = time.perf_counter()
         job.emit(
             launch.StepEvent(
-                step=step, loss=float(loss), data=f"{int(data_sum):08x}", process=process
+                step=step,
+                loss=float(loss),
+                data=f"{int(data_sum):08x}",
+                process=process,
+                seconds=round(now - last_event, 4),
             )
         )
+        last_event = now
         if first_step:
             first_step = False
             timeline.add("first_step", step_start, time.time())
@@ -257,12 +264,43 @@ def train(
             seconds = round(time.perf_counter() - start, 4)
             job.emit(launch.SaveEvent(step=step, seconds=seconds, process=process))
         job.maybe_kill(step)
+        if job.stop_requested(step):
+            stopped = True  # every process agreed on this step; its save is made
+            break
     if manager is not None:
         manager.wait_until_finished()
         manager.close()
+    if stopped:
+        job.emit(launch.StoppedEvent(step=step, process=process))
     seconds = round(time.perf_counter() - begin, 3)
     job.emit(launch.DoneEvent(step=step, seconds=seconds, process=process))
     return 0
+
+
+def standby(
+    args: argparse.Namespace,
+    go: Callable[[], argparse.Namespace],
+    abstract_state: PyTree,
+    timeline: Timeline,
+) -> argparse.Namespace:
+    """A hot spare's wait for its go line, preparing the restore meanwhile: its reshard
+    compiled for the newest step the job saved (`checkpointing.RestorePreparer`).
+
+    Returns:
+        The flags again, with the go line's environment (``go``).
+    """
+    preparer = (
+        checkpointing.RestorePreparer(args.ckpt_dir, abstract_state)
+        if args.ckpt_dir and not args.no_checkpoint
+        else None
+    )
+    args = go()
+    prepared = preparer.stop() if preparer is not None else None
+    if prepared is not None:
+        step, leaves, start, end = prepared
+        timeline.add("prepare_restore", start, end)
+        job.emit(launch.RestorePreparedEvent(step=step, leaves=leaves, process=jax.process_index()))
+    return args
 
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, shardings: PyTree) -> Any:

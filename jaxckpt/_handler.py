@@ -15,6 +15,7 @@ from orbax.checkpoint import checkpoint_args
 from jaxckpt._args import TieredRestore, TieredSave
 from jaxckpt._options import TierOptions
 from jaxckpt.restore import _operation as _restore_operation
+from jaxckpt.restore import _prepare
 from jaxckpt.run import _session
 from jaxckpt.save import _operation as _save_operation
 
@@ -97,6 +98,30 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           TimeoutError: if another process does not take part within the timeout.
         """
         return self._restores.restore(directory, args if args is not None else TieredRestore())
+
+    @staticmethod
+    def prepare_restore(directory: epath.Path | Path | str, args: TieredRestore) -> int:
+        """Compiles ahead what a restore of `directory` into `args` compiles, so that the
+        restore only reads and places: on a hot spare, while it waits for a restart.
+
+        A restore onto another process count (a job shrunk or grown back) reshards the
+        leaves replicated across processes with one compiled collective; this compiles
+        it now. Local and cheap: it reads the step's index only (no chunk, no memory
+        tier, no other process), and needs no handler. Any step saved in the layout the
+        restore will read does (the newest one, say).
+
+            step = mngr.latest_step()
+            jaxckpt.TieredCheckpointHandler.prepare_restore(
+                mngr.directory / str(step) / "train", jaxckpt.TieredRestore(abstract_state))
+
+        Returns:
+          How many leaves the prepared reshard carries (0: the restore compiles nothing).
+
+        Raises:
+          FileNotFoundError: if `directory` holds no jaxckpt index.
+          ValueError, TypeError: if the target does not match the saved tree.
+        """
+        return _prepare.prepare(directory, args)
 
     # ---- metadata and lifecycle --------------------------------------------
 

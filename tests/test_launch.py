@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import os
 import pathlib
 import signal
 import sys
@@ -14,13 +15,15 @@ import time
 import psutil
 import pytest
 
-from jaxckpt.launch import _events, _supervise
+from jaxckpt.launch import _events, _priority, _registry, _supervise, _timeline
 from jaxckpt.launch import _launcher as launch
 
 # A fake training process: one step event every few ms, its step kept in its memory root
 # (the "memory tier"), restored from there at start, and the launcher's kill hook. As a
-# hot spare (JAXCKPT_STANDBY=1) it leaves its pid in the markers and waits for its go
-# line; after its first step it prints a timeline whose restore and compile overlap.
+# hot spare (JAXCKPT_STANDBY=1) it leaves its pid and nice value in the markers, says it
+# is ready and waits for its go line; after its first step it prints a timeline whose
+# restore and compile overlap. SIGTERM (a JAX job's preemption notice) makes it stop after
+# its next step, as the examples do: a "stopped" event, exit 0.
 CHILD = textwrap.dedent(
     """
     import json, os, pathlib, signal, sys, time
@@ -28,9 +31,14 @@ CHILD = textwrap.dedent(
     mode, steps, markers = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
     env = os.environ
     woken = None
+    asked_to_stop = []
+    signal.signal(signal.SIGTERM, lambda *_: asked_to_stop.append(True))
     if env.get("JAXCKPT_STANDBY") == "1":
         joined = env["JAXCKPT_COORDINATOR"]
         (markers / f"spare-{os.getpid()}").write_text(joined)
+        (markers / f"nice-{os.getpid()}").write_text(str(os.nice(0)))
+        print(json.dumps({"event": "standby", "process": int(env["JAXCKPT_PROCESS_ID"])}),
+              flush=True)
         line = sys.stdin.readline()
         if not line:
             sys.exit(0)
@@ -52,7 +60,7 @@ CHILD = textwrap.dedent(
         except FileExistsError:
             return False
 
-    emit("env", coordinator=env["JAXCKPT_COORDINATOR"], n=n,
+    emit("env", coordinator=env["JAXCKPT_COORDINATOR"], n=n, nice=os.nice(0),
          devices=env["JAXCKPT_CPU_DEVICES"], domain=env["JAXCKPT_FAILURE_DOMAIN"],
          memory_root=str(root), woken=woken,
          cache=env.get("JAX_COMPILATION_CACHE_DIR"),
@@ -87,6 +95,9 @@ CHILD = textwrap.dedent(
             time.sleep(3600)
         if mode == "fail" and pid == 0 and step == start + 2:  # fails in every attempt
             sys.exit(3)
+        if asked_to_stop:
+            emit("stopped", step=step, nice=os.nice(0))
+            break
     emit("done", step=step)
     """
 )
@@ -135,7 +146,12 @@ def test_kill_is_detected_and_restored(run, capsys) -> None:
     assert failure["status"] == "killed by SIGKILL" and not failure["node_lost"]
     assert 0 <= failure["detected_after_s"] < 2 and failure["last_step"] >= 3
     restart = failure["restart"]
-    assert restart["restored"]["1"] == {"step": 3, "tier": "memory", "seconds": 0.01}
+    assert restart["restored"]["1"] == {
+        "step": 3,
+        "tier": "memory",
+        "seconds": 0.01,
+        "bytes_by_tier": None,
+    }
     # A process that had not stepped yet when it was killed restores nothing (step 0).
     steps = [restart["restored"].get(str(i), {"step": 0})["step"] for i in range(3)]
     assert restart["restored_step"] == min(steps)
@@ -240,7 +256,9 @@ def test_compilation_cache_is_passed_to_every_process(run, capsys, tmp_path) -> 
 
 
 def test_standby_spares_take_over_and_are_reaped(run, capsys, tmp_path) -> None:
-    code, report = run("-n", "2", "--standby", "--max-restarts", "2", "--kill", "1@3", steps=30)
+    # Steps enough for the spares started once the restart trains to get going (their
+    # markers) before the job ends, on a loaded machine too.
+    code, report = run("-n", "2", "--standby", "--max-restarts", "2", "--kill", "1@3", steps=150)
     out = capsys.readouterr().out
     assert code == 0 and report["restarts"] == 1
     first, second = report["attempts"]
@@ -261,6 +279,86 @@ def test_standby_spares_take_over_and_are_reaped(run, capsys, tmp_path) -> None:
     while not all(map(_dead, spares)):
         assert time.monotonic() < deadline, "a spare outlived the launcher"
         time.sleep(0.05)
+
+
+def test_shrink_then_grow_back_on_spares_when_the_node_registers(run, capsys, tmp_path) -> None:
+    code, report = run(
+        *("-n", "3", "--standby", "--lose-node", "2@3", "--processes-after-failure", "2"),
+        *("--return-node", "2@5", "--grow-at-save"),
+        steps=200,  # 4 s: the registration and the stop come while the job trains
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    attempts = report["attempts"]
+    assert [a["outcome"] for a in attempts] == ["signal", "stopped", "ok"]
+    assert [a["nodes"] for a in attempts] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    assert [a["standby"] for a in attempts] == [False, True, True]
+    assert attempts[1]["stop_requested_at"] is not None and attempts[1]["stopped"]
+    assert len(report["failures"]) == 1 and report["restarts"] == 1
+    (grow,) = report["grows"]
+    assert grow["from_processes"] == 2 and grow["to_processes"] == 3
+    assert grow["nodes_added"] == [2] and grow["restart"]["nodes"] == [0, 1, 2]
+    timeline = grow["restart"]["timeline"]
+    assert timeline["kind"] == "grow" and timeline["standby"] is True
+    assert timeline["stopped_after_s"] >= 0 and timeline["recovery_s"] is not None
+    assert "node2 registered" in out and "grow back in attempt 1" in out
+    assert "stopped" in _timeline.format_timeline(timeline)
+    # The CPU the job and the spares used while the job trained, counted from its first step.
+    cpu = [a["cpu_s"] for a in attempts]
+    assert all(c is not None and c["job"] >= 0 and c["standby"] >= 0 for c in cpu), cpu
+    assert all(c["seconds"] > 0 for c in cpu), cpu
+    # The first spares prepared at normal priority before the job started, then waited at
+    # nice 19; those started while a job trained started at 19. Woken, each had nice 0
+    # again (as root; without CAP_SYS_NICE the launcher says it cannot give it back).
+    niced = [int(p.read_text()) for p in (tmp_path / "markers").glob("nice-*")]
+    assert 0 in niced and _priority.NICEST in niced, niced
+    woken = [e for e in events_of(out, "env") if e["woken"]]
+    assert len(woken) == 5  # 2 processes after the loss, 3 after the grow
+    if "cannot give process" not in out:
+        assert {e["nice"] for e in woken} == {0}
+
+
+def test_a_new_host_registers_in_the_directory(run, capsys, tmp_path) -> None:
+    register = tmp_path / "hosts"
+    _registry.register(str(register), 7)  # a host that is up before the job needs it
+    (register / "notes.txt").write_text("not a node")
+    code, report = run(
+        *("-n", "2", "--lose-node", "1@3", "--processes-after-failure", "1"),
+        *("--register-dir", str(register), "--grow-at-save"),
+        steps=100,
+    )
+    assert code == 0, capsys.readouterr().out[-3000:]
+    assert [a["nodes"] for a in report["attempts"]] == [[0, 1], [0], [0, 7]]
+    assert report["grows"][0]["nodes_added"] == [7]
+    assert sorted(p.name for p in register.iterdir()) == ["notes.txt"]  # node7 was taken
+
+
+def test_registry_takes_each_node_once_and_polls_at_most_every_half_second(tmp_path) -> None:
+    registry = _registry.Registry(str(tmp_path / "r"))
+    _registry.register(registry.directory, 3)
+    _registry.register(registry.directory, 1)
+    assert registry.take() == [1, 3]
+    _registry.register(registry.directory, 4)
+    assert registry.take() == []  # within POLL_S of the last read
+    time.sleep(_registry.POLL_S)
+    assert registry.take() == [4] and registry.take() == []
+
+
+def test_spares_wait_at_a_low_priority_and_get_it_back(tmp_path) -> None:
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    with _supervise.ProcessSet(sleeper, [{}], nice=_priority.NICEST) as procs:
+        pid = procs.procs[0].pid
+        assert os.getpriority(os.PRIO_PROCESS, pid) == _priority.NICEST
+        autogroup = pathlib.Path(f"/proc/{pid}/autogroup")
+        if autogroup.exists():  # where the kernel schedules sessions first
+            assert autogroup.read_text().split()[-1] == str(_priority.NICEST)
+        refused = procs.set_nice(0)
+        if refused:  # not root: raising a priority needs CAP_SYS_NICE
+            assert "CAP_SYS_NICE" in refused[0]
+        else:
+            assert os.getpriority(os.PRIO_PROCESS, pid) == 0
+    with pytest.raises(ValueError, match="nice value"):
+        _priority.set_nice(os.getpid(), 20)
 
 
 def test_parsing_helpers() -> None:

@@ -169,7 +169,25 @@ def reshard(
     replica axes, each process contributing the 1/R it read (`read_layout`), the
     padding of a padded read layout dropped on the way.
     Collective: every process calls it with the same leaves."""
-    key = (tuple(shardings), tuple(layouts or [None] * len(arrays)))
+    return _program(shardings, layouts or [None] * len(arrays))(*arrays)
+
+
+def compile_reshard(
+    abstract: Sequence[jax.ShapeDtypeStruct],
+    shardings: list[jax.sharding.Sharding],
+    layouts: Sequence[ReadLayout | None],
+) -> None:
+    """Compiles the program `reshard` runs for arrays like `abstract` (shape, dtype and
+    read sharding) without running it: a later `reshard` of such arrays onto `shardings`
+    finds it compiled (a hot spare prepares a restore). Local, not a collective."""
+    _program(shardings, layouts).lower(*abstract).compile()
+
+
+def _program(
+    shardings: Sequence[jax.sharding.Sharding], layouts: Sequence[ReadLayout | None]
+) -> Any:
+    """The jitted reshard onto `shardings` (kept for the last few trees)."""
+    key = (tuple(shardings), tuple(layouts))
     fn = _RESHARD.get(key)
     if fn is None:
         if len(_RESHARD) >= 8:
@@ -179,7 +197,7 @@ def reshard(
             lambda *xs: tuple(f(x) for f, x in zip(unpads, xs, strict=True)),
             out_shardings=key[0],
         )
-    return fn(*arrays)
+    return fn
 
 
 # The reshard of the last few trees (its compiled programs are kept with it).

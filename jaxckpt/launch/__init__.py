@@ -14,10 +14,12 @@ from jaxckpt.launch._events import ExecutableUnusableEvent as ExecutableUnusable
 from jaxckpt.launch._events import ReplicasLoweredEvent as ReplicasLoweredEvent
 from jaxckpt.launch._events import RestoredEvent as RestoredEvent
 from jaxckpt.launch._events import RestoreFailedEvent as RestoreFailedEvent
+from jaxckpt.launch._events import RestorePreparedEvent as RestorePreparedEvent
 from jaxckpt.launch._events import SaveEvent as SaveEvent
 from jaxckpt.launch._events import StandbyEvent as StandbyEvent
 from jaxckpt.launch._events import StartEvent as StartEvent
 from jaxckpt.launch._events import StepEvent as StepEvent
+from jaxckpt.launch._events import StoppedEvent as StoppedEvent
 from jaxckpt.launch._events import TimelineEvent as TimelineEvent
 from jaxckpt.launch._events import format_event as format_event
 from jaxckpt.launch._events import parse_event as parse_event
@@ -31,11 +33,13 @@ __all__ = [
     "ExecutableUnusableEvent",
     "ReplicasLoweredEvent",
     "RestoreFailedEvent",
+    "RestorePreparedEvent",
     "RestoredEvent",
     "SaveEvent",
     "StandbyEvent",
     "StartEvent",
     "StepEvent",
+    "StoppedEvent",
     "TimelineEvent",
     "format_event",
     "main",

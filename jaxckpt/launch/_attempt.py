@@ -19,7 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from jaxckpt.launch._children import Job
-from jaxckpt.launch._events import RestoredEvent, StepEvent, TimelineEvent, parse_event
+from jaxckpt.launch._cpu import CpuShare
+from jaxckpt.launch._events import (
+    RestoredEvent,
+    StepEvent,
+    StoppedEvent,
+    TimelineEvent,
+    parse_event,
+)
 from jaxckpt.launch._supervise import port_in_use
 
 POLL_S: Final = 0.05
@@ -33,7 +40,9 @@ class Attempt:
         index: 0 for the first run, then 1, 2, ... per restart (port retries included).
         num_processes: Processes in this run.
         port: Coordinator port.
-        outcome: ``ok``, ``exit`` (non-zero code), ``signal``, ``hang`` or ``port``.
+        outcome: ``ok``, ``stopped`` (every process exited 0 after a ``stopped`` event:
+            the job stopped when asked, `run_attempt`'s ``should_stop``), ``exit``
+            (non-zero code), ``signal``, ``hang`` or ``port``.
         process: The process that failed first, if any.
         returncode: Its return code (negative: killed by that signal).
         detected_after_s: Time from its last sign of life (an output line, or the close of
@@ -48,6 +57,11 @@ class Attempt:
         detected_at: Wall-clock time of the failure's detection.
         standby: Whether the run woke hot spares.
         timelines: Process -> its ``timeline`` event.
+        last_step_at: Wall-clock time of the last ``step`` event.
+        stop_requested_at: Wall-clock time the launcher asked the job to stop, if it did.
+        ended_at: Wall-clock end of the run (every process exited, or killed).
+        cpu_s: CPU seconds the job and the hot spares used from its first ``step`` event
+            to its end (`_cpu.CpuShare`), or None if it never trained.
     """
 
     index: int
@@ -66,6 +80,11 @@ class Attempt:
     detected_at: float | None = None
     standby: bool = False
     timelines: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    last_step_at: float | None = None
+    stop_requested_at: float | None = None
+    ended_at: float = 0.0
+    stopped: bool = False  # a process printed a ``stopped`` event
+    cpu_s: dict[str, float] | None = None
 
 
 def run_attempt(
@@ -78,6 +97,8 @@ def run_attempt(
     env: Mapping[str, str] | None = None,
     spares: Job | None = None,
     on_training: Callable[[], None] | None = None,
+    should_stop: Callable[[Attempt], bool] | None = None,
+    spare_pids: Callable[[], list[int]] = list,
 ) -> Attempt:
     """Runs the process set once, until all exit 0 or one fails or hangs.
 
@@ -92,6 +113,12 @@ def run_attempt(
         spares: Hot spares to wake (`start_spares`, as many as processes) instead of
             starting processes; they get their variables on stdin. Killed at the end.
         on_training: Called once, at the run's first ``step`` event.
+        should_stop: Asked at every poll while the job runs; once it says True, every
+            process gets SIGTERM (once): a JAX job's preemption notice, on which the
+            examples stop at the next step the processes agree on, after its save
+            (``stopped`` event, exit 0).
+        spare_pids: The processes of the hot spares beside the job, whose CPU time is
+            counted with the job's while it trains (``cpu_s``).
 
     Returns:
         ``attempt``, filled in.
@@ -101,14 +128,21 @@ def run_attempt(
     attempt.started_at = time.time()
     job = _wake(spares, envs, attempt) if spares is not None else Job(command, envs)
     output = _Output(attempt, job.lines, start, on_training)
+    usage = CpuShare(spare_pids)
     with job:
-        _watch(job, output, attempt, hang_timeout, injection)
+        _watch(job, output, attempt, hang_timeout, injection, should_stop, usage)
+        if attempt.first_step_s is not None:
+            usage.sample([p.pid for p in job.processes.procs], force=True)
+    attempt.cpu_s = usage.result()
     # Collect what the dead processes wrote before they died.
     deadline = time.monotonic() + 2.0
     while output.open_streams and time.monotonic() < deadline:
         output.read(POLL_S)
     if attempt.outcome != "ok" and output.port_taken:
         attempt.outcome = "port"
+    if attempt.outcome == "ok" and attempt.stopped:
+        attempt.outcome = "stopped"
+    attempt.ended_at = time.time()
     attempt.seconds = round(time.monotonic() - start, 3)
     return attempt
 
@@ -142,8 +176,12 @@ def _child_envs(
 
 
 def _wake(spares: Job, envs: Sequence[Mapping[str, str]], attempt: Attempt) -> Job:
-    """Hands each waiting spare its variables on stdin; the spares become the attempt's job."""
+    """Gives the waiting spares the job's priority back, then each its variables on stdin;
+    the spares become the attempt's job."""
     attempt.standby = True
+    refused = spares.processes.set_nice(0)
+    if refused:
+        print(f"[launch] {refused[0]}; the woken spares keep their low priority", flush=True)
     for i, child_env in enumerate(envs):
         # A spare that died meanwhile shows up in `_watch`, as a failed process.
         with contextlib.suppress(OSError):
@@ -198,6 +236,7 @@ class _Output:
         attempt = self.attempt
         if event["event"] == StepEvent.kind and isinstance(event.get("step"), int):
             attempt.last_step = max(attempt.last_step, event["step"])
+            attempt.last_step_at = time.time()
             if attempt.first_step_s is None:
                 attempt.first_step_s = round(time.monotonic() - self._start, 3)
                 if self._on_training is not None:
@@ -206,6 +245,8 @@ class _Output:
             attempt.restored[i] = event
         elif event["event"] == TimelineEvent.kind:
             attempt.timelines[i] = event
+        elif event["event"] == StoppedEvent.kind:
+            attempt.stopped = True
 
 
 def _watch(
@@ -214,11 +255,19 @@ def _watch(
     attempt: Attempt,
     hang_timeout: float,
     injection: tuple[int, int] | None,
+    should_stop: Callable[[Attempt], bool] | None,
+    usage: CpuShare,
 ) -> None:
     """Reads the job's output until every process exited 0 with its output closed, or one
-    failed or hung: that one goes into `attempt`."""
+    failed or hung: that one goes into `attempt`. Asks the job to stop (SIGTERM to every
+    process) once `should_stop` says so."""
     while True:
         output.read_waiting()
+        if attempt.first_step_s is not None:
+            usage.sample([p.pid for p in job.processes.procs])
+        if attempt.stop_requested_at is None and should_stop is not None and should_stop(attempt):
+            attempt.stop_requested_at = time.time()
+            job.processes.terminate()
         now = time.monotonic()
         codes = job.processes.codes()
         failed = [i for i, code in enumerate(codes) if code not in (None, 0)]

@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from jaxckpt.launch._events import StandbyEvent, parse_event
 from jaxckpt.launch._supervise import ProcessSet, free_port
 
 ENV_STANDBY: Final = "JAXCKPT_STANDBY"
@@ -18,9 +20,19 @@ ENV_CACHE_DIR: Final = "JAX_COMPILATION_CACHE_DIR"
 ENV_CACHE_MIN_SECS: Final = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
 
-def _pump(index: int, stream: Any, lines: queue.Queue[tuple[int, str | None]]) -> None:
+def _pump(
+    index: int,
+    stream: Any,
+    lines: queue.Queue[tuple[int, str | None]],
+    ready: threading.Event | None,
+) -> None:
     for raw in iter(stream.readline, b""):
-        lines.put((index, raw.decode(errors="replace").rstrip("\n")))
+        line = raw.decode(errors="replace").rstrip("\n")
+        if ready is not None and not ready.is_set():
+            event = parse_event(line)
+            if event is not None and event["event"] == StandbyEvent.kind:
+                ready.set()
+        lines.put((index, line))
     lines.put((index, None))
 
 
@@ -28,6 +40,8 @@ class Job:
     """A started process set and the queue its output lines arrive in, ``(i, line)``.
 
     ``line`` is None when process ``i``'s output closed. Leaving the context kills the set.
+    A standby job (hot spares) also notes which of its processes said they are ready
+    (a ``standby`` event: `ready`).
     """
 
     def __init__(
@@ -36,13 +50,19 @@ class Job:
         envs: Sequence[Mapping[str, str]],
         standby: bool = False,
         port: int | None = None,
+        nice: int = 0,
     ):
         self.standby = standby
         self.port = port
+        self.started_at = time.time()
         self.lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
-        self.processes = ProcessSet(command, envs, stdin_pipe=standby)
+        self.processes = ProcessSet(command, envs, stdin_pipe=standby, nice=nice)
+        self._ready = [threading.Event() for _ in envs] if standby else []
         for i, proc in enumerate(self.processes.procs):
-            threading.Thread(target=_pump, args=(i, proc.stdout, self.lines), daemon=True).start()
+            ready = self._ready[i] if standby else None
+            threading.Thread(
+                target=_pump, args=(i, proc.stdout, self.lines, ready), daemon=True
+            ).start()
 
     def __enter__(self) -> Job:
         return self
@@ -50,14 +70,30 @@ class Job:
     def __exit__(self, *exc: object) -> None:
         self.processes.kill()
 
+    @property
+    def size(self) -> int:
+        """Processes of the job."""
+        return len(self.processes.procs)
+
+    def ready(self) -> bool:
+        """Whether every process said it is ready (standby jobs only)."""
+        return self.standby and all(r.is_set() for r in self._ready)
+
+    def alive(self) -> bool:
+        """Whether every process still runs."""
+        return all(c is None for c in self.processes.codes())
+
     def usable_for(self, count: int) -> bool:
         """Whether these spares can become a set of `count` processes: all still wait."""
-        codes = self.processes.codes()
-        return self.standby and len(codes) == count and all(c is None for c in codes)
+        return self.standby and self.size == count and self.alive()
 
 
 def start_spares(
-    command: Sequence[str], count: int, cpu_devices: int, env: Mapping[str, str]
+    command: Sequence[str],
+    count: int,
+    cpu_devices: int,
+    env: Mapping[str, str],
+    nice: int = 0,
 ) -> Job:
     """Starts a spare job of `count` processes (``JAXCKPT_STANDBY=1``) on a fresh port.
 
@@ -66,6 +102,7 @@ def start_spares(
         count: Processes of the job.
         cpu_devices: ``JAXCKPT_CPU_DEVICES`` for every process.
         env: More variables for every process (the compilation cache's).
+        nice: The spares' nice value until they are woken (`_priority`).
     """
     port = free_port()
     envs = [
@@ -79,7 +116,7 @@ def start_spares(
         }
         for i in range(count)
     ]
-    return Job(command, envs, standby=True, port=port)
+    return Job(command, envs, standby=True, port=port, nice=nice)
 
 
 def compilation_cache_env(

@@ -11,28 +11,32 @@ output, JSON objects on lines of their own, each with an ``event`` key naming it
      "bytes_by_tier": {...}}  # bytes_by_tier only when the handler reports it
     {"event": "restore_failed", "step": s, "error": "...", "process": p}
     {"event": "step", "step": s, "loss": l, "data": "<uint32 hex checksum of the global batch>",
-     "process": p}
+     "process": p, "seconds": t}  # seconds: since the previous step ended, its save included
     {"event": "save", "step": s, "seconds": t, "process": p}
     {"event": "done", "step": s, "seconds": t, "process": p}
+    {"event": "stopped", "step": s, "process": p}  # asked to stop (SIGTERM): saved s, exits 0
     {"event": "replicas_lowered", "asked": r, "used": u, "process": p}  # fewer processes
     {"event": "standby", "process": p}  # a hot spare, ready, waiting for its go line
+    {"event": "restore_prepared", "step": s, "leaves": k, "process": p}  # woken spare
     {"event": "timeline", "process": p, "phases": {name: [start, end], ...},
      "compile": {"cache_hits": h, "cache_misses": m, ..., "executable": "ahead" | "jit"},
      "restore": {"seconds": t, "tier": "...", "fallbacks": f}}
     {"event": "compiled_ahead_unusable", "error": "...", "process": p}
     {"event": "executable_unusable", "path": "...", "error": "...", "process": p}
 
-The launcher reads three of them: ``step`` (progress, the first trained step of an
+The launcher reads four of them: ``step`` (progress, the first trained step of an
 attempt, the last step before a failure), ``restored`` (the step, tier and seconds of
-each process's restore) and ``timeline`` (the recovery timeline, `_timeline`); the others
-are for people and for the demo. ``timeline`` follows the first trained step of a run:
+each process's restore), ``timeline`` (the recovery timeline, `_timeline`) and
+``stopped`` (the job stopped when the launcher asked it to, to grow back: `_launcher`);
+the others are for people and for the demo. ``timeline`` follows the first trained step of a run:
 the wall-clock (``time.time()``) start and end of each phase of the process's start, the
 usual ones in `PHASES`, in order: ``startup`` (process creation to ``main``: interpreter
 and imports), ``jax_init`` (``jax.distributed`` and the backend), ``task``, ``setup``
 (mesh, abstract state, data), ``compile`` (the train step, which may overlap
 ``restore``), ``warm_up`` and ``standby`` (a hot spare running its train step once on a
 fresh state, then waiting for its go line), ``manager``, ``restore`` or ``init``, and
-``first_step``. Its ``compile`` counts the compilation caches' hits and misses of the
+``first_step`` (a woken spare adds ``prepare_restore``: the last time it compiled its
+restore ahead, before the failure). Its ``compile`` counts the compilation caches' hits and misses of the
 train step and of the whole process; its ``restore`` is the handler's own restore time.
 
 The names and fields are a compatibility promise between a job and the launcher: fields
@@ -125,6 +129,7 @@ class StepEvent(Event):
     loss: float
     data: str
     process: int
+    seconds: float | None = None  # since the previous step ended (its save included)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +153,16 @@ class DoneEvent(Event):
 
 
 @dataclasses.dataclass(frozen=True)
+class StoppedEvent(Event):
+    """The process stopped when asked (a preemption notice, SIGTERM, reached at the same
+    step on every process): step ``step`` is saved and committed; it exits 0."""
+
+    kind: ClassVar[str] = "stopped"
+    step: int
+    process: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplicasLoweredEvent(Event):
     """Fewer peer copies than asked for: the job has too few processes."""
 
@@ -162,6 +177,18 @@ class StandbyEvent(Event):
     """A hot spare is ready and waits for its go line on stdin."""
 
     kind: ClassVar[str] = "standby"
+    process: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePreparedEvent(Event):
+    """A woken spare had compiled ahead the restore of step ``step`` onto its target
+    (``TieredCheckpointHandler.prepare_restore``): a reshard of ``leaves`` leaves (0: the
+    restore compiles nothing)."""
+
+    kind: ClassVar[str] = "restore_prepared"
+    step: int
+    leaves: int
     process: int
 
 

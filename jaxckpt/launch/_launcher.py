@@ -24,13 +24,23 @@ Two things shorten a restart:
   environment is kept) and, unless set, ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0``.
   JAX reads both at import; a restarted process loads its executables instead of
   compiling them again.
-- ``--standby``: hot spares. Once an attempt trains, the launcher starts the job of the
-  next one: its processes get ``JAXCKPT_STANDBY=1`` and the job variables above (a
-  coordinator port of their own), so they import jax, join their job and prepare what
-  does not depend on where they run (the examples build their mesh and compile their
-  train step), then wait for one line on stdin. At a restart each gets
-  ``{"env": {...}}``, every variable above; only the memory root, failure domain and
-  failure injection are new to it. The command must support it (the examples do).
+- ``--standby``: hot spares (`_standby`). Before the first attempt, the launcher starts
+  a spare job of each size a restart may take (the job's, ``--processes-after-failure``,
+  and with ``--grow-at-save`` the launched size): its processes get
+  ``JAXCKPT_STANDBY=1`` and the job variables above (a coordinator port of their own),
+  so they import jax, join their job and prepare what does not depend on where they
+  run (the examples build their mesh, compile their train step and prepare their
+  restore), print a ``standby`` event and wait for one line on stdin; the job starts
+  once they are ready, and they wait at nice 19 (`_priority`). At a restart the spares
+  of its size get ``{"env": {...}}``, every variable above (only the memory root,
+  failure domain and failure injection are new to them), and nice 0 back; the spares
+  that replace them start once the restarted job trains, at nice 19. The command must
+  support it (the examples do).
+
+Elastic jobs (`_restarts`): with ``--processes-after-failure M`` a failure restarts the
+job on M of its nodes; a node that registers later (``--register-dir``, `_registry`;
+``--return-node K@S`` simulates it) grows it back to ``-n`` with ``--grow-at-save``: the
+job gets SIGTERM, stops after its next save, and restarts on the larger set of nodes.
 """
 
 from __future__ import annotations
@@ -40,37 +50,16 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Any
 
-from jaxckpt.launch._attempt import Attempt, run_attempt
-from jaxckpt.launch._children import (
-    ENV_CACHE_DIR,
-    Job,
-    compilation_cache_env,
-    start_spares,
-)
-from jaxckpt.launch._supervise import PortRetries, free_port
-from jaxckpt.launch._timeline import format_timeline, restart_timeline
-
-MAX_PORT_RETRIES: Final = 5
-
-
-def next_nodes(nodes: list[int], lost: int | None, count: int | None) -> list[int]:
-    """The nodes of the restarted job.
-
-    The same nodes when the job keeps its size (a lost node comes back empty, like
-    a spare); when it shrinks, the surviving nodes in order, the lost one first out;
-    when it grows, fresh nodes.
-    """
-    if count is None or count == len(nodes):
-        return list(nodes)
-    survivors = [k for k in nodes if k != lost]
-    fresh = range(max(nodes) + 1, max(nodes) + 1 + max(0, count - len(survivors)))
-    return (survivors + list(fresh))[:count]
+from jaxckpt.launch import _priority
+from jaxckpt.launch._children import ENV_CACHE_DIR, compilation_cache_env
+from jaxckpt.launch._report import describe_returncode as describe_returncode
+from jaxckpt.launch._restarts import Restarts
+from jaxckpt.launch._restarts import next_nodes as next_nodes
 
 
 def parse_injection(spec: str) -> tuple[int, int]:
@@ -80,84 +69,6 @@ def parse_injection(spec: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected PROCESS@STEP, got {spec!r}") from None
     return process, step
-
-
-def describe_returncode(code: int | None) -> str:
-    """Describes a return code as ``exit N`` or the signal name."""
-    if code is None:
-        return "still running"
-    if code >= 0:
-        return f"exit {code}"
-    name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-    return f"killed by {name}"
-
-
-def failure_report(failed: Attempt, after: Attempt | None, node_lost: bool) -> dict[str, Any]:
-    """Summarizes one failure and the restart that followed it."""
-    report: dict[str, Any] = {
-        "attempt": failed.index,
-        "process": failed.process,
-        "kind": failed.outcome,
-        "status": describe_returncode(failed.returncode),
-        "detected_after_s": failed.detected_after_s,
-        "last_step": failed.last_step,
-        "node_lost": node_lost,
-    }
-    if after is not None:
-        steps = [int(after.restored.get(i, {}).get("step", 0)) for i in range(after.num_processes)]
-        restored_step = min(steps, default=0)
-        report["restart"] = {
-            "attempt": after.index,
-            "processes": after.num_processes,
-            "restored": {
-                str(i): {k: e.get(k) for k in ("step", "tier", "seconds")}
-                for i, e in sorted(after.restored.items())
-            },
-            "restored_step": restored_step,
-            "restore_seconds": max(
-                (e.get("seconds") or 0.0 for e in after.restored.values()), default=None
-            ),
-            "steps_lost": failed.last_step - restored_step,
-            "first_step_after_s": after.first_step_s,
-            "outcome": after.outcome,
-            "timeline": restart_timeline(
-                detected_after_s=failed.detected_after_s,
-                restart_after_s=(
-                    round(after.started_at - failed.detected_at, 3)
-                    if failed.detected_at is not None
-                    else None
-                ),
-                first_step_after_s=after.first_step_s,
-                started_at=after.started_at,
-                timelines=after.timelines,
-                restored=after.restored,
-                standby=after.standby,
-            ),
-        }
-    return report
-
-
-def format_failure(report: dict[str, Any]) -> str:
-    """Renders a failure report as a few human-readable lines."""
-    text = (
-        f"failure in attempt {report['attempt']}: process {report['process']} {report['kind']}"
-        f" ({report['status']}), last step {report['last_step']},"
-        f" detected after {report['detected_after_s']} s"
-        + (", node memory deleted" if report["node_lost"] else "")
-    )
-    restart = report.get("restart")
-    if restart is None:
-        return text + "\n  no restart"
-    tiers = ", ".join(
-        f"p{i}: step {e['step']} from {e['tier']}" for i, e in restart["restored"].items()
-    )
-    return (
-        f"{text}\n  restart (attempt {restart['attempt']}, {restart['processes']} processes):"
-        f" restored step {restart['restored_step']} [{tiers or 'nothing restored'}],"
-        f" restore {restart['restore_seconds']} s, steps lost {restart['steps_lost']},"
-        f" first step {restart['first_step_after_s']} s after start, {restart['outcome']}"
-        f"\n  {format_timeline(restart['timeline'])}"
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,6 +102,38 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep hot spares (JAXCKPT_STANDBY=1) ready for the next restart",
     )
+    p.add_argument(
+        "--standby-nice",
+        type=int,
+        default=_priority.NICEST,
+        metavar="N",
+        help="the spares' nice value until woken (0..19, default 19: they take only the CPU"
+        " the job leaves idle)",
+    )
+    p.add_argument(
+        "--standby-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="the first attempt waits up to S seconds for its spares to be ready",
+    )
+    p.add_argument(
+        "--grow-at-save",
+        action="store_true",
+        help="when a node registers while the job runs below -n processes, stop the job at"
+        " its next save (SIGTERM) and restart it on the returned nodes too",
+    )
+    p.add_argument(
+        "--return-node",
+        type=parse_injection,
+        metavar="K@S",
+        help="node K registers once the job reached step S (simulates a host coming back)",
+    )
+    p.add_argument(
+        "--register-dir",
+        metavar="DIR",
+        help="where hosts register: a file node<k> per host (default <memory-base>/register)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- command and its arguments")
     return p
 
@@ -207,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[launch] compilation cache: {cache_env[ENV_CACHE_DIR]}", flush=True)
 
     start = time.monotonic()
-    launch = _Restarts(args, command, injection, base, cache_env)
+    launch = Restarts(args, command, injection, base, cache_env)
     try:
         launch.run()
     finally:
@@ -224,10 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "restarts": launch.restarts,
         "attempts": [dataclasses.asdict(a) for a in launch.attempts],
         "failures": launch.failures,
+        "grows": launch.grows,
     }
     _write(args, report)
+    grown = f", {len(launch.grows)} grow back(s)" if launch.grows else ""
     print(
-        f"[launch] {'success' if ok else 'FAILED'} after {launch.restarts} restarts,"
+        f"[launch] {'success' if ok else 'FAILED'} after {launch.restarts} restarts{grown},"
         f" {report['seconds']} s",
         flush=True,
     )
@@ -246,6 +191,8 @@ def _parse(
         parser.error("no command given (put it after --)")
     if args.num_processes < 1 or (args.processes_after_failure or 1) < 1:
         parser.error("process counts must be at least 1")
+    if not 0 <= args.standby_nice <= _priority.NICEST:
+        parser.error(f"--standby-nice must be in 0..{_priority.NICEST}, got {args.standby_nice}")
     if args.kill and args.lose_node:
         parser.error("--kill and --lose-node are exclusive")
     if args.timeline_png:
@@ -255,130 +202,12 @@ def _parse(
             _timeline_plot.require_matplotlib()
         except ImportError as e:
             parser.error(str(e))
+    if args.return_node and args.return_node[0] < 0:
+        parser.error(f"--return-node names node {args.return_node[0]}: nodes are >= 0")
     injection = args.lose_node or args.kill
     if injection and not 0 <= injection[0] < args.num_processes:
         parser.error(f"process {injection[0]} is not in 0..{args.num_processes - 1}")
     return args, command, injection
-
-
-class _Restarts:
-    """The attempts of one launch: the first, then a restart after each failure (a port
-    retry is no restart) until one attempt succeeds or ``--max-restarts`` are spent.
-
-    Attributes:
-        attempts: Every attempt, in order.
-        failures: A `failure_report` per failure, with the restart that followed it.
-        restarts: Restarts so far.
-    """
-
-    def __init__(
-        self,
-        args: argparse.Namespace,
-        command: Sequence[str],
-        injection: tuple[int, int] | None,
-        base: str,
-        cache_env: Mapping[str, str],
-    ):
-        self.attempts: list[Attempt] = []
-        self.failures: list[dict[str, Any]] = []
-        self.restarts = 0
-        self._args = args
-        self._command = command
-        self._injection = injection
-        self._base = base
-        self._cache_env = cache_env
-        self._nodes = list(range(args.num_processes))
-        self._ports = PortRetries(MAX_PORT_RETRIES)
-        self._pending: tuple[Attempt, bool] | None = None  # failed attempt awaiting its restart
-        self._spares: Job | None = None  # hot spares for the next attempt (--standby)
-
-    def run(self) -> None:
-        """Runs attempts until one succeeds or no restart is left."""
-        while True:
-            attempt, injected = self._run_next()
-            if self._ports.retry(attempt.outcome == "port"):
-                print(f"[launch] port {attempt.port} in use, retrying", flush=True)
-                continue
-            if self._pending is not None:
-                self.failures.append(failure_report(self._pending[0], attempt, self._pending[1]))
-                print("[launch] " + format_failure(self.failures[-1]), flush=True)
-                self._pending = None
-            if attempt.outcome == "ok" or not self._restart_after(attempt, injected):
-                return
-
-    def close(self) -> None:
-        """Kills the spares no attempt woke."""
-        if self._spares is not None:
-            self._spares.processes.kill()
-
-    def _run_next(self) -> tuple[Attempt, bool]:
-        """Runs the next attempt (on the spares, if they still wait); returns it and
-        whether it carried the injected failure (only attempts before any ran do)."""
-        woken = self._take_spares()
-        port = woken.port if woken is not None and woken.port else free_port()
-        nodes = self._nodes
-        attempt = Attempt(
-            index=len(self.attempts), num_processes=len(nodes), port=port, nodes=nodes
-        )
-        first = all(a.outcome == "port" for a in self.attempts)
-        inject = self._injection if first else None
-        print(
-            f"[launch] attempt {attempt.index}: {len(nodes)} processes on nodes {nodes},"
-            f" port {attempt.port}" + (" (hot spares)" if woken else ""),
-            flush=True,
-        )
-        run_attempt(
-            attempt,
-            self._command,
-            self._base,
-            self._args.cpu_devices,
-            self._args.hang_timeout,
-            inject,
-            env=self._cache_env,
-            spares=woken,
-            on_training=self._prepare_spares,
-        )
-        self.attempts.append(attempt)
-        return attempt, inject is not None
-
-    def _take_spares(self) -> Job | None:
-        """The spares for the next attempt, if they can be its processes (else killed)."""
-        spares, self._spares = self._spares, None
-        if spares is None or spares.usable_for(len(self._nodes)):
-            return spares
-        spares.processes.kill()
-        return None
-
-    def _prepare_spares(self) -> None:
-        """Starts the next attempt's spares, once this one trains (it has the CPUs now)."""
-        args = self._args
-        if args.standby and self._spares is None and self.restarts < args.max_restarts:
-            count = args.processes_after_failure or len(self._nodes)
-            self._spares = start_spares(self._command, count, args.cpu_devices, self._cache_env)
-
-    def _restart_after(self, attempt: Attempt, injected: bool) -> bool:
-        """Handles a failed attempt: loses its node's memory for ``--lose-node``, then
-        plans the restart; False when no restart is left."""
-        args = self._args
-        lose = bool(args.lose_node) and injected
-        lost_node = None
-        if lose and attempt.process is not None:
-            lost_node = self._nodes[args.lose_node[0]]
-            shutil.rmtree(os.path.join(self._base, f"node{lost_node}"), ignore_errors=True)
-        print(
-            f"[launch] process {attempt.process} failed: {attempt.outcome}"
-            f" ({describe_returncode(attempt.returncode)}) at step {attempt.last_step},"
-            f" detected after {attempt.detected_after_s} s; killed the others",
-            flush=True,
-        )
-        if self.restarts >= args.max_restarts:
-            self.failures.append(failure_report(attempt, None, lose))
-            print(f"[launch] giving up after {self.restarts} restarts", flush=True)
-            return False
-        self.restarts += 1
-        self._pending = (attempt, lose)
-        self._nodes = next_nodes(self._nodes, lost_node, args.processes_after_failure)
-        return True
 
 
 def _write(args: argparse.Namespace, report: dict[str, Any]) -> None:

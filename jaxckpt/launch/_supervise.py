@@ -24,6 +24,8 @@ from typing import IO, Final
 
 import portpicker
 
+from jaxckpt.launch import _priority
+
 PORT_IN_USE: Final = "Failed to add port"
 
 
@@ -58,6 +60,8 @@ class ProcessSet:
     Each process gets this process's environment, ``PYTHONUNBUFFERED=1`` and its own
     entries of `envs`; stdin is closed (a pipe with ``stdin_pipe``: `send`) and stderr
     goes with stdout, into ``outputs[i]`` (a file) or else a pipe (``procs[i].stdout``).
+    With ``nice`` > 0 every process gets that nice value as it starts
+    (`_priority.set_nice`, before the interpreter it runs starts any thread of its own).
     Use as a context manager: leaving it kills the set, whatever happened.
     """
 
@@ -67,6 +71,7 @@ class ProcessSet:
         envs: Sequence[Mapping[str, str]],
         outputs: Sequence[IO[bytes]] | None = None,
         stdin_pipe: bool = False,
+        nice: int = 0,
     ):
         self.procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -81,6 +86,8 @@ class ProcessSet:
                         start_new_session=True,  # own process group: SIGKILL reaches its children
                     )
                 )
+                if nice:  # lowering a priority is always allowed
+                    _priority.set_nice(self.procs[-1].pid, nice)
         except BaseException:
             self.kill()
             raise
@@ -106,6 +113,19 @@ class ProcessSet:
         finally:
             with contextlib.suppress(OSError):
                 stdin.close()
+
+    def set_nice(self, nice: int) -> list[str]:
+        """Gives every process (each thread) the nice value `nice` (`_priority.set_nice`);
+        returns why it could not, per process that refused."""
+        return [why for p in self.procs if (why := _priority.set_nice(p.pid, nice)) is not None]
+
+    def terminate(self) -> None:
+        """Sends SIGTERM to every process still running (not to its children): to a JAX
+        process, a preemption notice (it lives on; the job decides when to stop)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
 
     def codes(self) -> list[int | None]:
         """Every process's return code, None while it runs (negative: killed by that signal)."""

@@ -1,4 +1,5 @@
-"""The recovery timeline: from a failure to the restarted job's first trained step.
+"""The recovery timeline: from a failure, or the stop before a grow back, to the restarted
+job's first trained step.
 
 Each process of a launched job may print one ``timeline`` event after its first trained
 step (`_events.TimelineEvent`; the examples do), with the wall-clock (``time.time()``)
@@ -56,6 +57,7 @@ def overlap_s(a: Mapping[str, float] | None, b: Mapping[str, float] | None) -> f
 def restart_timeline(
     *,
     detected_after_s: float | None,
+    stopped_after_s: float | None = None,
     restart_after_s: float | None,
     first_step_after_s: float | None,
     started_at: float,
@@ -66,9 +68,13 @@ def restart_timeline(
     """The timeline of one restart, per process and its slowest process per phase.
 
     Args:
-        detected_after_s: From the failed process's last sign of life to its detection.
-        restart_after_s: From the detection to the start of the new attempt (stopping the
-            old processes, collecting their output, deleting a lost node's memory).
+        detected_after_s: From the failed process's last sign of life to its detection
+            (a restart after a failure).
+        stopped_after_s: Instead, for a grow back: from the last trained step of the job
+            asked to stop to the exit of its last process (its last save committed).
+        restart_after_s: From the detection (or the exit) to the start of the new attempt
+            (stopping the old processes, collecting their output, deleting a lost
+            node's memory).
         first_step_after_s: From the start of the new attempt to its first ``step`` event.
         started_at: Wall-clock start of the new attempt.
         timelines: Process -> its ``timeline`` event.
@@ -76,24 +82,14 @@ def restart_timeline(
         standby: Whether the new attempt woke hot spares instead of starting processes.
 
     Returns:
-        JSON-able: ``recovery_s`` (failure to first trained step, as far as measured),
+        JSON-able: ``kind`` (``failure`` or ``grow``), ``recovery_s`` (failure, or the
+        last trained step before a grow, to the first trained step, as far as measured),
         ``processes`` (per process: phases as ``{start, end, seconds}`` offsets, the
         compile's cache counts, the restore's tier and bytes), ``slowest`` (per phase: the
         process that ended it last, and the longest duration), and ``restore_s``,
         ``compile_s`` and ``restore_compile_overlap_s`` of the slowest processes.
     """
-    processes: dict[str, dict[str, Any]] = {}
-    for i in sorted(set(timelines) | set(restored)):
-        event = timelines.get(i, {})
-        entry: dict[str, Any] = {"phases": process_phases(event, started_at)}
-        for key in ("compile", "restore"):  # cache counts; the handler's own restore time
-            if isinstance(event.get(key), Mapping):
-                entry[key] = dict(event[key])
-        if i in restored:
-            entry["restored"] = {
-                k: restored[i].get(k) for k in ("step", "tier", "seconds", "bytes_by_tier")
-            }
-        processes[str(i)] = entry
+    processes = _processes(timelines, restored, started_at)
     slowest: dict[str, dict[str, Any]] = {}
     names = {name for p in processes.values() for name in p["phases"]}
     for name in _ordered(names):
@@ -104,10 +100,13 @@ def restart_timeline(
             "process": int(last),
             "max_seconds": max(s["seconds"] for s in spans.values()),
         }
-    parts = (detected_after_s, restart_after_s, first_step_after_s)
+    grow = stopped_after_s is not None
+    parts = (stopped_after_s if grow else detected_after_s, restart_after_s, first_step_after_s)
     restore, compile_ = slowest.get("restore"), slowest.get("compile")
     return {
+        "kind": "grow" if grow else "failure",
         "detected_after_s": detected_after_s,
+        **({"stopped_after_s": stopped_after_s} if grow else {}),
         "restart_after_s": restart_after_s,
         "first_step_after_s": first_step_after_s,
         "recovery_s": round(sum(parts), 3) if None not in parts else None,  # type: ignore[arg-type]
@@ -128,6 +127,28 @@ def restart_timeline(
     }
 
 
+def _processes(
+    timelines: Mapping[int, Mapping[str, Any]],
+    restored: Mapping[int, Mapping[str, Any]],
+    started_at: float,
+) -> dict[str, dict[str, Any]]:
+    """Per process: its phases from `started_at`, its compile's cache counts and the
+    handler's own restore time, and what it restored."""
+    processes: dict[str, dict[str, Any]] = {}
+    for i in sorted(set(timelines) | set(restored)):
+        event = timelines.get(i, {})
+        entry: dict[str, Any] = {"phases": process_phases(event, started_at)}
+        for key in ("compile", "restore"):
+            if isinstance(event.get(key), Mapping):
+                entry[key] = dict(event[key])
+        if i in restored:
+            entry["restored"] = {
+                k: restored[i].get(k) for k in ("step", "tier", "seconds", "bytes_by_tier")
+            }
+        processes[str(i)] = entry
+    return processes
+
+
 def _sum(processes: Mapping[str, Mapping[str, Any]], key: str) -> int | None:
     values = [p["compile"].get(key) for p in processes.values() if "compile" in p]
     counted = [v for v in values if isinstance(v, int)]
@@ -146,10 +167,17 @@ def format_timeline(timeline: Mapping[str, Any]) -> str:
         cache = f"; compilation cache {timeline['compile_cache_hits']} hit(s)"
         if timeline.get("compile_cache_misses") is not None:
             cache += f", {timeline['compile_cache_misses']} miss(es)"
+    grow = timeline.get("kind") == "grow"
+    lead = (
+        f"stopped {timeline.get('stopped_after_s')} s after its last step"
+        if grow
+        else f"detected {timeline['detected_after_s']} s"
+    )
     return (
-        f"timeline{' (hot spares)' if timeline['standby'] else ''}: detected"
-        f" {timeline['detected_after_s']} s, restarted +{timeline['restart_after_s']} s, "
+        f"timeline{' (hot spares)' if timeline['standby'] else ''}: {lead},"
+        f" restarted +{timeline['restart_after_s']} s, "
         + (", ".join(parts) or "no timeline events")
         + f"; first step +{timeline['first_step_after_s']} s{cache};"
-        f" failure to first step {timeline['recovery_s']} s"
+        f" {'last step to first step' if grow else 'failure to first step'}"
+        f" {timeline['recovery_s']} s"
     )

@@ -21,6 +21,7 @@ from jaxckpt.launch._timeline import PHASES
 # One color per usual phase (the launcher's own two first); others are grey.
 _COLORS: Final = {
     "detection": "#b71c1c",
+    "stop": "#6a1b9a",
     "restart": "#ef9a9a",
     "startup": "#cfd8dc",
     "jax_init": "#90a4ae",
@@ -84,11 +85,13 @@ def _rows(timeline: Mapping[str, Any]) -> list[tuple[str, list[tuple[str, float,
     """(row label, [(phase, start, end)]) from top to bottom: the launcher, then processes."""
     launcher: list[tuple[str, float, float]] = []
     restart = timeline.get("restart_after_s")
-    detected = timeline.get("detected_after_s")
+    grow = timeline.get("kind") == "grow"
+    lead = timeline.get("stopped_after_s" if grow else "detected_after_s")
     if restart is not None:
         launcher.append(("restart", -float(restart), 0.0))
-        if detected is not None:
-            launcher.insert(0, ("detection", -float(restart) - float(detected), -float(restart)))
+        if lead is not None:
+            name = "stop" if grow else "detection"
+            launcher.insert(0, (name, -float(restart) - float(lead), -float(restart)))
     rows = [("launcher", launcher)] if launcher else []
     processes = timeline.get("processes", {})
     for key in sorted(processes, key=int):
@@ -114,9 +117,8 @@ def _window(timeline: Mapping[str, Any]) -> tuple[float, float] | None:
     spans = [(start, end) for _, row in _rows(timeline) for _, start, end in row]
     first = float(timeline.get("first_step_after_s") or 0.0)
     end = max([first, *(e for _, e in spans)])
-    failure = -float(timeline.get("restart_after_s") or 0) - float(
-        timeline.get("detected_after_s") or 0
-    )
+    lead = timeline.get("stopped_after_s") or timeline.get("detected_after_s") or 0
+    failure = -float(timeline.get("restart_after_s") or 0) - float(lead)
     pad = 0.08 * (end - failure) or 1.0
     return failure - pad, end + pad
 
@@ -188,6 +190,13 @@ def _width(timeline: Mapping[str, Any]) -> float:
 
 def _title(failure: Mapping[str, Any]) -> str:
     restart, timeline = failure["restart"], failure["restart"]["timeline"]
+    if failure.get("kind") == "grow":
+        return (
+            f"attempt {failure.get('attempt')}: grow back from {failure.get('from_processes')}"
+            f" to {restart.get('processes')} processes after the save of step"
+            f" {failure.get('last_step')}, restored step {restart.get('restored_step')};"
+            f" last step to first step {timeline.get('recovery_s')} s"
+        )
     lost = "node lost" if failure.get("node_lost") else str(failure.get("kind"))
     recovery = timeline.get("recovery_s")
     spares = ", hot spares" if timeline.get("standby") else ""
@@ -203,7 +212,8 @@ def plot(report: Mapping[str, Any], path: str | Path) -> Path:
     """Draws the recovery timeline of every restart in a launcher report as a PNG.
 
     Args:
-      report: what `python -m jaxckpt.launch --json` writes (its `failures`).
+      report: what `python -m jaxckpt.launch --json` writes (its `failures` and
+        `grows`, in the order they happened).
       path: where the PNG goes.
 
     Returns:
@@ -216,7 +226,10 @@ def plot(report: Mapping[str, Any], path: str | Path) -> Path:
     plt = pyplot()
     from matplotlib.patches import Patch
 
-    failures = [f for f in report.get("failures", []) if (f.get("restart") or {}).get("timeline")]
+    events = sorted(
+        [*report.get("failures", []), *report.get("grows", [])], key=lambda e: e.get("attempt", 0)
+    )
+    failures = [f for f in events if (f.get("restart") or {}).get("timeline")]
     if not failures:
         raise ValueError("The launcher report has no restart with a recovery timeline.")
     heights = [1 + len(_rows(f["restart"]["timeline"])) * 0.55 for f in failures]
@@ -233,9 +246,9 @@ def plot(report: Mapping[str, Any], path: str | Path) -> Path:
         for ax, failure in zip(axes[:, 0], failures, strict=True):
             used |= _draw(ax, failure["restart"]["timeline"], _title(failure))
         axes[-1, 0].set_xlabel(
-            "seconds from the start of the new attempt (the failure is left of 0)"
+            "seconds from the start of the new attempt (the failure, or the stop, is left of 0)"
         )
-        order = ["detection", "restart", *PHASES]
+        order = ["detection", "stop", "restart", *PHASES]
         names = [n for n in order if n in used] + sorted(used - set(order))
         fig.legend(
             handles=[Patch(color=_COLORS.get(n, _OTHER), label=n) for n in names],

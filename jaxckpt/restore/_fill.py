@@ -72,6 +72,26 @@ def fill(
     return Filled(placed.resharding, finish)
 
 
+def resharded_leaves(
+    records: Sequence[_format.LeafRecord], target: Any, ctx: Context
+) -> list[tuple[_format.LeafRecord, jax.sharding.Sharding]]:
+    """The leaves `fill` reads with `Restorer.array` onto a target sharding, for all the
+    processes alike (not per process), in its order, with their shardings: those a
+    restore may carry by a reshard (`_restore.compile_reshard` compiles it ahead)."""
+    if target is None:
+        return []
+    pairs, _ = match(records, target, ctx)
+    out = []
+    for i, leaf in pairs:
+        record = records[i]
+        if record.kind in (_format.ITERATOR, _format.SCALAR) or record.per_process:
+            continue  # as in `_leaf`: no array, or read from one owner
+        placement = leaf_placement(i, record, leaf, ctx, None)
+        if isinstance(placement, jax.sharding.Sharding):
+            out.append((record, placement))
+    return out
+
+
 def _leaf(restorer: Restorer, i: int, record: _format.LeafRecord, leaf: Any, ctx: Context) -> Any:
     """Saved leaf `i` restored into target leaf `leaf` (None: no target, to host); an
     array for a target sharding comes back `Deferred` (`Restorer.place` puts it)."""

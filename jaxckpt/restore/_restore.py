@@ -96,23 +96,11 @@ class Restorer:
         """
         record = self._plan.leaves[leaf]
         assert record.stored_shape is not None and record.shape is not None
-        data_sharding = (
-            _sharding.with_trailing_dims(sharding, len(record.stored_shape) - len(record.shape))
-            if record.key_impl
-            else sharding
-        )
+        data_sharding = _data_sharding(record, sharding)
         # Replicated across processes: each of the R reads a distinct 1/R, and a collective
         # over the replica axes carries it to the others (`place`): no byte read twice.
-        whole_chunks = (
-            self._whole_chunks
-            and record.chunk_shape is not None
-            and math.prod(record.chunk_shape) * np.dtype(record.stored_dtype).itemsize
-            >= _replicas.MIN_CHUNK_BYTES
-        )
         layout = (
-            _read_layout.read_layout(
-                data_sharding, record.stored_shape, record.chunk_shape, whole_chunks
-            )
+            _layout(record, data_sharding, self._whole_chunks)
             if owner is None and self._spread
             else None
         )
@@ -199,6 +187,58 @@ class Restorer:
         assert record.stored_shape is not None
         whole = tuple(slice(0, n) for n in record.stored_shape)
         return self.chunks.read_regions(leaf, [whole], owner)[0]
+
+
+def _data_sharding(record: _format.LeafRecord, sharding: jax.sharding.Sharding) -> Any:
+    """The sharding of a leaf's stored data: a typed PRNG key's key data has trailing dims."""
+    assert record.stored_shape is not None and record.shape is not None
+    if not record.key_impl:
+        return sharding
+    return _sharding.with_trailing_dims(sharding, len(record.stored_shape) - len(record.shape))
+
+
+def _layout(
+    record: _format.LeafRecord, data_sharding: jax.sharding.Sharding, from_persistent: bool
+) -> _read_layout.ReadLayout | None:
+    """How the replicas of a leaf share its read (`_read_layout.read_layout`); from
+    persistent storage in whole saved chunks where they are large (see `Restorer`)."""
+    assert record.stored_shape is not None
+    whole_chunks = (
+        from_persistent
+        and record.chunk_shape is not None
+        and math.prod(record.chunk_shape) * np.dtype(record.stored_dtype).itemsize
+        >= _replicas.MIN_CHUNK_BYTES
+    )
+    return _read_layout.read_layout(
+        data_sharding, record.stored_shape, record.chunk_shape, whole_chunks
+    )
+
+
+def compile_reshard(
+    leaves: list[tuple[_format.LeafRecord, jax.sharding.Sharding]], from_persistent: bool = False
+) -> int:
+    """Compiles, without running it, the reshard that `Restorer.place` runs for these leaves
+    (a restore's array leaves in the target's order, read onto these shardings by all the
+    processes of this job): the restore then finds the program compiled. Local: no read,
+    no exchange, no collective.
+
+    Returns:
+        How many of the leaves the reshard carries (0: the restore runs none).
+    """
+    if jax.process_count() == 1:
+        return 0  # nothing is replicated across processes (`Restorer` takes no agreement)
+    read, targets, layouts = [], [], []
+    for record, sharding in leaves:
+        data_sharding = _data_sharding(record, sharding)
+        layout = _layout(record, data_sharding, from_persistent)
+        if layout is not None:
+            dtype = np.dtype(record.stored_dtype)
+            read.append(jax.ShapeDtypeStruct(layout.shape, dtype, sharding=layout.sharding))
+            targets.append(data_sharding)
+            layouts.append(layout)
+    if read:
+        _read_layout.compile_reshard(read, targets, layouts)
+    return len(read)
 
 
 @dataclasses.dataclass
