@@ -20,8 +20,8 @@ import os
 from typing import Any
 
 from jaxckpt.coord import _multihost
+from jaxckpt.persistent import _index, _paths
 from jaxckpt.restore import _fill, _restore, _target
-from jaxckpt.tiers import _index, _paths
 
 
 def prepare(directory: os.PathLike[str] | str, target: Any) -> int:
