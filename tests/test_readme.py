@@ -5,11 +5,9 @@ relative link in README.md and docs/*.md points at a file that exists (and, with
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
-import patience
-from helpers import REPO
+from helpers import REPO, python_blocks, run_page_code
 
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
@@ -30,12 +28,8 @@ print("README OK")
 """
 
 
-def python_blocks(text: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
-
-
 def test_the_readme_example_runs(tmp_path):
-    blocks = python_blocks(README.read_text())
+    blocks = python_blocks(README)
     assert len(blocks) == 1, "the README has one example"
     assert len(blocks[0].splitlines()) <= 15, "the README's example is at most 15 lines"
     ckpt = str(tmp_path / "ckpt")
@@ -46,16 +40,7 @@ def test_the_readme_example_runs(tmp_path):
         .replace('"/tmp/ckpt"', repr(ckpt))
     )
     assert ckpt in code and str(tmp_path / "memory") in code, "the README's paths changed"
-    script = tmp_path / "readme.py"
-    script.write_text(f"CKPT = {ckpt!r}\n{code}\n{CLAIMS}")
-    proc = patience.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        # PYTHONPATH: this checkout's jaxckpt, whichever one the environment has installed.
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_page_code(f"CKPT = {ckpt!r}\n{code}\n{CLAIMS}", tmp_path, timeout=120)
     assert "README OK" in proc.stdout
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -144,6 +145,27 @@ def attach_peers(h: jaxckpt.TieredCheckpointHandler, peers: Any, monkeypatch: An
             "exchange_inventories",
             lambda run_id, local, timeout_s: peers.exchange_inventories(local),
         )
+
+
+def python_blocks(page: Path) -> list[str]:
+    """The ```python blocks of a Markdown page, in order."""
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+
+
+def run_page_code(code: str, where: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Runs a page's code as a script in `where`, as a reader would: this checkout's
+    jaxckpt (whichever one the environment has installed), CPU devices, nothing else
+    from this process's environment. Raises unless it exits 0; returns the process."""
+    script = where / "page.py"
+    script.write_text(code)
+    proc = patience.run(
+        [sys.executable, str(script)],
+        cwd=where,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
 
 
 def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 180) -> str:
