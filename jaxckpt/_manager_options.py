@@ -64,6 +64,8 @@ def manager_options(
                 f"temporary_path_class must be {commit_file.__name__}, not {given!r}. "
                 "Leave it out and manager_options sets it."
             )
+    if _storage.scheme(directory) is None and "async_options" not in options:
+        options["async_options"] = ocp.AsyncOptions(create_directories_asynchronously=False)
     if handler is not None:
         base = options.pop("preservation_policy", None) or _base_policy(options)
         options["preservation_policy"] = handler.preservation_policy(base, directory)

@@ -26,7 +26,7 @@ class SaveMetrics:
     process: int
     bytes: int
     stall_s: float
-    host_staging: str  # slab, cpu_view, pinned_host or pageable
+    host_staging: str  # slab, copy, cpu_view, pinned_host or pageable
     slab_copy_s: float | None = None  # the copy into the slab before `async_save` returned
     memory_write_s: float | None = None
     memory_write_bytes_per_s: float | None = None

@@ -52,6 +52,19 @@ def test_counter_counts_every_nan_and_inf_block_by_block(dtype):
     assert sum(count(b) for b in [clean.view(np.uint8)]) == 0
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
+def test_counter_is_exact_for_huge_finite_values(dtype):
+    """Values whose squares overflow (the quick test's sum of squares is Inf) are
+    still finite: counted exactly, they count zero, and a NaN among them one."""
+    huge = np.finfo(dtype).max
+    data = np.full(4096, huge / 2, dtype=dtype)
+    count = _finite.counter(np.dtype(dtype).name)
+    assert count is not None
+    assert count(data.view(np.uint8)) == 0
+    data[7] = np.nan
+    assert count(data.view(np.uint8)) == 1
+
+
 @pytest.mark.parametrize("dtype", ["int32", "uint32", "bool", "uint8", None])
 def test_no_counter_for_dtypes_without_nan(dtype):
     assert _finite.counter(dtype) is None

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt.memory import _slab
 from jaxckpt.persistent import _kept
+from jaxckpt.save import _save
 
 
 def handler(memory_root: str, **kw) -> jaxckpt.TieredCheckpointHandler:
@@ -456,13 +457,17 @@ def test_metrics_reach_the_callback_the_log_and_the_manifest(memory_root, ckpt_d
     assert durable["metrics"]["persist_s"] == persisted["persist_s"]
 
 
-@pytest.mark.parametrize("hold", [False, True])
-def test_snapshot_survives_a_donating_train_step(hold, memory_root, ckpt_dir, monkeypatch):
+@pytest.mark.parametrize(
+    ("hold", "n"),
+    [(False, 64), (False, _save.PRIVATE_COPY_BYTES // 4 + 1024), (True, 64)],
+    ids=["small", "large", "hold"],
+)
+def test_snapshot_survives_a_donating_train_step(hold, n, memory_root, ckpt_dir, monkeypatch):
     """The step saved keeps its values when the next train step donates the saved
-    arrays while the commit is still pending. On CPU the save copied them into the
-    slab before it returned and let go of them, so the step reuses their buffers;
-    `hold_cpu_arrays` holds them instead until the slab has them (the donation is
-    declined)."""
+    arrays while the commit is still pending. On CPU the save copied them (into the
+    slab, or a small part into private memory) before it returned and let go of them,
+    so the step reuses their buffers; `hold_cpu_arrays` holds them instead until the
+    slab has them (the donation is declined)."""
 
     gate = threading.Event()  # the commit's work on the slab waits for the train step
     write, checksums = _slab.write, _slab.checksums
@@ -479,7 +484,7 @@ def test_snapshot_survives_a_donating_train_step(hold, memory_root, ckpt_dir, mo
     monkeypatch.setattr(_slab, "write", gated_write)
     monkeypatch.setattr(_slab, "checksums", gated_checksums)
     sharding = NamedSharding(mesh_1d(), P("data"))
-    w = jax.device_put(np.arange(64, dtype=np.float32), sharding)
+    w = jax.device_put(np.arange(n, dtype=np.float32), sharding)
     expected = np.asarray(w).copy()
     update = jax.jit(lambda x: x * 2 + 1, donate_argnums=0)
     with manager(ckpt_dir, handler(memory_root, hold_cpu_arrays=hold)) as mngr:
@@ -489,7 +494,7 @@ def test_snapshot_survives_a_donating_train_step(hold, memory_root, ckpt_dir, mo
         assert saved.is_deleted() is not hold  # donated, unless the save holds it
         gate.set()
         mngr.wait_until_finished()
-        target = {"w": jax.ShapeDtypeStruct((64,), np.float32, sharding=sharding)}
+        target = {"w": jax.ShapeDtypeStruct((n,), np.float32, sharding=sharding)}
         np.testing.assert_array_equal(restore(mngr, 1, target)["w"], expected)
     np.testing.assert_array_equal(np.asarray(w), expected * 2 + 1)
 

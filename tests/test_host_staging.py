@@ -8,17 +8,26 @@ import pytest
 from helpers import abstract, assert_tree_equal, manager, mesh_1d, restore, save, sharded_state
 
 import jaxckpt
-from jaxckpt.save import _snapshot
+from jaxckpt.save import _save, _snapshot
 
 
 @pytest.mark.parametrize(
-    ("pinned", "hold", "expected"),
-    [(None, False, "slab"), (None, True, "cpu_view"), (True, False, "pinned_host")],
+    ("pinned", "hold", "large", "expected"),
+    [
+        (None, False, True, "slab"),  # copied into the slab before save() returns
+        (None, False, False, "copy"),  # a small part: into private memory first
+        (None, True, False, "cpu_view"),
+        (True, False, False, "pinned_host"),
+    ],
 )
 def test_a_save_stages_shards_as_configured_and_restores_exactly(
-    pinned, hold, expected, memory_root, ckpt_dir
+    pinned, hold, large, expected, memory_root, ckpt_dir
 ):
-    state = sharded_state(mesh_1d())
+    mesh = mesh_1d()
+    state = sharded_state(mesh)
+    if large:  # more than a small part
+        big = np.arange(_save.PRIVATE_COPY_BYTES // 4 + 4096, dtype=np.float32)
+        state["big"] = jax.device_put(big, jax.NamedSharding(mesh, jax.P()))
     h = jaxckpt.TieredCheckpointHandler(
         jaxckpt.TierOptions(
             memory_root, persist_every=1000, pinned_host_staging=pinned, hold_cpu_arrays=hold

@@ -198,6 +198,13 @@ def test_manager_options_for_urls():
     assert s3.max_to_keep == 2
     assert jaxckpt.manager_options("gs://b/run").temporary_path_class is None  # Orbax's own
     assert jaxckpt.manager_options("/tmp/run").temporary_path_class is None
+    # A local directory's step directories are made in save(); on a store, in the
+    # background (a directory there is a request); given async_options stay as they are.
+    local = jaxckpt.manager_options("/tmp/run").async_options
+    assert local.create_directories_asynchronously is False
+    assert jaxckpt.manager_options("gs://b/run").async_options is None
+    given = ocp.AsyncOptions(timeout_secs=60)
+    assert jaxckpt.manager_options("/tmp/run", async_options=given).async_options is given
     with pytest.raises(ValueError, match="cannot be renamed"):
         jaxckpt.manager_options(
             "s3://b/run", temporary_path_class=ocp.path.atomicity.AtomicRenameTemporaryPath

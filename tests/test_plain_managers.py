@@ -26,6 +26,13 @@ SETUPS = {
     "item_handlers": {"max_to_keep": 1, "form": "item_handlers"},
     "sync": {"max_to_keep": 1, "enable_async_checkpointing": False},
     "manager_options": {"max_to_keep": 1, "form": "manager_options"},
+    # manager_options creates a local step's directories in save(); given async_options
+    # (directories created on Orbax's threads, awaited through its signals) stay as they are.
+    "manager_options_async_directories": {
+        "max_to_keep": 1,
+        "async_options": ocp.AsyncOptions(create_directories_asynchronously=True),
+        "form": "manager_options",
+    },
 }
 
 

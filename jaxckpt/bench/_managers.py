@@ -7,6 +7,7 @@ figures compare the handlers, not the manager's settings. The options come from
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +96,15 @@ def manager_options(
     handler: jaxckpt.TieredCheckpointHandler | None = None,
 ) -> Any:
     # What the directory's store needs as well (a commit file instead of a rename on S3),
-    # and with jaxckpt's handler a collection that keeps the newest durable step.
-    return jaxckpt.manager_options(
-        directory,
-        handler=handler,
-        max_to_keep=max_to_keep,
-        enable_async_checkpointing=True,
-        async_options=ocp.AsyncOptions(timeout_secs=int(cfg["timeout_s"])),
+    # and with jaxckpt's handler a collection that keeps the newest durable step; the
+    # async options a user of `jaxckpt.manager_options` gets (a local directory's step
+    # directories made in save()), with the benchmark's timeout. The same for Orbax's.
+    options = jaxckpt.manager_options(
+        directory, handler=handler, max_to_keep=max_to_keep, enable_async_checkpointing=True
+    )
+    return dataclasses.replace(
+        options,
+        async_options=dataclasses.replace(
+            options.async_options or ocp.AsyncOptions(), timeout_secs=int(cfg["timeout_s"])
+        ),
     )

@@ -7,18 +7,19 @@ pass, from the same blocks, so a poisoned step (NaN/Inf after a loss spike or a
 silent corruption) is known from its manifest without reading it again.
 
 The test of a block is one cheap reduction that is exact when it says "finite":
-for float32/float64 (and complex) the block's max and min (NaN propagates, ±Inf
-is the max or the min); for the 16-bit floats the largest magnitude bits. Only a
-block that fails it is counted element by element. Measured here on 1 MiB
-blocks: ~30 µs for the test against ~40 µs for the block's CRC-32C; the whole
-checksum pass over a 256 MiB float32 slab took 0.33 s with the count against
-0.28 s without (2 loaded cores). Other
+for float32/float64 (and complex) the block's dot product with itself (a sum of
+squares: NaN propagates, ±Inf squares to +Inf, nothing cancels; a sum that
+overflows only sends the block to the exact count); for the 16-bit floats the
+largest magnitude bits. Only a block that fails it is counted element by element.
+Measured here on a 1 MiB float32 block in cache: 18 µs for the dot product, 31 µs
+for a max and a min, ~50 µs for the block's CRC-32C. Other
 floating dtypes (the float8/float4 families of `ml_dtypes`) are counted with
 `np.isfinite` on every block (slower: they are rare in a training state).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
@@ -51,8 +52,11 @@ def _scratch(n: int) -> np.ndarray:
 def _wide(kind: type[np.floating]) -> Counter:
     def count(block: np.ndarray) -> int:
         values = block.view(kind)
-        if not values.size or (np.isfinite(values.max()) and np.isfinite(values.min())):
+        if not values.size:
             return 0
+        with np.errstate(over="ignore", invalid="ignore"):  # the sum may overflow: fine
+            if np.isfinite(np.dot(values, values)):
+                return 0
         return int(values.size - np.count_nonzero(np.isfinite(values)))
 
     return count
@@ -89,6 +93,7 @@ def _is_floating(dtype: np.dtype) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=256)
 def counter(dtype: str | np.dtype | None) -> Counter | None:
     """The non-finite counter of `dtype`'s bytes (a C-contiguous uint8 block holding
     whole elements), or None for a dtype that holds no NaN/Inf (integers, bools,

@@ -139,9 +139,21 @@ def default_run_id(directory: os.PathLike | str) -> str:
 
     The root's real path (or URL, on an object store) is hashed, so every
     spelling of a local root (a symlink, a relative path, `..`) gives the same run id.
+    An absolute root is resolved once per process (every save asks).
     """
-    root = _storage.identity(checkpoint_root(directory))
-    return "run-" + hashlib.sha256(root.encode()).hexdigest()[:16]
+    root = checkpoint_root(directory)
+    if not root.is_absolute() and not _storage.is_remote(root):
+        return _run_id_of(_storage.identity(root))
+    return _run_id_of_root(str(root))
+
+
+@functools.lru_cache(maxsize=64)
+def _run_id_of_root(root: str) -> str:
+    return _run_id_of(_storage.identity(root))
+
+
+def _run_id_of(identity: str) -> str:
+    return "run-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def run_id(directory: os.PathLike | str, configured: str | None, recorded: str | None) -> str:

@@ -51,6 +51,11 @@ class HostShard:
         self.shape = tuple(self.data.shape)
         self.itemsize = self.data.dtype.itemsize
 
+    def copy_out(self) -> None:
+        """Replaces the shard's view by a private copy and lets go of what it viewed."""
+        assert self.data is not None, "a shard's data is copied before it is released"
+        self.data, self.holds = np.array(self.data, copy=True), None
+
     def release(self) -> np.ndarray:
         """The shard's data, which it lets go of: once the caller drops it as well,
         JAX may reuse (donate) the buffer it viewed."""
