@@ -26,10 +26,9 @@ import dataclasses
 import time
 import uuid
 from pathlib import Path
+from typing import Final
 
 from absl import logging as log
-
-from typing import Final
 
 from jaxckpt import _faults, _metrics
 from jaxckpt._options import TierOptions
@@ -39,7 +38,6 @@ from jaxckpt.memory import _fs, _memory_tier, _slab
 from jaxckpt.persistent import _index, _paths, _persist_job, _persister, _storage
 from jaxckpt.run import _choreography, _retention
 from jaxckpt.save import _snapshot
-
 
 # A part this small is copied into private memory in `save()`, not into its slab: the
 # slab's file work (its staging directory, a retired slab taken over, a mapping) costs
