@@ -31,11 +31,18 @@ def manager_options(
     On S3 (and S3-compatible stores: MinIO, R2, ...) a directory cannot be
     renamed, so the manager must finalize steps with a commit file
     (`ocp.path.atomicity.CommitFileTemporaryPath`); Orbax already does so on
-    `gs://`. A local directory needs nothing extra.
+    `gs://`.
 
         mngr = ocp.CheckpointManager(
             "s3://bucket/run", item_handlers={"train": handler},
             options=jaxckpt.manager_options("s3://bucket/run", max_to_keep=3))
+
+    A local directory without `async_options` gets
+    `ocp.AsyncOptions(create_directories_asynchronously=False)`: the manager makes
+    a step's directories while `save()` runs, one thread and its signals fewer a
+    save than in the background (measured: the call 1-2 ms shorter). On an object
+    store a directory is a request, so there they stay in the background. Given
+    `async_options` are used as they are.
 
     Args:
       directory: the checkpoint directory or URL the manager is given.
