@@ -34,13 +34,21 @@ def simulate(count: int, fn, **coordinator) -> tuple[_coordinator.Simulation, li
 
 def test_a_save_moves_about_a_kilobyte_a_process_through_the_coordinator():
     """Its verdict, tree digest and index entry (the part's 24 chunk records, compressed):
-    as many bytes a process at any N."""
+    as many bytes a process at any N. The decider (process 0) reads every posted value,
+    again when it read before the last of them arrived (a few rounds at most, depending on
+    when each process's post lands: CPU timing), so its bytes are bounded, not fixed."""
     rows = {n: _scale.measure(n, "save") for n in (16, 128)}
     for n, row in rows.items():
-        assert row["coordinator_bytes"] / n < 1500, row
+        others = (row["coordinator_bytes"] - row["max_process_bytes"]) / (n - 1)
+        assert others < 1000, row
+        # At most three reads of all the values the others posted.
+        assert row["max_process_bytes"] < 3 * others * (n - 1), row
         assert row["rpcs"] <= 4 * n + 4, row
-    # O(N): eight times the processes, about eight times the bytes (key names grow a digit).
-    assert rows[128]["coordinator_bytes"] < 8 * 1.2 * rows[16]["coordinator_bytes"], rows
+    # Flat in N: a process's bytes at 128 as at 16 (key names grow a digit).
+    per = {
+        n: (row["coordinator_bytes"] - row["max_process_bytes"]) / (n - 1) for n, row in rows.items()
+    }
+    assert per[128] < 1.1 * per[16], rows
 
 
 def test_restore_after_a_node_loss_and_setup_plan_everywhere():
