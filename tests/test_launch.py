@@ -345,20 +345,28 @@ def test_registry_takes_each_node_once_and_polls_at_most_every_half_second(tmp_p
 
 
 def test_spares_wait_at_a_low_priority_and_get_it_back(tmp_path) -> None:
+    """At nice 19 in the idle scheduling class (a waking job thread preempts them at
+    once); woken, at nice 0 in the normal class. A middle nice value keeps the normal
+    class."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
     with _supervise.ProcessSet(sleeper, [{}], nice=_priority.NICEST) as procs:
         pid = procs.procs[0].pid
         assert os.getpriority(os.PRIO_PROCESS, pid) == _priority.NICEST
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
         autogroup = pathlib.Path(f"/proc/{pid}/autogroup")
         if autogroup.exists():  # where the kernel schedules sessions first
             assert autogroup.read_text().split()[-1] == str(_priority.NICEST)
-        refused = procs.set_nice(0)
+        refused = procs.set_priority(0)
         if refused:  # not root: raising a priority needs CAP_SYS_NICE
             assert "CAP_SYS_NICE" in refused[0]
         else:
             assert os.getpriority(os.PRIO_PROCESS, pid) == 0
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+            assert procs.set_priority(10) == []  # lower again, but not the nicest
+            assert os.getpriority(os.PRIO_PROCESS, pid) == 10
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER
     with pytest.raises(ValueError, match="nice value"):
-        _priority.set_nice(os.getpid(), 20)
+        _priority.set_priority(os.getpid(), 20)
 
 
 def test_parsing_helpers() -> None:

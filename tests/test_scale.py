@@ -46,7 +46,8 @@ def test_a_save_moves_about_a_kilobyte_a_process_through_the_coordinator():
         assert row["rpcs"] <= 4 * n + 4, row
     # Flat in N: a process's bytes at 128 as at 16 (key names grow a digit).
     per = {
-        n: (row["coordinator_bytes"] - row["max_process_bytes"]) / (n - 1) for n, row in rows.items()
+        n: (row["coordinator_bytes"] - row["max_process_bytes"]) / (n - 1)
+        for n, row in rows.items()
     }
     assert per[128] < 1.1 * per[16], rows
 

@@ -153,12 +153,12 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
 
 
 def _add_solo(p: argparse.ArgumentParser) -> None:
-    """One process saving every step (figures 10a-d) and the fixed cost of a save."""
+    """One process saving every step (figures 10a-f) and the fixed cost of a save."""
     p.add_argument(
         "--solo",
         choices=("auto", "only", "off"),
         default="auto",
-        help="one process, a small state saved every step (figures 10a-d: none, the "
+        help="one process, a small state saved every step (figures 10a-f: none, the "
         "floor, jaxckpt, Orbax async; and the fixed cost of a 1 MiB save against Orbax's "
         "manager saving a trivial item): after the two-process phases (auto, not with "
         "--store-only), alone (only), or not at all",

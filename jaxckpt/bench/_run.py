@@ -207,7 +207,7 @@ def _proxy_config(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, An
 
 
 def _solo_config(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """Figures 10a-d's one process: its CPU devices, no replicas (`_solo`)."""
+    """Figures 10a-f's one process: its CPU devices, no replicas (`_solo`)."""
     preset = _QUICK if args.quick else _FULL
     return {
         **cfg,

@@ -179,7 +179,7 @@ def _wake(spares: Job, envs: Sequence[Mapping[str, str]], attempt: Attempt) -> J
     """Gives the waiting spares the job's priority back, then each its variables on stdin;
     the spares become the attempt's job."""
     attempt.standby = True
-    refused = spares.processes.set_nice(0)
+    refused = spares.processes.set_priority(0)
     if refused:
         print(f"[launch] {refused[0]}; the woken spares keep their low priority", flush=True)
     for i, child_env in enumerate(envs):

@@ -28,14 +28,14 @@ Two things shorten a restart:
   a spare job of each size a restart may take (the job's, ``--processes-after-failure``,
   and with ``--grow-at-save`` the launched size): its processes get
   ``JAXCKPT_STANDBY=1`` and the job variables above (a coordinator port of their own),
-  so they import jax, join their job and prepare what does not depend on where they
-  run (the examples build their mesh, compile their train step and prepare their
-  restore), print a ``standby`` event and wait for one line on stdin; the job starts
-  once they are ready, and they wait at nice 19 (`_priority`). At a restart the spares
-  of its size get ``{"env": {...}}``, every variable above (only the memory root,
-  failure domain and failure injection are new to them), and nice 0 back; the spares
-  that replace them start once the restarted job trains, at nice 19. The command must
-  support it (the examples do).
+  so they import jax, join their job and prepare what does not depend on where they run
+  (the examples build their mesh, compile their train step and prepare their restore),
+  print a ``standby`` event and wait for one line on stdin; the job starts once they are
+  ready, and they wait at nice 19 in the idle scheduling class (`_priority`). At a
+  restart the spares of its size get ``{"env": {...}}``, every variable above (only the
+  memory root, failure domain and failure injection are new to them), and nice 0 back;
+  the spares that replace them start once the restarted job trains, at nice 19. The
+  command must support it (the examples do).
 
 Elastic jobs (`_restarts`): with ``--processes-after-failure M`` a failure restarts the
 job on M of its nodes; a node that registers later (``--register-dir``, `_registry`;
@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_priority.NICEST,
         metavar="N",
-        help="the spares' nice value until woken (0..19, default 19: they take only the CPU"
-        " the job leaves idle)",
+        help="the spares' nice value until woken (0..19, default 19, which also puts them in"
+        " the idle scheduling class: they take only the CPU the job leaves idle)",
     )
     p.add_argument(
         "--standby-timeout",

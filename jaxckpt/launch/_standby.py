@@ -95,7 +95,7 @@ class Standby:
                 break
             time.sleep(POLL_S)
         for job in self._jobs.values():
-            job.processes.set_nice(self.nice)  # lowering a priority is always allowed
+            job.processes.set_priority(self.nice)  # lowering a priority is always allowed
         return why
 
     def pids(self) -> list[int]:

@@ -61,7 +61,7 @@ class ProcessSet:
     entries of `envs`; stdin is closed (a pipe with ``stdin_pipe``: `send`) and stderr
     goes with stdout, into ``outputs[i]`` (a file) or else a pipe (``procs[i].stdout``).
     With ``nice`` > 0 every process gets that nice value as it starts
-    (`_priority.set_nice`, before the interpreter it runs starts any thread of its own).
+    (`_priority.set_priority`, before the interpreter it runs starts any thread of its own).
     Use as a context manager: leaving it kills the set, whatever happened.
     """
 
@@ -87,7 +87,7 @@ class ProcessSet:
                     )
                 )
                 if nice:  # lowering a priority is always allowed
-                    _priority.set_nice(self.procs[-1].pid, nice)
+                    _priority.set_priority(self.procs[-1].pid, nice)
         except BaseException:
             self.kill()
             raise
@@ -114,10 +114,10 @@ class ProcessSet:
             with contextlib.suppress(OSError):
                 stdin.close()
 
-    def set_nice(self, nice: int) -> list[str]:
-        """Gives every process (each thread) the nice value `nice` (`_priority.set_nice`);
+    def set_priority(self, nice: int) -> list[str]:
+        """Gives every process (each thread) the nice value `nice` (`_priority.set_priority`);
         returns why it could not, per process that refused."""
-        return [why for p in self.procs if (why := _priority.set_nice(p.pid, nice)) is not None]
+        return [why for p in self.procs if (why := _priority.set_priority(p.pid, nice)) is not None]
 
     def terminate(self) -> None:
         """Sends SIGTERM to every process still running (not to its children): to a JAX
