@@ -29,7 +29,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -140,17 +139,24 @@ def run_crashing(phase: str, memory_root: str, ckpt: str) -> subprocess.Complete
     )
 
 
+class Crashes(dict):
+    """Each phase's crashed save, made the first time a test asks for it: a pytest-xdist
+    worker crashes only the phases of the tests it runs."""
+
+    def __init__(self, base: Path):
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, phase: str) -> tuple[subprocess.CompletedProcess, Path]:
+        memory_root, ckpt = self.base / phase / "memory", self.base / phase / "ckpt"
+        self[phase] = (run_crashing(phase, str(memory_root), str(ckpt)), self.base / phase)
+        return self[phase]
+
+
 @pytest.fixture(scope="module")
-def crashed(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """Every phase's crashed save (two subprocesses at a time), left untouched: tests copy it."""
-    base = tmp_path_factory.mktemp("crashes")
-
-    def one(phase: str):
-        memory_root, ckpt = base / phase / "memory", base / phase / "ckpt"
-        return phase, (run_crashing(phase, str(memory_root), str(ckpt)), base / phase)
-
-    with ThreadPoolExecutor(2) as pool:
-        return dict(pool.map(one, PHASES_ONE_PROCESS))
+def crashed(tmp_path_factory) -> Crashes:
+    """Every phase's crashed save, left untouched: tests copy it."""
+    return Crashes(tmp_path_factory.mktemp("crashes"))
 
 
 def after_crash(crashed, phase: str, tmp_path: Path) -> tuple[str, Path]:

@@ -39,24 +39,25 @@ def writes_per_step(names: list[str], root: str) -> dict[int, list[str]]:
 @pytest.mark.parametrize("kind", ["gcs", "s3"])
 def test_objects_written_per_memory_only_step_do_not_grow_with_processes(kind, tmp_path):
     per_count = {}
-    for processes in (1, 2, 4):
-        with running(kind, tmp_path) as emulator:
-            url = emulator.url("run")
+    with running(kind, tmp_path) as emulator:  # one emulator, a directory per count
+        for processes in (1, 2, 4):
+            root = f"run{processes}"
             roots = [str(tmp_path / f"mem-{processes}-{i}") for i in range(processes)]
             domains = [f"node{i}" for i in range(processes)]
-            args = {"url": url, "steps": STEPS, "replicas": 1 if processes > 1 else 0}
+            args = {"url": emulator.url(root), "steps": STEPS, "replicas": int(processes > 1)}
             env = {i: emulator.env() for i in range(processes)}
             results = run(
                 "memory_only_saves", roots, domains, args, env=env, worker="mp_objects.py"
             )
             for r in results:  # the steps are whole: the last one restores from memory
                 assert r.result["bad"] == [] and r.result["tier"] == "memory", r.result
-            written = writes_per_step(emulator.object_writes(), "run")
-        assert sorted(written) == STEPS, (processes, written)
-        for step in STEPS:
-            objects = sorted(written[step])
-            # The step's index is one object, never one per process; nothing else is jaxckpt's.
-            assert objects == sorted(ORBAX_WRITES + JAXCKPT_WRITES), (processes, step, objects)
-        per_count[processes] = {step: sorted(written[step]) for step in STEPS}
+            written = writes_per_step(emulator.object_writes(), root)
+            assert sorted(written) == STEPS, (processes, written)
+            for step in STEPS:
+                objects = sorted(written[step])
+                # The step's index is one object, never one per process; nothing else is
+                # jaxckpt's.
+                assert objects == sorted(ORBAX_WRITES + JAXCKPT_WRITES), (processes, step, objects)
+            per_count[processes] = {step: sorted(written[step]) for step in STEPS}
     # The same objects at 1, 2 and 4 processes.
     assert per_count[1] == per_count[2] == per_count[4], per_count
