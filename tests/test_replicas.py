@@ -405,3 +405,25 @@ def test_zero_size_arrays_have_no_read_layout() -> None:
     for shape in [(0, 8), (8, 0)]:
         sharding = NamedSharding(mesh, P(None, "fsdp"))
         assert _read_layout.read_layout(sharding, shape, (1, 4), True, procs) is None
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_a_reshard_compiles_quickly_when_small_on_cpu_and_restores_the_same(
+    quick, monkeypatch
+) -> None:
+    """A small reshard on CPU compiles without the backend's optimizations (it only moves
+    data; its compilation is what costs); a large one, or one off CPU, with them. Either
+    way the array comes out the same."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "fsdp"))
+    sharding = NamedSharding(mesh, P(None, "fsdp"))
+    limit = _read_layout.QUICK_COMPILE_BYTES
+    assert _read_layout.compiles_quickly([sharding], limit)
+    assert not _read_layout.compiles_quickly([sharding], limit + 1)
+    if not quick:
+        monkeypatch.setattr(_read_layout, "QUICK_COMPILE_BYTES", 0)
+    stored = np.arange(16 * 64, dtype=np.float32).reshape(16, 64)
+    read = jax.device_put(stored, NamedSharding(mesh, P("dp", "fsdp")))
+    assert _read_layout.compiles_quickly([sharding], read.nbytes) is quick
+    (whole,) = _read_layout.reshard([read], [sharding])
+    assert whole.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(whole), stored)
