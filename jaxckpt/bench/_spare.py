@@ -16,6 +16,7 @@ compiled, then compiles until killed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import select
 import sys
@@ -32,12 +33,12 @@ START_TIMEOUT_S: Final = 120.0  # its imports and first compilation, on a loaded
 _LEAVES: Final = 24  # arrays a program carries (a restore's reshard carries every leaf)
 
 
+@dataclasses.dataclass
 class Spare:
     """What the stand-in got while it ran beside the loop."""
 
-    def __init__(self) -> None:
-        self.cpu_s = 0.0  # CPU seconds, every thread
-        self.seconds = 0.0  # wall seconds
+    cpu_s: float = 0.0  # CPU seconds, every thread
+    seconds: float = 0.0  # wall seconds
 
 
 @contextlib.contextmanager
