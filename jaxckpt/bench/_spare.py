@@ -18,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import select
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import IO, Final
 
 import psutil
 
@@ -51,10 +52,14 @@ def beside(nice: int = _priority.NICEST) -> Iterator[Spare]:
     """
     spare = Spare()
     command = [sys.executable, "-m", "jaxckpt.bench._spare"]
+    # Its output goes to a file, read until it is ready: nothing ever blocks its writes.
     # Prepared at normal priority (as the launcher's first spares are), then lowered.
-    with _supervise.ProcessSet(command, [{}]) as procs:
+    with (
+        tempfile.TemporaryFile() as output,
+        _supervise.ProcessSet(command, [{}], outputs=[output]) as procs,
+    ):
         proc = procs.procs[0]
-        _await_ready(proc)
+        _await_ready(proc, output)
         _priority.set_priority(proc.pid, nice)
         watched = psutil.Process(proc.pid)
         before, start = _cpu(watched), time.perf_counter()
@@ -63,22 +68,20 @@ def beside(nice: int = _priority.NICEST) -> Iterator[Spare]:
         spare.seconds = round(time.perf_counter() - start, 3)
 
 
-def _await_ready(proc: Any) -> None:
+def _await_ready(proc: subprocess.Popen[bytes], output: IO[bytes]) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    seen = b""
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready:
-            line = proc.stdout.readline()
-            if line.strip() == READY.encode():
-                return
-            if not line:
-                break  # it exited
-            seen += line
+        output.seek(0)
+        printed = output.read()
+        if READY.encode() in printed.splitlines():
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
     raise RuntimeError(
         f"The bench's stand-in spare (pid {proc.pid}) did not get ready in"
         f" {START_TIMEOUT_S:.0f} s (exit code {proc.poll()}); it printed:"
-        f" {seen.decode(errors='replace')[-2000:]!r}"
+        f" {printed.decode(errors='replace')[-2000:]!r}"
     )
 
 
