@@ -7,9 +7,9 @@ the job's priority back (`set_priority` 0).
 
 At the nicest value (`NICEST`, the launcher's default) a spare's threads are also put in
 Linux's idle scheduling class (``SCHED_IDLE``): a nice value only weighs CPU time, so a
-spare at nice 19 still holds a CPU until the scheduler's next tick when a thread of the
-job wakes (the job's processes wake each other at every collective), where a job thread
-waking preempts an idle-class thread at once. Measured beside one process training on 2
+thread of the job that wakes (the job's processes wake each other at every collective)
+may wait for a spare at nice 19 to use up its slice, where it preempts an idle-class
+thread at once. Measured beside one process training on 2
 CPUs (~140 ms steps), a stand-in spare compiling without pause, 4 interleaved rounds:
 steps x1.087 at nice 18 in the normal class (it got ~2 CPU-seconds a 4.3 s loop), x1.036
 at nice 19 in the idle class (~1.2 s): the CPU the job leaves idle, and less of its

@@ -60,8 +60,9 @@ class ProcessSet:
     Each process gets this process's environment, ``PYTHONUNBUFFERED=1`` and its own
     entries of `envs`; stdin is closed (a pipe with ``stdin_pipe``: `send`) and stderr
     goes with stdout, into ``outputs[i]`` (a file) or else a pipe (``procs[i].stdout``).
-    With ``nice`` > 0 every process gets that nice value as it starts
-    (`_priority.set_priority`, before the interpreter it runs starts any thread of its own).
+    With ``nice`` > 0 every process gets that priority as it starts (`_priority.set_priority`:
+    the nice value, and at 19 the idle class; before the interpreter it runs starts any
+    thread of its own).
     Use as a context manager: leaving it kills the set, whatever happened.
     """
 
