@@ -70,8 +70,8 @@ class TierOptions:
         copy) until the memory tier has their bytes, instead of copying them
         into the step's slab before `save()` returns (the checksums are computed
         in the background either way). Holding makes `save()` return at once
-        but declines the next train step's donation of those buffers: that step
-        then writes into fresh memory (page faults, and up to one more copy of
+        but keeps the next train step from reusing those buffers if it donates
+        them: that step then writes into fresh memory (page faults, and up to one more copy of
         the state in RSS). Hold when the train step does not donate its state;
         the default copies, at memory speed into pages the tier already has.
       spare_slabs: keep the slabs of retired steps (at most a step's worth) for

@@ -353,11 +353,12 @@ def _stage(
       pool across saves, so no host allocation per save once warm), then
       zero-copy numpy views of the results.
     - "cpu_view": on CPU a jax buffer already is host memory and immutable: a
-      numpy view holds it, and while the view lives JAX declines to donate that
-      buffer, so a donating train step cannot overwrite it. The handler copies
-      the views into the step's slab before `save()` returns and drops them
-      (unless `TierOptions.hold_cpu_arrays`): a declined donation costs the
-      next step more than the copy (fresh, page-faulted output buffers).
+      numpy view holds it, and while the view lives a donating train step cannot
+      overwrite it (JAX <= 0.11 declines the donation; 0.12 donates the array but
+      gives the step fresh memory). The handler copies the views into the
+      step's slab before `save()` returns and drops them (unless
+      `TierOptions.hold_cpu_arrays`): a donation that cannot reuse the buffers
+      costs the next step more than the copy (fresh, page-faulted output buffers).
     - "pageable": every transfer started (`copy_to_host_async`), then copied
       into fresh host memory.
     """
