@@ -138,7 +138,9 @@ class TieredCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         return self._restores.metadata(directory)
 
     def finalize(self, directory: epath.Path) -> None:
-        """No-op: parts become visible by their own atomic renames."""
+        """Parts become visible by their own atomic renames; the manager renames the
+        step next, which the memory tier's retention for it looks for from now on."""
+        self._session.background.retainer.nudge()
 
     def close(self) -> None:
         """Drains pending persistence (bounded by `TierOptions.timeout_s`), and persists

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 
 import faults
 import jax
@@ -30,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt.memory import _slab
-from jaxckpt.persistent import _kept
+from jaxckpt.persistent import _kept, _paths
 from jaxckpt.save import _save
 
 
@@ -378,6 +379,48 @@ def test_retention_bounds_memory(memory_root, ckpt_dir):
         assert h.inspect().memory.steps() == [4, 5]
         with pytest.raises(FileNotFoundError, match="newest restorable step is 5"):
             restore(mngr, 2, abstract(state))
+
+
+def test_retention_after_a_step_the_manager_deleted_first(memory_root, ckpt_dir, monkeypatch):
+    """Saves back to back with `max_to_keep=1`: garbage collection may delete a step
+    before its retention has seen it finalized. A newer finalized step shows that it
+    was, and the retention still retires the older steps (here: after step 2, which
+    the manager deleted when step 3 was finalized, step 1 leaves memory; the retention
+    after step 3 is held until then)."""
+    wait_finalized = _paths.ItemDir.wait_finalized
+    release = threading.Event()
+
+    def late(self, step, *args, **kwargs):
+        if step == 2:  # looks only once the manager has finalized 3 and deleted 2
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (
+                (ckpt_dir / "2").exists() or not (ckpt_dir / "3").exists()
+            ):
+                time.sleep(0.01)
+        if step == 3:
+            assert release.wait(60)
+        return wait_finalized(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(_paths.ItemDir, "wait_finalized", late)
+    state = sharded_state(mesh_1d())
+    h = handler(memory_root, memory_keep=1, persist_every=1000)
+    try:
+        with manager(ckpt_dir, h, max_to_keep=1) as mngr:
+            for step in (1, 2, 3):
+                save(mngr, step, state)
+            mngr.wait_until_finished()
+            assert not (ckpt_dir / "2").exists()
+            memory = h.inspect().memory
+            deadline = time.monotonic() + 60
+            while memory.steps() != [2, 3] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert memory.steps() == [2, 3]
+            release.set()
+            h.inspect().wait_for_retention(30)
+            assert memory.steps() == [3]
+            assert_tree_equal(restore(mngr, 3, abstract(state)), state)
+    finally:
+        release.set()
 
 
 def test_without_spare_slabs_the_tier_holds_only_the_kept_steps(memory_root, ckpt_dir):

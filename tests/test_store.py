@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -226,3 +228,25 @@ def test_a_step_that_vanishes_before_its_finalization_ends_the_wait(tmp_path, in
     else:
         final.mkdir(parents=True)
     _step_dirs.wait_finalized(item, final, 7, 0.2, None, 0.02)  # finalized: returns
+
+
+def test_a_finalization_under_way_is_seen_at_once(tmp_path):
+    """Told that the manager is finalizing (`wake`), the wait looks at once and then
+    often, not only every `poll_s`: here the rename lands 0.1 s after the wake, and a
+    wait polling every 60 s still ends (well inside its poll)."""
+    item = tmp_path / "7.orbax-checkpoint-tmp-1" / "train.orbax-checkpoint-tmp-2"
+    final = tmp_path / "7" / "train"
+    item.mkdir(parents=True)
+    wake, done = threading.Event(), threading.Event()
+
+    def wait() -> None:
+        _step_dirs.wait_finalized(item, final, 7, 300, None, 60, wake)
+        done.set()
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    wake.set()
+    time.sleep(0.1)
+    item.parent.rename(final.parent)
+    (final.parent / item.name).rename(final)
+    assert done.wait(30)

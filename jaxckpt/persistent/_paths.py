@@ -101,11 +101,15 @@ class ItemDir:
         return _step_dirs.with_item(self.store.step_dirs(self.root), self.item)
 
     def wait_finalized(
-        self, step: int, timeout_s: float, given_up: threading.Event | None = None
+        self,
+        step: int,
+        timeout_s: float,
+        given_up: threading.Event | None = None,
+        wake: threading.Event | None = None,
     ) -> None:
         """`_step_dirs.wait_finalized` for this item directory, on its store."""
         _step_dirs.wait_finalized(
-            self.path, self.final, step, timeout_s, given_up, self.store.poll_s
+            self.path, self.final, step, timeout_s, given_up, self.store.poll_s, wake
         )
 
 

@@ -28,6 +28,9 @@ from jaxckpt.persistent import _index, _storage
 STAGING_DIR = ".jaxckpt-staging"
 # What the manager writes into a step directory to finalize it where it cannot rename.
 COMMIT_FILE = "commit_success.txt"
+# How many times more often `wait_finalized` looks right after it is told that a
+# finalization is under way (the manager renames the step a moment later).
+FAST_LOOKS = 20
 
 
 def is_temporary(name: str) -> bool:
@@ -112,12 +115,15 @@ def wait_finalized(
     timeout_s: float,
     given_up: threading.Event | None,
     poll_s: float,
+    wake: threading.Event | None = None,
 ) -> None:
     """Waits until the manager has finalized the step `item_dir` (`is_finalized`),
     looking again every `poll_s` (the store's: a look may be a request).
 
     `given_up` is set when no finalization can come any more (the manager has
-    finished and is closing the handler): the wait then ends at once.
+    finished and is closing the handler): the wait then ends at once. `wake`, set
+    when the manager is finalizing a step (the handler's `finalize`), makes it look
+    at once and then `FAST_LOOKS` times as often for `poll_s` (it clears `wake`).
 
     Raises:
       FileNotFoundError: if the step vanished instead (the save failed, or
@@ -127,6 +133,7 @@ def wait_finalized(
       TimeoutError: if it is not finalized within `timeout_s`.
     """
     deadline = time.monotonic() + timeout_s
+    fast_until = 0.0  # after a wake, look FAST_LOOKS times as often until then
     while not is_finalized(item_dir, final_item_dir):
         if _vanished(item_dir, final_item_dir):
             raise FileNotFoundError(
@@ -147,4 +154,9 @@ def wait_finalized(
             raise TimeoutError(
                 f"Step {step} was not finalized at {final_item_dir} within {timeout_s:.0f} s."
             )
-        time.sleep(poll_s)
+        pause = poll_s / FAST_LOOKS if time.monotonic() < fast_until else poll_s
+        if wake is None:
+            time.sleep(pause)
+        elif wake.wait(pause):
+            wake.clear()
+            fast_until = time.monotonic() + poll_s

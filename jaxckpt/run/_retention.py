@@ -36,6 +36,7 @@ of its own.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import threading
@@ -51,6 +52,9 @@ from jaxckpt.memory import _memory_tier
 from jaxckpt.persistent import _index, _paths, _storage, _store
 
 _ASKED_STEPS = 64  # own saves remembered per item: more than a manager keeps
+# The longest a save waits for the retention that frees its slab (`MemoryRetainer.settle`):
+# a run takes about half a millisecond; a new 1 MiB slab costs about as much, 192 MiB 50 ms.
+SETTLE_S = 0.02
 
 
 class DurableSteps:
@@ -320,6 +324,12 @@ class MemoryRetainer:
     Of the steps up to the one just finalized it keeps the newest `memory_keep` and
     any step still queued for persistence. A failure is recorded and raised by
     the handler's next `wait_for_persistence()` or `close()` (`take_errors`).
+
+    A save every step needs the slab its retention frees (`MemoryTier.take_free_slab`:
+    a new one is a new file, its pages faulted in) just after the step before is
+    finalized: the handler's `finalize` says a finalization is under way (`nudge`),
+    so the run waiting for it looks at once, and the next save waits briefly for
+    that run before it takes a slab (`settle`).
     """
 
     def __init__(
@@ -336,6 +346,9 @@ class MemoryRetainer:
         self._lock = threading.Lock()
         self._pool = self._new_pool()
         self._last: tuple[_memory_tier.MemoryTier, _paths.ItemDir, int] | None = None
+        self._queued: concurrent.futures.Future[None] | None = None  # the newest run
+        self._finalizing = False  # the manager finalizes the newest run's step
+        self._wake = threading.Event()  # `_step_dirs.wait_finalized`: look now
         self._errors: list[BaseException] = []
 
     @staticmethod
@@ -346,14 +359,32 @@ class MemoryRetainer:
         """Queues the retention that follows the finalization of `step` in `item`."""
         with self._lock:
             self._last = (memory, item, step)
-            self._pool.submit(self._retain, memory, item, step)
+            self._finalizing = False
+            self._queued = self._pool.submit(self._retain, memory, item, step)
 
     def again(self) -> None:
         """Queues the newest retention again: a step it kept while it was queued for
         persistence is retired once durable, not only at the next save's retention."""
         with self._lock:
             if self._last is not None:
-                self._pool.submit(self._retain, *self._last)
+                self._queued = self._pool.submit(self._retain, *self._last)
+
+    def nudge(self) -> None:
+        """The manager is finalizing the newest step queued (it renames it next): the
+        run waiting for that looks at once, and `settle` may wait for it."""
+        with self._lock:
+            self._finalizing = self._last is not None
+        self._wake.set()
+
+    def settle(self, timeout_s: float = SETTLE_S) -> None:
+        """Waits, at most `timeout_s`, for the runs queued so far if the newest one's
+        step is being finalized (`nudge`): a save about to take a slab gets the one
+        that run frees. Returns at once otherwise, and silently on a timeout."""
+        with self._lock:
+            queued = self._queued if self._finalizing else None
+        if queued is not None:
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                queued.result(timeout=timeout_s)
 
     def wait(self, timeout_s: float) -> None:
         """Waits for the retention runs queued so far.
@@ -382,7 +413,14 @@ class MemoryRetainer:
 
     def _retain(self, memory: _memory_tier.MemoryTier, item: _paths.ItemDir, step: int) -> None:
         try:
-            item.wait_finalized(step, self._timeout_s, self._closing)
+            item.wait_finalized(step, self._timeout_s, self._closing, self._wake)
+        except FileNotFoundError as e:
+            # Garbage collection deletes finalized steps only, once newer ones are: a
+            # newer finalized step (kept in memory: it is past `upto`) means the step
+            # was finalized; else its save failed, and everything stays.
+            if not any(s > step for s in item.finalized_steps()):
+                log.warning("jaxckpt: memory retention skipped after step %d: %s", step, e)
+                return
         except OSError as e:  # not finalized: keep everything
             log.warning("jaxckpt: memory retention skipped after step %d: %s", step, e)
             return

@@ -114,6 +114,7 @@ class Save:
                 s.copy_out()
             self.metrics.host_staging = "copy"
             return
+        self._services.retainer.settle()  # the slab the previous step's retention frees
         self._staged = self._memory.stage_slab(
             self._step,
             self._process,
@@ -149,6 +150,7 @@ class Save:
         staged = self._staged
         if staged is None:
             chunks_data = [s.release() for s in snapshot.shards]
+            self._services.retainer.settle()  # the slab the previous step's retention frees
             # On the commit future's own thread (see `_operation._placed_first`).
             staged = memory.stage_slab(
                 step, pi, chunks_data, tally=self._tally, tiles=self._tile_regions()
