@@ -105,6 +105,7 @@ class DurableSteps:
         persist_every: int,
         pending: Set[int] = frozenset(),
         asked: Mapping[int, bool] | None = None,
+        known: Mapping[int, Path] | None = None,
     ) -> set[int]:
         """Of `steps`, those garbage collection must keep (see the module docstring).
 
@@ -116,9 +117,15 @@ class DurableSteps:
           pending: steps this process is still persisting.
           asked: step -> whether this process's own save of it asked for persistence
             (`TieredSave(persist=True)`), known without reading the step's index.
+          known: step -> its item directory once finalized, for the steps this process
+            saved: when it names every step, the directory is not listed (the policy
+            asks at every save).
         """
         steps = sorted(set(steps), reverse=True)
-        item_dirs = {s: d / item for s, d in _store.at(root).step_dirs(root).items()}
+        if known is not None and all(s in known for s in steps):
+            item_dirs = dict(known)
+        else:
+            item_dirs = {s: d / item for s, d in _store.at(root).step_dirs(root).items()}
 
         def _is_due(step: int) -> bool:
             if step % persist_every == 0:
@@ -149,8 +156,9 @@ class Keeper:
         self._warned: set[tuple[Path, str, int]] = set()  # newest steps said to be in memory
         self._saved: set[tuple[Path, str]] = set()  # (checkpoint dir, item) saved into
         # (checkpoint dir, item) -> step -> whether this handler's save of it asked for
-        # persistence: the policy asks at every save, and need not read those indexes.
-        self._asked: dict[tuple[Path, str], dict[int, bool]] = {}
+        # persistence, and its item directory once finalized: the policy asks at every
+        # save, and need not read those indexes nor list the directory.
+        self._asked: dict[tuple[Path, str], dict[int, tuple[bool, Path]]] = {}
         self._identities: dict[Path, str] = {}  # checkpoint dir -> `_storage.identity`
 
     def _identity(self, root: Path) -> str:
@@ -168,7 +176,7 @@ class Keeper:
             asked = self._asked.setdefault((item.root, item.item), {})
             if len(asked) >= _ASKED_STEPS:
                 asked.pop(min(asked))
-            asked[step] = persist
+            asked[step] = (persist, item.final)
 
     def note(self, item: _paths.ItemDir) -> None:
         """Remembers the checkpoint directory and item of a save or restore; says once
@@ -205,9 +213,11 @@ class Keeper:
 
     def steps_to_keep(self, root: Path, item: str, steps: Sequence[int]) -> set[int]:
         with self._lock:
-            asked = dict(self._asked.get((root, item), {}))
+            saved = dict(self._asked.get((root, item), {}))
+        asked = {s: persist for s, (persist, _) in saved.items()}
+        known = {s: final for s, (_, final) in saved.items()}
         return self._durable.steps_to_keep(
-            root, item, steps, self._persist_every, self._pending(), asked
+            root, item, steps, self._persist_every, self._pending(), asked, known
         )
 
     def newest_not_durable(
