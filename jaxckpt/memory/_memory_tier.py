@@ -21,6 +21,7 @@ restore (`lend`) is only ever unlinked: arrays restored from it keep its pages.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -41,6 +42,7 @@ from jaxckpt.memory import _fs, _memory_budget, _quarantine, _slab
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PART_RE = re.compile(r"^part_(\d+)$")
+_RECYCLED_HINTS = 8  # slabs this process retired that `take_free_slab` tries first
 
 # In a part directory: its slab was lent to a restore (`MemoryTier.lend`).
 LENT_MARKER = ".lent"
@@ -67,6 +69,9 @@ class MemoryTier:
         self._run: tuple[str, int, str] = ("", 0, "")
         self.memory_budget = memory_budget  # caps steps + spares (TierOptions.memory_budget)
         self._told: set[tuple[int, bool]] = set()  # the budget's decisions logged
+        # The slabs this process put into `.free/` last (`recycle`), newest last: the
+        # next save tries them before it lists `.free/` (`take_free_slab`).
+        self._recycled: collections.deque[Path] = collections.deque(maxlen=_RECYCLED_HINTS)
 
     def prepare(self, checkpoint_dir: str, process_index: int, failure_domain: str = "") -> None:
         """Creates the run directory, checks that it is writable, records the run.
@@ -232,12 +237,22 @@ class MemoryTier:
         )
 
     def take_free_slab(self, dest: Path, nbytes: int = 0) -> bool:
-        """Moves a retired step's slab to `dest`, if there is one: the smallest of at
-        least `nbytes` (its pages are all reused), else the largest.
+        """Moves a retired step's slab to `dest`, if there is one: the one this process
+        retired last if it holds `nbytes` (no listing), else the smallest of at least
+        `nbytes` (its pages are all reused), else the largest.
 
         Any process sharing the memory root may take the same one: `os.rename`
         gives it to exactly one of them.
         """
+        while True:  # the slabs this process retired last, unless another took them
+            try:
+                hint = self._recycled.pop()
+            except IndexError:
+                break
+            with contextlib.suppress(OSError):
+                if hint.stat().st_size >= nbytes:
+                    os.rename(hint, dest)
+                    return True
         free = self.run_dir / ".free"
         try:
             sized = []
@@ -397,7 +412,9 @@ class MemoryTier:
             self._tell(decision)
             if not decision.keep:
                 return False
-            os.rename(part_dir / _slab.SLAB_FILE, free / f"slab-{uuid.uuid4().hex}")
+            spare_slab = free / f"slab-{uuid.uuid4().hex}"
+            os.rename(part_dir / _slab.SLAB_FILE, spare_slab)
+            self._recycled.append(spare_slab)
             return True
         except OSError:
             return False
