@@ -173,6 +173,29 @@ def test_the_smallest_free_slab_that_fits_is_taken(tmp_path):
     assert tier.take_free_slab(tmp_path / "z", 1) and (tmp_path / "z").stat().st_size == 100
 
 
+def test_a_slab_retired_here_is_taken_first_unless_another_process_took_it(tmp_path):
+    """A process's next save takes the slab it retired last; where another process
+    sharing the memory root took that one meanwhile, it takes what `.free/` holds."""
+    tier, other = MemoryTier(str(tmp_path), "run-a"), MemoryTier(str(tmp_path), "run-a")
+    tier.prepare("ckpt", 0)
+    for step in (1, 2):
+        commit_step(tier, step, owner=0, size=4096)
+        commit_step(tier, step, owner=1, size=8192)
+    mine = {tier.slab(1, 0).stat().st_ino, tier.slab(1, 1).stat().st_ino}
+    assert tier.retain(1, upto=2) == [1]
+    assert tier.take_free_slab(tmp_path / "x", 4096)
+    assert (tmp_path / "x").stat().st_ino in mine
+    assert other.take_free_slab(tmp_path / "y", 1)  # the other one, listed
+    commit_step(tier, 3, owner=0, size=4096)
+    commit_step(tier, 3, owner=1, size=4096)
+    assert tier.retain(1, upto=3) == [2]
+    taken = {p.name: p.stat().st_ino for p in (tier.run_dir / ".free").iterdir()}
+    assert other.take_free_slab(tmp_path / "z", 1)  # one of them, before `tier` asks
+    assert tier.take_free_slab(tmp_path / "w", 1)  # the other: its hint, or the listing
+    assert {(tmp_path / n).stat().st_ino for n in ("z", "w")} == set(taken.values())
+    assert not tier.take_free_slab(tmp_path / "v", 1)
+
+
 def _made_by_a_dead_process(tier: MemoryTier) -> list[str]:
     """A staging part and a trash directory made by a process that then died (SIGKILL)."""
     script = (
