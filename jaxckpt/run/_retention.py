@@ -158,7 +158,7 @@ class Keeper:
         # (checkpoint dir, item) -> step -> whether this handler's save of it asked for
         # persistence, and its item directory once finalized: the policy asks at every
         # save, and need not read those indexes nor list the directory.
-        self._asked: dict[tuple[Path, str], dict[int, tuple[bool, Path]]] = {}
+        self._own_saves: dict[tuple[Path, str], dict[int, tuple[bool, Path]]] = {}
         self._identities: dict[Path, str] = {}  # checkpoint dir -> `_storage.identity`
 
     def _identity(self, root: Path) -> str:
@@ -173,10 +173,10 @@ class Keeper:
         """Notes this handler's save of `step` into `item` and whether it asked for its
         persistence (`TieredSave(persist=True)`, or the first save into an old directory)."""
         with self._lock:
-            asked = self._asked.setdefault((item.root, item.item), {})
-            if len(asked) >= _ASKED_STEPS:
-                asked.pop(min(asked))
-            asked[step] = (persist, item.final)
+            own = self._own_saves.setdefault((item.root, item.item), {})
+            if len(own) >= _ASKED_STEPS:
+                own.pop(min(own))
+            own[step] = (persist, item.final)
 
     def note(self, item: _paths.ItemDir) -> None:
         """Remembers the checkpoint directory and item of a save or restore; says once
@@ -213,7 +213,7 @@ class Keeper:
 
     def steps_to_keep(self, root: Path, item: str, steps: Sequence[int]) -> set[int]:
         with self._lock:
-            saved = dict(self._asked.get((root, item), {}))
+            saved = dict(self._own_saves.get((root, item), {}))
         asked = {s: persist for s, (persist, _) in saved.items()}
         known = {s: final for s, (_, final) in saved.items()}
         return self._durable.steps_to_keep(

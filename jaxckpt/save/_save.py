@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Final
 
+import numpy as np
 from absl import logging as log
 
 from jaxckpt import _faults, _metrics
@@ -114,16 +115,23 @@ class Save:
                 s.copy_out()
             self.metrics.host_staging = "copy"
             return
-        self._services.retainer.settle()  # the slab the previous step's retention frees
-        self._staged = self._memory.stage_slab(
-            self._step,
-            self._process,
-            [s.release() for s in shards],
-            checksum=False,
-            tiles=self._tile_regions(),
-        )
+        self._staged = self._stage_slab([s.release() for s in shards], checksum=False)
         self.metrics.host_staging = "slab"
         self.metrics.slab_copy_s = self._staged.seconds
+
+    def _stage_slab(
+        self,
+        chunks: list[np.ndarray],
+        checksum: bool = True,
+        tally: _finite.Tally | None = None,
+    ) -> _memory_tier.StagedSlab:
+        """`MemoryTier.stage_slab` of the part's `chunks`, once the retention that frees the
+        previous step's slab has run (`MemoryRetainer.settle`): saved back to back, the
+        part refills that slab instead of a new file."""
+        self._services.retainer.settle()
+        return self._memory.stage_slab(
+            self._step, self._process, chunks, checksum, tally, self._tile_regions()
+        )
 
     async def commit(self) -> None:
         """The commit of this save; its agreement is the choreography's exchange `agree`
@@ -149,12 +157,8 @@ class Save:
         start = time.perf_counter()
         staged = self._staged
         if staged is None:
-            chunks_data = [s.release() for s in snapshot.shards]
-            self._services.retainer.settle()  # the slab the previous step's retention frees
             # On the commit future's own thread (see `_operation._placed_first`).
-            staged = memory.stage_slab(
-                step, pi, chunks_data, tally=self._tally, tiles=self._tile_regions()
-            )
+            staged = self._stage_slab([s.release() for s in snapshot.shards], tally=self._tally)
         staging = staged.staging
         try:
             crcs = staged.crcs
