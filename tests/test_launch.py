@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from jaxckpt.launch import _events, _priority, _registry, _supervise, _timeline
+from jaxckpt.launch import _events, _priority, _registry, _supervise, _throttle, _timeline
 from jaxckpt.launch import _launcher as launch
 
 # A fake training process: one step event every few ms, its step kept in its memory root
@@ -39,6 +39,8 @@ CHILD = textwrap.dedent(
         (markers / f"nice-{os.getpid()}").write_text(str(os.nice(0)))
         print(json.dumps({"event": "standby", "process": int(env["JAXCKPT_PROCESS_ID"])}),
               flush=True)
+        while mode == "busy-spare":  # prepares without end (never woken in its test)
+            pass
         line = sys.stdin.readline()
         if not line:
             sys.exit(0)
@@ -349,13 +351,17 @@ def test_spares_wait_at_a_low_priority_and_get_it_back(tmp_path) -> None:
     once); woken, at nice 0 in the normal class. A middle nice value keeps the normal
     class."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    own_autogroup = pathlib.Path("/proc/self/autogroup")
+    autogroup_before = own_autogroup.read_text() if own_autogroup.exists() else None
     with _supervise.ProcessSet(sleeper, [{}], nice=_priority.NICEST) as procs:
         pid = procs.procs[0].pid
         assert os.getpriority(os.PRIO_PROCESS, pid) == _priority.NICEST
         assert os.sched_getscheduler(pid) == os.SCHED_IDLE
-        autogroup = pathlib.Path(f"/proc/{pid}/autogroup")
-        if autogroup.exists():  # where the kernel schedules sessions first
-            assert autogroup.read_text().split()[-1] == str(_priority.NICEST)
+        # In the starter's session (one autogroup, where the idle class weighs against
+        # the job's threads), in a process group of its own; the autogroup keeps its nice.
+        assert os.getsid(pid) == os.getsid(0) and os.getpgid(pid) == pid
+        if autogroup_before is not None:  # where the kernel schedules sessions first
+            assert own_autogroup.read_text() == autogroup_before
         refused = procs.set_priority(0)
         if refused:  # not root: raising a priority needs CAP_SYS_NICE
             assert "CAP_SYS_NICE" in refused[0]
@@ -367,6 +373,61 @@ def test_spares_wait_at_a_low_priority_and_get_it_back(tmp_path) -> None:
             assert os.sched_getscheduler(pid) == os.SCHED_OTHER
     with pytest.raises(ValueError, match="nice value"):
         _priority.set_priority(os.getpid(), 20)
+
+
+def test_spares_are_held_to_their_cpu_share_while_the_job_trains(run) -> None:
+    """A spare that never stops preparing takes no more than about ``--standby-cpu`` of a
+    CPU while the job trains (a job that mostly sleeps: all the rest would be its)."""
+    code, report = run(
+        "-n", "1", "--standby", "--standby-cpu", "0.05", mode="busy-spare", steps=100
+    )
+    assert code == 0
+    cpu = report["attempts"][0]["cpu_s"]
+    assert cpu["seconds"] > 1.0 and cpu["standby"] / cpu["seconds"] < 0.2, cpu
+
+
+def _state(pid: int) -> str:
+    return psutil.Process(pid).status()
+
+
+def test_throttle_holds_spares_to_their_share_and_continues_them() -> None:
+    """A busy spare under the cap gets about its share of a CPU (never much more), runs
+    freely once the cap ends, and a spare that dies meanwhile stops nothing."""
+    spinner = [sys.executable, "-c", "while True: pass"]
+    with _supervise.ProcessSet(spinner, [{}, {}]) as procs:
+        busy, doomed = (psutil.Process(p.pid) for p in procs.procs)
+        cap = _throttle.Throttle(0.1, period_s=0.05)
+        with cap.running(lambda: [p.pid for p in procs.procs]):
+            time.sleep(0.2)
+            doomed.kill()
+            before, start = sum(busy.cpu_times()[:2]), time.monotonic()
+            time.sleep(1.5)
+            used = sum(busy.cpu_times()[:2]) - before
+            share = used / (time.monotonic() - start)
+        # 0.1 of the time runnable; a loaded machine gives less, never much more.
+        assert share < 0.3, share
+        assert _state(busy.pid) != psutil.STATUS_STOPPED
+        before = sum(busy.cpu_times()[:2])
+        time.sleep(0.5)
+        assert sum(busy.cpu_times()[:2]) - before > 0.05  # running again, uncapped
+    with pytest.raises(ValueError, match="CPU share"):
+        _throttle.Throttle(0)
+
+
+def test_throttle_continues_what_it_stopped_when_the_body_fails() -> None:
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    with _supervise.ProcessSet(sleeper, [{}]) as procs:
+        pid = procs.procs[0].pid
+        seen = []
+        with pytest.raises(RuntimeError, match="body"):
+            with _throttle.Throttle(0.01, period_s=0.2).running(lambda: [pid]):
+                deadline = time.monotonic() + 10
+                while _state(pid) != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                seen.append(_state(pid))
+                raise RuntimeError("the body failed")
+        assert seen == [psutil.STATUS_STOPPED]
+        assert _state(pid) != psutil.STATUS_STOPPED
 
 
 def test_parsing_helpers() -> None:
@@ -382,6 +443,13 @@ def test_parsing_helpers() -> None:
         launch.main(["-n", "2"])  # no command
     with pytest.raises(SystemExit):
         launch.main(["-n", "2", "--kill", "5@1", "--", "true"])  # no such process
+
+
+@pytest.mark.parametrize("share", ["0", "1.5", "-0.1"])
+def test_a_cpu_cap_outside_zero_to_one_is_refused(share, capsys) -> None:
+    with pytest.raises(SystemExit):
+        launch.main(["-n", "2", "--standby", "--standby-cpu", share, "--", "true"])
+    assert "--standby-cpu must be in (0, 1]" in capsys.readouterr().err
 
 
 def test_event_lines_round_trip_and_leave_out_unset_optional_fields() -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxckpt.bench import _runs
+from jaxckpt.bench import _runs, _spare
 from jaxckpt.bench._figure import Figure
 from jaxckpt.bench._local_figures import local_figures
+from jaxckpt.launch import _throttle
 
 
 def figures(procs: Sequence[dict[str, Any]], warmup: int, replicas: int) -> list[Figure]:
@@ -180,7 +181,8 @@ def solo_figures(solo: dict[str, Any], warmup: int) -> list[Figure]:
     0.05; 10e holds the arrays, `hold_cpu_arrays`); the
     fixed cost of one save of a 1 MiB state against Orbax's manager saving a trivial item
     (10d's target: that cost + 2 ms); the loop beside a stand-in hot spare that compiles
-    without pause at the launcher's waiting priority (10f, `_spare`: at most 2 % slower)."""
+    without pause at the launcher's waiting priority and CPU cap, against the same loop
+    with it stopped, in alternating blocks of steps (10f, `_spare`: at most 2 % slower)."""
     rounds = solo["rounds"]
 
     def step(*names: str) -> float | None:
@@ -245,11 +247,12 @@ def solo_figures(solo: dict[str, Any], warmup: int) -> list[Figure]:
         ),
         Figure(
             "10f",
-            "1 process: step time beside a hot spare compiling (nice 19, idle class)",
+            "1 process: step time beside a hot spare compiling (nice 19, idle class,"
+            f" --standby-cpu {_throttle.DEFAULT_SHARE})",
             step("beside_spare"),
             "s",
-            train,
-            base,
+            step("spare_stopped"),
+            f"the same loop in alternate blocks of {_spare.BLOCK_STEPS} steps, the spare stopped",
             "<= 1.02",
         ),
     ]

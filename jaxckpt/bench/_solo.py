@@ -13,7 +13,8 @@ noisy neighbour slows them alike. Then the fixed cost of one save: back-to-back
 saving a trivial item (a one-key JSON), each call waiting for the previous save as the
 manager does; the median time a call takes, interleaved the same way. Each round also
 trains beside a stand-in hot spare that compiles without pause at the launcher's waiting
-priority (`_spare`, figure 10f), right after the loop without it.
+priority and CPU cap (`_spare`, figure 10f), in blocks of steps with the stand-in
+capped and stopped in turn.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def run(
         progress(f"one process, a save every step: round {r + 1} of {cfg['solo_rounds']}")
         loops = {"train": loop(tr, cfg["steps"])}
         with _spare.beside() as spare:
-            loops["beside_spare"] = loop(tr, cfg["steps"])
+            loops["beside_spare"], loops["spare_stopped"] = spare.alternate(
+                lambda n: loop(tr, n), cfg["steps"]
+            )
         loops["floor"] = _floor_loop(cfg, tr, memory_root, loop)
         loops["jaxckpt"] = _jaxckpt_loop(cfg, tr, memory_root, work / f"solo-{r}", loop)
         loops["jaxckpt_hold"] = _jaxckpt_loop(

@@ -1,13 +1,17 @@
 """A stand-in hot spare beside the one process's training (figure 10f).
 
 `jaxckpt.launch --standby` keeps spares beside the job, at the launcher's waiting
-priority (`launch._priority`: nice 19 and the idle scheduling class). A waiting spare's
+priority (`launch._priority`: nice 19 and the idle scheduling class) and held to its
+CPU cap while the job trains (`launch._throttle`, ``--standby-cpu``). A waiting spare's
 work is short (it compiles its prepared restore once, then sleeps), but a spare started
 while the job trains imports, compiles and runs its step on the job's CPUs. The
-stand-in is that worst case made steady: a process of its own session (as the launcher
+stand-in is that worst case made steady: a process group of its own (as the launcher
 starts them) that compiles XLA programs without pause, each of new shapes (nothing
-comes from a cache), at the waiting priority from its start. `beside()` runs it
-around a loop and returns what CPU it got.
+comes from a cache), at the waiting priority from its start. `beside()` starts it;
+`Spare.alternate` runs the loop in blocks of steps, the stand-in held to the cap in
+one block and stopped in the next, and counts the CPU it got. The cap's thread runs in
+the training process here (in the launcher's in a launch): its wake-ups count against
+the spare.
 
 Run as ``python -m jaxckpt.bench._spare``: prints ``ready`` once its first program is
 compiled, then compiles until killed.
@@ -18,39 +22,71 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from typing import IO, Final
+from collections.abc import Callable, Iterator
+from typing import IO, Any, Final
 
 import psutil
 
-from jaxckpt.launch import _priority, _supervise
+from jaxckpt.launch import _priority, _supervise, _throttle
 
 READY: Final = "ready"
 START_TIMEOUT_S: Final = 120.0  # its imports and first compilation, on a loaded machine
 _LEAVES: Final = 24  # arrays a program carries (a restore's reshard carries every leaf)
+BLOCK_STEPS: Final = 4  # steps per block, the stand-in capped then stopped
 
 
 @dataclasses.dataclass
 class Spare:
-    """What the stand-in got while it ran beside the loop."""
+    """The stand-in, and what it got while it ran beside the loop (capped blocks only)."""
 
+    pid: int
+    throttle: _throttle.Throttle
     cpu_s: float = 0.0  # CPU seconds, every thread
     seconds: float = 0.0  # wall seconds
 
+    def alternate(
+        self, run: Callable[[int], dict[str, list[Any]]], steps: int
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Runs `run(n)` (n steps, a record of lists per step) in blocks of `BLOCK_STEPS`,
+        the stand-in stopped (SIGSTOP) in one and held to the cap in the next, until each
+        side has `steps` steps; returns the records (capped, stopped)."""
+        capped: dict[str, list[Any]] = {}
+        stopped: dict[str, list[Any]] = {}
+        watched = psutil.Process(self.pid)
+        while len(capped.get("step_s", [])) < steps:
+            n = min(BLOCK_STEPS, steps - len(capped.get("step_s", [])))
+            os.killpg(self.pid, signal.SIGSTOP)
+            try:
+                _extend(stopped, run(n))
+            finally:
+                os.killpg(self.pid, signal.SIGCONT)
+            before, start = _cpu(watched), time.perf_counter()
+            with self.throttle.running(lambda: [self.pid]):
+                _extend(capped, run(n))
+            self.cpu_s = round(self.cpu_s + _cpu(watched) - before, 3)
+            self.seconds = round(self.seconds + time.perf_counter() - start, 3)
+        return capped, stopped
+
+
+def _extend(into: dict[str, list[Any]], record: dict[str, list[Any]]) -> None:
+    for key, values in record.items():
+        into.setdefault(key, []).extend(values)
+
 
 @contextlib.contextmanager
-def beside(nice: int = _priority.NICEST) -> Iterator[Spare]:
-    """Runs the stand-in at `nice` (its scheduling class as `_priority.set_priority`
-    gives) while the body runs; fills the `Spare` yielded as it leaves.
+def beside(share: float = _throttle.DEFAULT_SHARE, nice: int = _priority.NICEST) -> Iterator[Spare]:
+    """Starts the stand-in, gives it `nice` (its scheduling class as
+    `_priority.set_priority` gives) and the launcher's cap `share` (`Spare.alternate`);
+    kills it as the body leaves.
 
     Raises:
         RuntimeError: If the stand-in exits or says nothing for `START_TIMEOUT_S`.
     """
-    spare = Spare()
     command = [sys.executable, "-m", "jaxckpt.bench._spare"]
     # Its output goes to a file, read until it is ready: nothing ever blocks its writes.
     # Prepared at normal priority (as the launcher's first spares are), then lowered.
@@ -61,11 +97,7 @@ def beside(nice: int = _priority.NICEST) -> Iterator[Spare]:
         proc = procs.procs[0]
         _await_ready(proc, output)
         _priority.set_priority(proc.pid, nice)
-        watched = psutil.Process(proc.pid)
-        before, start = _cpu(watched), time.perf_counter()
-        yield spare
-        spare.cpu_s = round(_cpu(watched) - before, 3)
-        spare.seconds = round(time.perf_counter() - start, 3)
+        yield Spare(proc.pid, _throttle.Throttle(share))
 
 
 def _await_ready(proc: subprocess.Popen[bytes], output: IO[bytes]) -> None:

@@ -31,7 +31,8 @@ Two things shorten a restart:
   so they import jax, join their job and prepare what does not depend on where they run
   (the examples build their mesh, compile their train step and prepare their restore),
   print a ``standby`` event and wait for one line on stdin; the job starts once they are
-  ready, and they wait at nice 19 in the idle scheduling class (`_priority`). At a
+  ready, and they wait at nice 19 in the idle scheduling class (`_priority`), held to
+  ``--standby-cpu`` of the CPU while the job trains (`_throttle`). At a
   restart the spares of its size get ``{"env": {...}}``, every variable above (only the
   memory root, failure domain and failure injection are new to them), and nice 0 back;
   the spares that replace them start once the restarted job trains, at nice 19. The
@@ -55,7 +56,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxckpt.launch import _priority
+from jaxckpt.launch import _priority, _throttle
 from jaxckpt.launch._children import ENV_CACHE_DIR, compilation_cache_env
 from jaxckpt.launch._report import describe_returncode as describe_returncode
 from jaxckpt.launch._restarts import Restarts
@@ -109,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="the spares' nice value until woken (0..19, default 19, which also puts them in"
         " the idle scheduling class: they take only the CPU the job leaves idle)",
+    )
+    p.add_argument(
+        "--standby-cpu",
+        type=float,
+        default=_throttle.DEFAULT_SHARE,
+        metavar="SHARE",
+        help="while the job trains, the spares no restart woke run for SHARE of every"
+        f" {_throttle.PERIOD_S * 1e3:.0f} ms and are stopped (SIGSTOP) for the rest: the CPU"
+        f" they take is what the job loses (default {_throttle.DEFAULT_SHARE}; 1: no cap)",
     )
     p.add_argument(
         "--standby-timeout",
@@ -193,6 +203,8 @@ def _parse(
         parser.error("process counts must be at least 1")
     if not 0 <= args.standby_nice <= _priority.NICEST:
         parser.error(f"--standby-nice must be in 0..{_priority.NICEST}, got {args.standby_nice}")
+    if not 0 < args.standby_cpu <= 1:
+        parser.error(f"--standby-cpu must be in (0, 1], got {args.standby_cpu}")
     if args.kill and args.lose_node:
         parser.error("--kill and --lose-node are exclusive")
     if args.timeline_png:

@@ -16,9 +16,15 @@ at nice 19 in the idle class (~1.2 s): the CPU the job leaves idle, and less of 
 time (`jaxckpt bench --solo only`, figure 10f, measures the latter in every run).
 
 Linux schedules by session first where autogroups are on (``/proc/sys/kernel/
-sched_autogroup_enabled``): every process the launcher starts has a session of its own,
-and a nice value weighs only against the other threads of the same session. So the
-session's autogroup gets the same nice value (``/proc/<pid>/autogroup``). Lowering a
+sched_autogroup_enabled``): the CPU goes to each session's autogroup in turn, and the
+idle class and nice values weigh only among the threads of one autogroup. So the
+launcher's processes share its session (`_supervise`: a process group of their own, not
+a session) and the spares' idle class weighs against the job's threads directly. In a
+session of its own a spare would be an autogroup of its own, scheduled against the job
+as an equal (its threads' idle class unseen at that level: measured x1.43-1.75 slower
+steps beside preparing spares in `make demo`); a process that leads its own session
+gets the nice value for its autogroup too (``/proc/<pid>/autogroup``), one in its
+starter's session does not (that would be the job's). Lowering a
 priority is allowed to anyone; raising it back needs ``CAP_SYS_NICE`` (root) or a
 ``RLIMIT_NICE`` that allows it: without either, a woken spare keeps its low priority
 (`set_priority` says so). Imports neither jax nor the rest of jaxckpt.
@@ -33,9 +39,9 @@ NICEST = 19
 
 
 def set_priority(pid: int, nice: int) -> str | None:
-    """Gives every thread of process `pid`, and its autogroup, the nice value `nice`; at
-    `NICEST` its threads also get the idle scheduling class, below it the normal one
-    (threads started later take their starter's).
+    """Gives every thread of process `pid` (and its autogroup, if it leads a session of
+    its own) the nice value `nice`; at `NICEST` its threads also get the idle scheduling
+    class, below it the normal one (threads started later take their starter's).
 
     Returns:
         None when done (or the process is gone), else why not (no permission to raise
@@ -53,13 +59,21 @@ def set_priority(pid: int, nice: int) -> str | None:
             with contextlib.suppress(ProcessLookupError):  # a thread that just ended
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
-        _write_autogroup(str(pid), nice)
+        if _leads_session(pid):
+            _write_autogroup(str(pid), nice)
     except PermissionError as e:
         return (
             f"cannot give process {pid} nice {nice} ({e.strerror}): raising a priority"
             " needs CAP_SYS_NICE or a RLIMIT_NICE that allows it"
         )
     return None
+
+
+def _leads_session(pid: int) -> bool:
+    try:
+        return os.getsid(pid) == pid
+    except ProcessLookupError:
+        return False
 
 
 def _write_autogroup(pid: str, nice: int) -> None:

@@ -33,6 +33,7 @@ from jaxckpt.launch._report import (
 )
 from jaxckpt.launch._standby import Standby
 from jaxckpt.launch._supervise import PortRetries, free_port
+from jaxckpt.launch._throttle import Throttle
 
 MAX_PORT_RETRIES: Final = 5
 
@@ -90,6 +91,7 @@ class Restarts:
             if args.standby
             else None
         )
+        self._throttle = Throttle(args.standby_cpu)
         self._registry = Registry(args.register_dir or os.path.join(base, "register"))
         self._returned: list[int] = []  # registered nodes not in the job yet
         self._return_done = False  # --return-node registered its node
@@ -164,19 +166,23 @@ class Restarts:
             f" port {attempt.port}" + (" (hot spares)" if woken else ""),
             flush=True,
         )
-        run_attempt(
-            attempt,
-            self._command,
-            self._base,
-            self._args.cpu_devices,
-            self._args.hang_timeout,
-            inject,
-            env=self._cache_env,
-            spares=woken,
-            on_training=self._prepare_spares,
-            should_stop=self._should_stop,
-            spare_pids=self._standby.pids if self._standby is not None else list,
-        )
+        spare_pids = self._standby.pids if self._standby is not None else list
+        # The spares no restart woke take little CPU while the job runs (`_throttle`);
+        # between attempts they prepare at full speed.
+        with self._throttle.running(spare_pids):
+            run_attempt(
+                attempt,
+                self._command,
+                self._base,
+                self._args.cpu_devices,
+                self._args.hang_timeout,
+                inject,
+                env=self._cache_env,
+                spares=woken,
+                on_training=self._prepare_spares,
+                should_stop=self._should_stop,
+                spare_pids=spare_pids,
+            )
         self.attempts.append(attempt)
         return attempt, inject is not None
 

@@ -10,8 +10,9 @@ The first spares are prepared before the job starts (`Standby.wait_ready`), at n
 priority: they import, join their job and compile the train step of their size (into the
 persistent compilation cache) while nothing else of the launch needs the CPUs, and wait
 at a low priority from then on (`_priority`). Those started while a job trains start at
-the low priority: they take the CPU the job leaves idle, and finish preparing at full
-speed if a restart wakes them first. Imports neither jax nor the rest of jaxckpt.
+the low priority: they take the CPU the job leaves idle, up to the launcher's cap while
+the job runs (`_throttle`), and finish preparing at full speed if a restart wakes them
+first. Imports neither jax nor the rest of jaxckpt.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ class Standby:
         return why
 
     def pids(self) -> list[int]:
-        """The processes of every spare job held."""
-        return [p.pid for job in self._jobs.values() for p in job.processes.procs]
+        """The processes of every spare job held (also asked by `_throttle`'s thread)."""
+        jobs = list(self._jobs.values())  # one step under the GIL: safe beside `fill`
+        return [p.pid for job in jobs for p in job.processes.procs]
 
     def preparing(self, size: int) -> bool:
         """Whether the spare job of `size` processes still prepares (held, every process

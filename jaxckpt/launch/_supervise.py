@@ -1,8 +1,9 @@
 """A set of local processes started together and stopped together, as one JAX job.
 
 Shared by the launcher (`jaxckpt.launch`) and the benchmark (`jaxckpt.bench`). Every
-process runs in its own session, so its process group holds it and every child it
-starts. The set is stopped with SIGKILL to each group: after `jax.distributed.initialize`,
+process leads a process group of its own, which holds it and every child it starts, in
+the starter's session (one scheduling autogroup for the job and its spares:
+`_priority`). The set is stopped with SIGKILL to each group: after `jax.distributed.initialize`,
 JAX's preemption notifier catches SIGTERM, so a SIGTERM'd process may linger.
 
 A coordinator port is picked free just before the start, but another program can take it
@@ -55,7 +56,8 @@ class PortRetries:
 
 
 class ProcessSet:
-    """One copy of a command per environment, each in its own session; `kill()` stops all.
+    """One copy of a command per environment, each in its own process group; `kill()`
+    stops all.
 
     Each process gets this process's environment, ``PYTHONUNBUFFERED=1`` and its own
     entries of `envs`; stdin is closed (a pipe with ``stdin_pipe``: `send`) and stderr
@@ -84,7 +86,7 @@ class ProcessSet:
                         stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                         stdout=subprocess.PIPE if outputs is None else outputs[i],
                         stderr=subprocess.STDOUT,
-                        start_new_session=True,  # own process group: SIGKILL reaches its children
+                        process_group=0,  # its own: SIGKILL reaches its children
                     )
                 )
                 if nice:  # lowering a priority is always allowed
