@@ -419,13 +419,13 @@ def test_throttle_continues_what_it_stopped_when_the_body_fails() -> None:
     with _supervise.ProcessSet(sleeper, [{}]) as procs:
         pid = procs.procs[0].pid
         seen = []
-        with pytest.raises(RuntimeError, match="body"):
-            with _throttle.Throttle(0.01, period_s=0.2).running(lambda: [pid]):
-                deadline = time.monotonic() + 10
-                while _state(pid) != psutil.STATUS_STOPPED and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                seen.append(_state(pid))
-                raise RuntimeError("the body failed")
+        cap = _throttle.Throttle(0.01, period_s=0.2)
+        with pytest.raises(RuntimeError, match="body"), cap.running(lambda: [pid]):
+            deadline = time.monotonic() + 10
+            while _state(pid) != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen.append(_state(pid))
+            raise RuntimeError("the body failed")
         assert seen == [psutil.STATUS_STOPPED]
         assert _state(pid) != psutil.STATUS_STOPPED
 
