@@ -17,7 +17,8 @@ persisted one every 10 steps:
 
 The restarts wake hot spares (``jaxckpt.launch --standby``: processes that joined their
 job, compiled the train step of their size through the persistent compilation cache and
-ran it once before the job started, then waited at nice 19 in the idle class), and each
+ran it once before the job started, then waited at nice 19 in the idle class, held to
+``--standby-cpu`` of the CPU while the job trains), and each
 prints its recovery timeline: per phase, the process that ended it last, from the restart
 to the first trained step, as a table and a picture. The runs with spares are compared step by
 step with the reference: how much the waiting spares slow training.

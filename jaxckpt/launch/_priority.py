@@ -13,18 +13,19 @@ thread at once. Measured beside one process training on 2
 CPUs (~140 ms steps), a stand-in spare compiling without pause, 4 interleaved rounds:
 steps x1.087 at nice 18 in the normal class (it got ~2 CPU-seconds a 4.3 s loop), x1.036
 at nice 19 in the idle class (~1.2 s): the CPU the job leaves idle, and less of its
-time (`jaxckpt bench --solo only`, figure 10f, measures the latter in every run).
+time (`jaxckpt bench --solo only`, figure 10f, measures it with `_throttle`'s cap too).
 
 Linux schedules by session first where autogroups are on (``/proc/sys/kernel/
 sched_autogroup_enabled``): the CPU goes to each session's autogroup in turn, and the
-idle class and nice values weigh only among the threads of one autogroup. So the
-launcher's processes share its session (`_supervise`: a process group of their own, not
-a session) and the spares' idle class weighs against the job's threads directly. In a
-session of its own a spare would be an autogroup of its own, scheduled against the job
-as an equal (its threads' idle class unseen at that level: measured x1.43-1.75 slower
-steps beside preparing spares in `make demo`); a process that leads its own session
-gets the nice value for its autogroup too (``/proc/<pid>/autogroup``), one in its
-starter's session does not (that would be the job's). Lowering a
+idle class weighs only among the threads of one autogroup. So the launcher's processes
+share its session (`_supervise`: a process group of their own, not a session), and the
+spares' idle class weighs against the job's threads directly. Measured beside one
+process training on 2 CPUs, a busy spare at the idle class took 0.33-0.37 of a CPU
+in the trainer's session (steps x1.10-1.13), 0.42-0.44 in a session of its own even
+with its autogroup at nice 19 (x1.17-1.18): what it still takes, `_throttle` caps. A
+process that leads its own session gets the nice value for its autogroup too
+(``/proc/<pid>/autogroup``); one in its starter's session does not (that autogroup is
+the job's). Lowering a
 priority is allowed to anyone; raising it back needs ``CAP_SYS_NICE`` (root) or a
 ``RLIMIT_NICE`` that allows it: without either, a woken spare keeps its low priority
 (`set_priority` says so). Imports neither jax nor the rest of jaxckpt.
