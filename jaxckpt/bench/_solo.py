@@ -50,8 +50,9 @@ def run(
         progress(f"one process, a save every step: round {r + 1} of {cfg['solo_rounds']}")
         loops = {"train": loop(tr, cfg["steps"])}
         with _spare.beside() as spare:
+            # Twice the steps of a loop a side: the blocks are short, the ratio small.
             loops["beside_spare"], loops["spare_stopped"] = spare.alternate(
-                lambda n: loop(tr, n), cfg["steps"]
+                lambda n: loop(tr, n), 2 * cfg["steps"]
             )
         loops["floor"] = _floor_loop(cfg, tr, memory_root, loop)
         loops["jaxckpt"] = _jaxckpt_loop(cfg, tr, memory_root, work / f"solo-{r}", loop)
