@@ -7,14 +7,14 @@ work is short (it compiles its prepared restore once, then sleeps), but a spare 
 while the job trains imports, compiles and runs its step on the job's CPUs. The
 stand-in is that worst case made steady: a process group of its own (as the launcher
 starts them) that compiles XLA programs without pause, each of new shapes (nothing
-comes from a cache), at the waiting priority from its start. `beside()` starts it;
-`Spare.alternate` runs the loop in blocks of steps, the stand-in held to the cap in
-one block and stopped in the next, and counts the CPU it got. The cap's thread runs in
-the training process here (in the launcher's in a launch): its wake-ups count against
-the spare.
+comes from a cache), at the waiting priority from its start. `beside()` starts it
+and its cap, a process of its own as the launcher is; `Spare.alternate` runs the loop
+in blocks of steps, the stand-in held to the cap in one block and stopped in the next,
+and counts the CPU it got.
 
 Run as ``python -m jaxckpt.bench._spare``: prints ``ready`` once its first program is
-compiled, then compiles until killed.
+compiled, then compiles until killed; ``python -m jaxckpt.bench._spare cap PID SHARE``
+is its cap.
 """
 
 from __future__ import annotations
@@ -38,14 +38,20 @@ READY: Final = "ready"
 START_TIMEOUT_S: Final = 120.0  # its imports and first compilation, on a loaded machine
 _LEAVES: Final = 24  # arrays a program carries (a restore's reshard carries every leaf)
 BLOCK_STEPS: Final = 4  # steps per block, the stand-in capped then stopped
+# The cap's process: its command-line word, its orders and its answers.
+_CAP: Final = "cap"
+_CAPPED: Final = "capped"
+_STOP: Final = "stop"
+_STOPPED: Final = "stopped"
 
 
 @dataclasses.dataclass
 class Spare:
-    """The stand-in, and what it got while it ran beside the loop (capped blocks only)."""
+    """The stand-in, its cap's process, and what the stand-in got while it ran beside the
+    loop (capped blocks only)."""
 
     pid: int
-    throttle: _throttle.Throttle
+    cap: subprocess.Popen[str]
     cpu_s: float = 0.0  # CPU seconds, every thread
     seconds: float = 0.0  # wall seconds
 
@@ -60,17 +66,26 @@ class Spare:
         watched = psutil.Process(self.pid)
         while len(capped.get("step_s", [])) < steps:
             n = min(BLOCK_STEPS, steps - len(capped.get("step_s", [])))
-            os.killpg(self.pid, signal.SIGSTOP)
-            try:
-                _extend(stopped, run(n))
-            finally:
-                os.killpg(self.pid, signal.SIGCONT)
+            _extend(stopped, run(n))
+            self._tell(_CAP, _CAPPED)
             before, start = _cpu(watched), time.perf_counter()
-            with self.throttle.running(lambda: [self.pid]):
-                _extend(capped, run(n))
+            _extend(capped, run(n))
+            self._tell(_STOP, _STOPPED)
             self.cpu_s = round(self.cpu_s + _cpu(watched) - before, 3)
             self.seconds = round(self.seconds + time.perf_counter() - start, 3)
         return capped, stopped
+
+    def _tell(self, order: str, ack: str) -> None:
+        """Sends the cap's process `order`; returns once it answers `ack`."""
+        assert self.cap.stdin is not None and self.cap.stdout is not None
+        self.cap.stdin.write(order + "\n")
+        self.cap.stdin.flush()
+        answer = self.cap.stdout.readline().strip()  # "" if it died: no wait for ever
+        if answer != ack:
+            raise RuntimeError(
+                f"The stand-in spare's cap (pid {self.cap.pid}) answered {answer!r} to"
+                f" {order!r}, not {ack!r} (exit code {self.cap.poll()})."
+            )
 
 
 def _extend(into: dict[str, list[Any]], record: dict[str, list[Any]]) -> None:
@@ -81,8 +96,9 @@ def _extend(into: dict[str, list[Any]], record: dict[str, list[Any]]) -> None:
 @contextlib.contextmanager
 def beside(share: float = _throttle.DEFAULT_SHARE, nice: int = _priority.NICEST) -> Iterator[Spare]:
     """Starts the stand-in, gives it `nice` (its scheduling class as
-    `_priority.set_priority` gives) and the launcher's cap `share` (`Spare.alternate`);
-    kills it as the body leaves.
+    `_priority.set_priority` gives), then its cap: a process of its own, as the launcher
+    is, that holds it to `share` (`_throttle`) or stops it, as `Spare.alternate` says.
+    Kills both as the body leaves.
 
     Raises:
         RuntimeError: If the stand-in exits or says nothing for `START_TIMEOUT_S`.
@@ -97,7 +113,25 @@ def beside(share: float = _throttle.DEFAULT_SHARE, nice: int = _priority.NICEST)
         proc = procs.procs[0]
         _await_ready(proc, output)
         _priority.set_priority(proc.pid, nice)
-        yield Spare(proc.pid, _throttle.Throttle(share))
+        cap = subprocess.Popen(
+            [*command, _CAP, str(proc.pid), str(share)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            process_group=0,
+        )
+        try:
+            spare = Spare(proc.pid, cap)
+            answer = cap.stdout.readline().strip() if cap.stdout is not None else ""
+            if answer != _STOPPED:
+                raise RuntimeError(
+                    f"The stand-in spare's cap did not start: it said {answer!r}"
+                    f" (exit code {cap.poll()})."
+                )
+            yield spare
+        finally:
+            cap.kill()
+            cap.wait()
 
 
 def _await_ready(proc: subprocess.Popen[bytes], output: IO[bytes]) -> None:
@@ -135,8 +169,31 @@ def _compile_one(i: int) -> None:
     jax.jit(program).lower(*shapes).compile()
 
 
+def _cap_main(pid: int, share: float) -> None:
+    """Stops process group `pid` and says so; then on each ``cap`` line continues it,
+    holds it to `share` (`_throttle`) and says so, until a ``stop`` line stops it again."""
+    os.killpg(pid, signal.SIGSTOP)
+    print(_STOPPED, flush=True)
+    throttle = _throttle.Throttle(share)
+    for line in sys.stdin:
+        if line.strip() != _CAP:
+            return
+        os.killpg(pid, signal.SIGCONT)
+        with throttle.running(lambda: [pid]):
+            print(_CAPPED, flush=True)
+            order = sys.stdin.readline().strip()
+        os.killpg(pid, signal.SIGSTOP)
+        if order != _STOP:
+            return
+        print(_STOPPED, flush=True)
+
+
 def main() -> None:
-    """Compiles until killed; ``ready`` after the first program."""
+    """Compiles until killed; ``ready`` after the first program. With ``cap PID SHARE``:
+    the stand-in's cap instead (`_cap_main`)."""
+    if sys.argv[1:2] == [_CAP]:
+        _cap_main(int(sys.argv[2]), float(sys.argv[3]))
+        return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _compile_one(0)
     print(READY, flush=True)
