@@ -20,7 +20,7 @@ import psutil
 SAMPLE_S: Final = 1.0
 
 
-def cpu_seconds(pid: int) -> float | None:
+def _cpu_s(pid: int) -> float | None:
     """CPU seconds of `pid` and of the children it reaped; None if it is gone."""
     with contextlib.suppress(psutil.Error):
         t = psutil.Process(pid).cpu_times()
@@ -55,7 +55,7 @@ class CpuShare:
         spares = set(self._spare_pids())
         self._spares |= spares
         for pid in [*job_pids, *spares]:
-            cpu = cpu_seconds(pid)
+            cpu = _cpu_s(pid)
             if cpu is None:
                 continue
             self._base.setdefault(pid, cpu if first else 0.0)

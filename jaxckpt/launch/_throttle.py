@@ -3,14 +3,18 @@
 The idle scheduling class (`_priority`) gives a spare only the CPU the job leaves idle,
 but taking it still slows the job: on a 2-CPU VM, a spare busy at the idle class beside
 one training process took 0.33-0.37 of a CPU and slowed its steps x1.10-1.13 (blocks of
-steps alternating with the spare stopped), and a spare compiling in windows of 2-5 ms
-every 100 ms, 2.5-7% of a CPU, slowed them x1.02-1.05: about what the spare took.
-Whatever the cause (a VM's CPU budget, caches, the wake-ups of the job's threads), what
-the spares take is what the job loses, so the launcher bounds it: while an attempt
-runs, the spares no restart woke get at most ``share`` CPU-seconds a second, all
-together. They run in windows of ``share`` of `PERIOD_S` and are stopped (SIGSTOP to
-each process group) in between, for longer when a window used more than its share (a
-spare compiles on several threads): what they used past the budget is repaid first.
+steps alternating with the spare stopped); a spare compiling in windows of 2 ms every
+100 ms, 2.5-3.5% of a CPU, slowed them x1.02-1.03. Whatever the cause (a VM's CPU
+budget, caches, the wake-ups of the job's threads), what the spares take is what the
+job loses, so the launcher bounds it: while an attempt runs, the spares no restart woke
+run for ``share`` of every `PERIOD_S` and are stopped (SIGSTOP to each process group)
+for the rest. A spare compiles on several threads, so it may use up to that many times
+``share`` of a CPU.
+
+The pauses stay short: a spare job's processes keep their own `jax.distributed` job
+alive, and its heartbeats must get through. With windows every 100 ms the examples'
+spare jobs (heartbeat timeout 5 s) lived; stopped for 250 ms to 1 s at a time, they
+failed as they were woken (a task had "stopped sending heartbeats").
 
 A stopped process keeps its state, its sockets and its place in its own spare job (all
 of them stop and continue together); it only prepares more slowly. Leaving the cap
@@ -26,20 +30,16 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
-from jaxckpt.launch._cpu import cpu_seconds
-
-PERIOD_S: Final = 0.25
-DEFAULT_SHARE: Final = 0.01  # CPU-seconds a second, all spares together; `--standby-cpu`
+PERIOD_S: Final = 0.1
+DEFAULT_SHARE: Final = 0.01  # of each period; `--standby-cpu`
 
 
 class Throttle:
-    """Holds the process groups `pids()` names (each led by its process:
-    `_supervise.ProcessSet`) to `share` CPU-seconds a second, all together, while
-    `running()` lasts."""
+    """Runs the process groups `pids()` names (each led by its process:
+    `_supervise.ProcessSet`) for `share` of every `period_s` while `running()` lasts."""
 
     def __init__(self, share: float, period_s: float = PERIOD_S):
         if not 0 < share <= 1:
@@ -67,39 +67,13 @@ class Throttle:
 
     def _cycle(self, pids: Callable[[], Iterable[int]], done: threading.Event) -> None:
         window_s = self.share * self.period_s
-        used = _CpuUsed()
-        used.since_last(pids())  # what they used before the cap is not its to repay
-        debt_s = 0.0  # CPU-seconds used past the budget
         while not done.wait(window_s):
             stopped = set(pids())
             _signal(stopped, signal.SIGSTOP)
             try:
-                start = time.monotonic()
-                debt_s = max(0.0, debt_s + used.since_last(stopped) - window_s * self.share)
-                pause_s = max(self.period_s - window_s, debt_s / self.share)
-                # The budget accrues while they are stopped, as in the window.
-                if not done.wait(pause_s):
-                    debt_s = max(0.0, debt_s - (time.monotonic() - start) * self.share)
+                done.wait(self.period_s - window_s)
             finally:
                 _signal(stopped, signal.SIGCONT)
-
-
-class _CpuUsed:
-    """The CPU seconds processes used between two calls (a process first seen: none)."""
-
-    def __init__(self) -> None:
-        self._last: dict[int, float] = {}
-
-    def since_last(self, pids: Iterable[int]) -> float:
-        total = 0.0
-        now: dict[int, float] = {}
-        for pid in pids:
-            cpu = cpu_seconds(pid)
-            if cpu is not None:
-                now[pid] = cpu
-                total += cpu - self._last.get(pid, cpu)
-        self._last = now
-        return total
 
 
 def _signal(groups: Iterable[int], sig: int) -> None:
