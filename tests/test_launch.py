@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -412,6 +413,39 @@ def test_throttle_holds_spares_to_their_share_and_continues_them() -> None:
         assert sum(busy.cpu_times()[:2]) - before > 0.05  # running again, uncapped
     with pytest.raises(ValueError, match="CPU share"):
         _throttle.Throttle(0)
+
+
+def test_a_stopped_spare_whose_launcher_died_ends(tmp_path) -> None:
+    """The launcher dies while its cap holds a spare stopped: the spare's process group is
+    orphaned, and the kernel's SIGHUP ends it (it is not left stopped for ever). One that
+    had not stopped yet as the launcher died is not signalled (see `_throttle`)."""
+    launcher = textwrap.dedent(
+        """
+        import os, signal, sys, time
+        from jaxckpt.launch import _supervise
+        procs = _supervise.ProcessSet([sys.executable, "-c", "import time; time.sleep(60)"], [{}])
+        print(procs.procs[0].pid, flush=True)
+        pid = procs.procs[0].pid
+        os.killpg(pid, signal.SIGSTOP)
+        while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)  # stopped, not only signalled
+        os._exit(0)  # dies with the spare stopped, cleaning nothing up
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", launcher], capture_output=True, text=True, timeout=60, check=True
+    )
+    spare = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(spare).status() == psutil.STATUS_ZOMBIE:
+                break  # ended; its new parent reaps it when it does
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"spare {spare} still {psutil.Process(spare).status()} after its launcher died")
 
 
 def test_throttle_continues_what_it_stopped_when_the_body_fails() -> None:

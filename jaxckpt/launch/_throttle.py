@@ -20,7 +20,9 @@ A stopped process keeps its state, its sockets and its place in its own spare jo
 of them stop and continue together); it only prepares more slowly. Leaving the cap
 (`Throttle.running` ends) continues every group it stopped, so a restart wakes spares
 that run. Should the launcher die while one is stopped, its group is orphaned, and the
-kernel sends it SIGHUP and SIGCONT: it ends, as a spare whose launcher died does.
+kernel sends it SIGHUP and SIGCONT: it ends, as a spare whose launcher died does. (Not
+one that had been sent SIGSTOP and not stopped yet in the instant the launcher died: it
+stays stopped, and its group needs a SIGKILL.)
 Imports neither jax nor the rest of jaxckpt.
 """
 
