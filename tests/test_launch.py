@@ -16,7 +16,15 @@ import time
 import psutil
 import pytest
 
-from jaxckpt.launch import _events, _priority, _registry, _supervise, _throttle, _timeline
+from jaxckpt.launch import (
+    _events,
+    _priority,
+    _registry,
+    _standby,
+    _supervise,
+    _throttle,
+    _timeline,
+)
 from jaxckpt.launch import _launcher as launch
 
 # A fake training process: one step event every few ms, its step kept in its memory root
@@ -413,6 +421,24 @@ def test_throttle_holds_spares_to_their_share_and_continues_them() -> None:
         assert sum(busy.cpu_times()[:2]) - before > 0.05  # running again, uncapped
     with pytest.raises(ValueError, match="CPU share"):
         _throttle.Throttle(0)
+
+
+def test_a_spare_job_that_cannot_take_over_says_why(capsys) -> None:
+    """A restart finds its spare job dead: the launcher drops it (the restart starts
+    processes of its own) and prints its exit codes and its last lines."""
+    exits = [sys.executable, "-c", "print('spare: out of luck', flush=True); raise SystemExit(3)"]
+    standby = _standby.Standby(exits, cpu_devices=1, env={}, nice=0)
+    try:
+        standby.fill([2])
+        deadline = time.monotonic() + 30
+        while standby.preparing(2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert standby.take(2) is None
+    finally:
+        standby.close()
+    out = capsys.readouterr().out
+    assert "the spare job of 2 processes cannot take over (exit codes [3, 3])" in out, out
+    assert "[p0] spare: out of luck" in out and "[p1] spare: out of luck" in out, out
 
 
 def test_a_stopped_spare_whose_launcher_died_ends(tmp_path) -> None:

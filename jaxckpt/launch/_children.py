@@ -83,6 +83,23 @@ class Job:
         """Whether every process still runs."""
         return all(c is None for c in self.processes.codes())
 
+    def last_lines(self, count: int, wait_s: float = 1.0) -> list[str]:
+        """The last `count` output lines that arrived and nobody read (``[p<i>] line``),
+        waiting up to `wait_s` for the output of the processes that exited to end."""
+        lines: list[str] = []
+        exited = sum(code is not None for code in self.processes.codes())
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                timeout = max(0.0, deadline - time.monotonic()) if exited > 0 else 0.0
+                i, line = self.lines.get(timeout=timeout) if timeout else self.lines.get_nowait()
+            except queue.Empty:
+                return lines[-count:]
+            if line is None:
+                exited -= 1
+            else:
+                lines.append(f"[p{i}] {line}")
+
     def usable_for(self, count: int) -> bool:
         """Whether these spares can become a set of `count` processes: all still wait."""
         return self.standby and self.size == count and self.alive()

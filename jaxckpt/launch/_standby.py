@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from jaxckpt.launch._children import Job, start_spares
 
 POLL_S = 0.1
+_LAST_LINES = 12  # of a spare job that cannot take over, printed
 
 
 class Standby:
@@ -116,7 +117,14 @@ class Standby:
         job = self._jobs.pop(size, None)
         if job is None or job.usable_for(size):
             return job
+        codes = job.processes.codes()
         job.processes.kill()
+        said = "\n".join(job.last_lines(_LAST_LINES)) or "(nothing)"
+        print(
+            f"[launch] standby: the spare job of {size} processes cannot take over (exit"
+            f" codes {codes}); the last lines it printed:\n{said}",
+            flush=True,
+        )
         return None
 
     def close(self) -> None:
