@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from jaxckpt.launch import _priority, _supervise, _throttle
 
 READY: Final = "ready"
 START_TIMEOUT_S: Final = 120.0  # its imports and first compilation, on a loaded machine
+ANSWER_TIMEOUT_S: Final = 60.0  # the cap's answer to an order (its start imports jaxckpt)
 _LEAVES: Final = 24  # arrays a program carries (a restore's reshard carries every leaf)
 BLOCK_STEPS: Final = 4  # steps per block, the stand-in capped then stopped
 # The cap's process: its command-line word, its orders and its answers.
@@ -77,15 +79,27 @@ class Spare:
 
     def _tell(self, order: str, ack: str) -> None:
         """Sends the cap's process `order`; returns once it answers `ack`."""
-        assert self.cap.stdin is not None and self.cap.stdout is not None
+        assert self.cap.stdin is not None
         self.cap.stdin.write(order + "\n")
         self.cap.stdin.flush()
-        answer = self.cap.stdout.readline().strip()  # "" if it died: no wait for ever
-        if answer != ack:
-            raise RuntimeError(
-                f"The stand-in spare's cap (pid {self.cap.pid}) answered {answer!r} to"
-                f" {order!r}, not {ack!r} (exit code {self.cap.poll()})."
-            )
+        _await_answer(self.cap, ack, f"to {order!r}")
+
+
+def _await_answer(cap: subprocess.Popen[str], ack: str, what: str) -> None:
+    """Waits up to `ANSWER_TIMEOUT_S` for the cap's next line, which must be `ack`.
+
+    Raises:
+        RuntimeError: If it says something else, nothing in time, or died.
+    """
+    assert cap.stdout is not None
+    # One line answers each order, so nothing waits in the reader's buffer unseen.
+    readable, _, _ = select.select([cap.stdout], [], [], ANSWER_TIMEOUT_S)
+    answer = cap.stdout.readline().strip() if readable else None  # "" if it died
+    if answer != ack:
+        raise RuntimeError(
+            f"The stand-in spare's cap (pid {cap.pid}) answered {answer!r} {what}, not"
+            f" {ack!r}, within {ANSWER_TIMEOUT_S:.0f} s (exit code {cap.poll()})."
+        )
 
 
 def _extend(into: dict[str, list[Any]], record: dict[str, list[Any]]) -> None:
@@ -125,14 +139,8 @@ def beside(
             process_group=0,
         )
         try:
-            spare = Spare(proc.pid, cap)
-            answer = cap.stdout.readline().strip() if cap.stdout is not None else ""
-            if answer != _STOPPED:
-                raise RuntimeError(
-                    f"The stand-in spare's cap did not start: it said {answer!r}"
-                    f" (exit code {cap.poll()})."
-                )
-            yield spare
+            _await_answer(cap, _STOPPED, "as it started")
+            yield Spare(proc.pid, cap)
         finally:
             cap.kill()
             cap.wait()
