@@ -108,11 +108,7 @@ def _extend(into: dict[str, list[Any]], record: dict[str, list[Any]]) -> None:
 
 
 @contextlib.contextmanager
-def beside(
-    share: float = _throttle.DEFAULT_SHARE,
-    nice: int = _priority.NICEST,
-    period_s: float = _throttle.PERIOD_S,
-) -> Iterator[Spare]:
+def beside(share: float = _throttle.DEFAULT_SHARE, nice: int = _priority.NICEST) -> Iterator[Spare]:
     """Starts the stand-in, gives it `nice` (its scheduling class as
     `_priority.set_priority` gives), then its cap: a process of its own, as the launcher
     is, that holds it to `share` (`_throttle`) or stops it, as `Spare.alternate` says.
@@ -132,7 +128,7 @@ def beside(
         _await_ready(proc, output)
         _priority.set_priority(proc.pid, nice)
         cap = subprocess.Popen(
-            [*command, _CAP, str(proc.pid), str(share), str(period_s)],
+            [*command, _CAP, str(proc.pid), str(share)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -181,12 +177,12 @@ def _compile_one(i: int) -> None:
     jax.jit(program).lower(*shapes).compile()
 
 
-def _cap_main(pid: int, share: float, period_s: float = _throttle.PERIOD_S) -> None:
+def _cap_main(pid: int, share: float) -> None:
     """Stops process group `pid` and says so; then on each ``cap`` line continues it,
     holds it to `share` (`_throttle`) and says so, until a ``stop`` line stops it again."""
     os.killpg(pid, signal.SIGSTOP)
     print(_STOPPED, flush=True)
-    throttle = _throttle.Throttle(share, period_s)
+    throttle = _throttle.Throttle(share)
     for line in sys.stdin:
         if line.strip() != _CAP:
             return
@@ -204,7 +200,7 @@ def main() -> None:
     """Compiles until killed; ``ready`` after the first program. With ``cap PID SHARE``:
     the stand-in's cap instead (`_cap_main`)."""
     if sys.argv[1:2] == [_CAP]:
-        _cap_main(int(sys.argv[2]), float(sys.argv[3]), *map(float, sys.argv[4:5]))
+        _cap_main(int(sys.argv[2]), float(sys.argv[3]))
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _compile_one(0)

@@ -90,9 +90,9 @@ class Job:
         exited = sum(code is not None for code in self.processes.codes())
         deadline = time.monotonic() + wait_s
         while True:
+            left_s = deadline - time.monotonic() if exited > 0 else 0.0
             try:
-                timeout = max(0.0, deadline - time.monotonic()) if exited > 0 else 0.0
-                i, line = self.lines.get(timeout=timeout) if timeout else self.lines.get_nowait()
+                i, line = self.lines.get(timeout=left_s) if left_s > 0 else self.lines.get_nowait()
             except queue.Empty:
                 return lines[-count:]
             if line is None:
