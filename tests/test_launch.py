@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 import os
@@ -438,15 +439,26 @@ def test_throttle_holds_spares_to_their_share_and_continues_them() -> None:
         _throttle.Throttle(0)
 
 
+def _exited(procs: list[psutil.Process]) -> bool:
+    """Whether every process in `procs` has exited (a zombie until its parent reaps it)."""
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                return False
+    return True
+
+
 def test_a_spare_job_that_cannot_take_over_says_why(capsys) -> None:
     """A restart finds its spare job dead: the launcher drops it (the restart starts
     processes of its own) and prints its exit codes and its last lines."""
     exits = [sys.executable, "-c", "print('spare: out of luck', flush=True); raise SystemExit(3)"]
     standby = _standby.Standby(exits, cpu_devices=1, env={}, nice=0)
     try:
+        before = psutil.Process().children()
         standby.fill([2])
+        spares = [p for p in psutil.Process().children() if p not in before]  # fill's
         deadline = time.monotonic() + 30
-        while standby.preparing(2) and time.monotonic() < deadline:
+        while not _exited(spares) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert standby.take(2) is None
     finally:
