@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import portpicker
+import psutil
 
 from jaxckpt.bench._emulator import GCS_GENERATIONS
 
@@ -31,6 +32,7 @@ from jaxckpt.bench._emulator import GCS_GENERATIONS
 # driver opens), so an earlier emulator's driver for the same bucket could be reused.
 BUCKET_PREFIX = "jaxckpt-test"
 START_TIMEOUT_S = 30.0
+PORT_TRIES = 3  # first starts, each on a fresh port
 _REQUEST = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+"')
 
 # gcp-storage-emulator, with the one thing of real GCS it lacks that tensorstore needs:
@@ -51,12 +53,16 @@ class Emulator:
     def __init__(self, kind: str, log_dir: Path, data_dir: Path | None = None):
         self.kind = kind
         self.data_dir = data_dir  # GCS only: keep objects on disk there (they survive a kill)
-        self.port = portpicker.pick_unused_port()
-        self.bucket = f"{BUCKET_PREFIX}-{self.port}"
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._pick_port()
+        self._started = False
         self.scheme = {"gcs": "gs", "s3": "s3"}[kind]
         self._log = open(log_dir / f"{kind}-emulator.log", "ab")  # noqa: SIM115 -- closed in stop()
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def _pick_port(self) -> None:
+        self.port = portpicker.pick_unused_port()
+        self.bucket = f"{BUCKET_PREFIX}-{self.port}"
+        self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def url(self, path: str) -> str:
         return f"{self.scheme}://{self.bucket}/{path}"
@@ -78,6 +84,26 @@ class Emulator:
         }
 
     def start(self) -> None:
+        """Starts the emulator and waits (bounded) until it listens on its port.
+
+        The port was only free a moment ago: where another process (another test
+        worker's server) took it meanwhile, a first start moves to a fresh port. Ready
+        means this emulator's own process listens, never just that the port answers.
+        """
+        for tries_left in reversed(range(PORT_TRIES)):
+            self._launch()
+            if self._wait_listening():
+                break
+            if self._started or tries_left == 0:  # a restart keeps its port (and bucket)
+                raise RuntimeError(
+                    f"The {self.kind} emulator could not listen on port {self.port} (it"
+                    f" exited, or another process holds the port); see {self._log.name}."
+                )
+            self._pick_port()
+        self._started = True
+        self.make_bucket()
+
+    def _launch(self) -> None:
         bin_dir = Path(sys.executable).parent
         env = dict(os.environ)
         if self.kind == "gcs":
@@ -93,26 +119,32 @@ class Emulator:
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
+
+    def _wait_listening(self) -> bool:
+        """Whether the emulator's process came to listen on its port. False where it
+        exited, or where another process listens there (this one is then stopped: the GCS
+        emulator lives on after its server thread failed to bind)."""
+        assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"The {self.kind} emulator exited at start; see {self._log.name}."
+        while self.proc.poll() is None:
+            listeners = {
+                c.pid
+                for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == self.port
+            }
+            if self.proc.pid in listeners:
+                return True
+            if listeners:
+                self.kill()
+                return False
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(
+                    f"The {self.kind} emulator did not listen on {self.endpoint} within "
+                    f"{START_TIMEOUT_S:.0f} s; see {self._log.name}."
                 )
-            try:
-                urllib.request.urlopen(self.endpoint + "/", timeout=1).close()
-                break
-            except urllib.error.HTTPError:
-                break  # it answers (an error status is an answer)
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TimeoutError(
-                        f"The {self.kind} emulator did not answer at {self.endpoint} within "
-                        f"{START_TIMEOUT_S:.0f} s; see {self._log.name}."
-                    ) from None
-                time.sleep(0.1)
-        self.make_bucket()
+            time.sleep(0.1)
+        return False
 
     def make_bucket(self) -> None:
         """Creates the bucket (a restarted emulator that kept it on disk has it already)."""
