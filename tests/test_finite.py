@@ -52,12 +52,14 @@ def test_counter_counts_every_nan_and_inf_block_by_block(dtype):
     assert sum(count(b) for b in [clean.view(np.uint8)]) == 0
 
 
+@pytest.mark.parametrize("n", [64, 1 << 16], ids=["small block", "large block"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
-def test_counter_is_exact_for_huge_finite_values(dtype):
-    """Values whose squares overflow (the quick test's sum of squares is Inf) are
-    still finite: counted exactly, they count zero, and a NaN among them one."""
+def test_counter_is_exact_for_huge_finite_values(dtype, n):
+    """Values whose squares overflow (a large block's quick test, its sum of squares, is
+    Inf) are still finite: counted exactly, they count zero, and a NaN among them one
+    (a small block is counted at once)."""
     huge = np.finfo(dtype).max
-    data = np.full(4096, huge / 2, dtype=dtype)
+    data = np.full(n, huge / 2, dtype=dtype)
     count = _finite.counter(np.dtype(dtype).name)
     assert count is not None
     assert count(data.view(np.uint8)) == 0

@@ -272,20 +272,17 @@ def leaf_signature(record: _format.LeafRecord) -> dict[str, Any]:
 
 
 def tree_digest(leaves: Sequence[_format.LeafRecord]) -> str:
-    """A short digest of the tree's structure (paths, kinds, shapes, dtypes, shardings).
+    """A short digest of the tree's structure (paths, kinds, shapes, dtypes, shardings),
+    once per tree (`_format.remembered`)."""
+    return _format.remembered(_DIGESTS, leaves, lambda: _digest(leaves))
 
-    Remembered for the last tree (by identity: the snapshot hands the same tuple
-    to every save of an unchanged tree).
-    """
-    if _LAST_DIGEST and _LAST_DIGEST[0][0] is leaves:
-        return _LAST_DIGEST[0][1]
+
+def _digest(leaves: Sequence[_format.LeafRecord]) -> str:
     text = json.dumps([leaf_signature(r) for r in leaves], sort_keys=True, separators=(",", ":"))
-    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
-    _LAST_DIGEST[:] = [(leaves, digest)]
-    return digest
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-_LAST_DIGEST: list[tuple[Sequence[_format.LeafRecord], str]] = _resources.SHARED.cache([])
+_DIGESTS: dict[int, tuple[object, str]] = _resources.SHARED.cache({})
 
 
 def agree_on_save(

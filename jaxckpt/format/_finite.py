@@ -10,7 +10,8 @@ The test of a block is one cheap reduction that is exact when it says "finite":
 for float32/float64 (and complex) the block's dot product with itself (a sum of
 squares: NaN propagates, ±Inf squares to +Inf, nothing cancels; a sum that
 overflows only sends the block to the exact count); for the 16-bit floats the
-largest magnitude bits. Only a block that fails it is counted element by element.
+largest magnitude bits. Only a block that fails it is counted element by element
+(and a float32/64 block under 64 KiB, where the count is the cheaper test).
 Measured here on a 1 MiB float32 block in cache: 18 µs for the dot product, 31 µs
 for a max and a min, ~50 µs for the block's CRC-32C. Other
 floating dtypes (the float8/float4 families of `ml_dtypes`) are counted with
@@ -37,6 +38,10 @@ _WIDE: Final[dict[str, type[np.floating]]] = {
     "complex128": np.float64,
 }
 _SCRATCH_ITEMS: Final = 1 << 20  # uint16 items: two MiB, more than a block's worth
+# A smaller float32/64 block is counted exactly at once: below it, the dot product and
+# its `np.errstate` cost more than the count (0.6 against 2.0 µs for 256 bytes; a tree of
+# thousands of small leaves has as many blocks).
+_COUNT_BELOW: Final = 64 << 10
 _local = threading.local()
 
 Counter = Callable[[np.ndarray], int]
@@ -52,8 +57,8 @@ def _scratch(n: int) -> np.ndarray:
 def _wide(kind: type[np.floating]) -> Counter:
     def count(block: np.ndarray) -> int:
         values = block.view(kind)
-        if not values.size:
-            return 0
+        if values.nbytes < _COUNT_BELOW:
+            return int(values.size - np.count_nonzero(np.isfinite(values)))
         with np.errstate(over="ignore", invalid="ignore"):  # the sum may overflow: fine
             if np.isfinite(np.dot(values, values)):
                 return 0

@@ -58,8 +58,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeVar
 
 from jaxckpt import _resources
 from jaxckpt.format import _checked_json, _checksum
@@ -305,7 +305,9 @@ class PartManifest:
         """The most processes any shard of the step is held by (1: no replicated leaf)."""
         return max((r.replicas or 1 for r in self.leaves), default=1)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, leaves: bool = True) -> dict[str, Any]:
+        """The manifest as a dict; `leaves=False` leaves the leaf records out (None):
+        the callers that write them once per tree (`to_json`, the step index)."""
         d = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -315,8 +317,8 @@ class PartManifest:
             "owner": self.owner,
             "process_count": self.process_count,
             "failure_domain": self.failure_domain,
-            "leaves": [leaf.to_dict() for leaf in self.leaves],
-            "chunks": {str(i): [c.to_dict() for c in cs] for i, cs in self.chunks.items()},
+            "leaves": [leaf.to_dict() for leaf in self.leaves] if leaves else None,
+            "chunks": remembered(_CHUNK_DICTS, self.chunks, self._chunk_dicts),
             "iterator_states": {str(i): s for i, s in self.iterator_states.items()},
             "scalars": {str(i): v for i, v in self.scalars.items()},
             "shardings": {str(i): s for i, s in self.shardings.items()},
@@ -332,6 +334,9 @@ class PartManifest:
         if self.weak_types:
             d["weak_types"] = list(self.weak_types)
         return d
+
+    def _chunk_dicts(self) -> dict[str, list[dict[str, Any]]]:
+        return {str(i): [c.to_dict() for c in cs] for i, cs in self.chunks.items()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PartManifest:
@@ -384,8 +389,7 @@ class PartManifest:
         The leaf records, the bulk of a big tree's manifest and the same at every
         save of one tree, are serialized once per `leaves` tuple.
         """
-        d = self.to_dict()
-        d["leaves"] = None
+        d = self.to_dict(leaves=False)
         body = json.dumps(d, separators=(",", ":")).replace(
             '"leaves":null', '"leaves":' + _leaves_json(self.leaves), 1
         )
@@ -412,19 +416,37 @@ class PartManifest:
 
 
 def _leaves_json(leaves: tuple[LeafRecord, ...]) -> str:
-    """The JSON of a tree's leaf records, remembered for the last few trees (by identity:
-    the snapshot hands the same tuple to every save of an unchanged tree)."""
-    hit = _LEAVES_JSON.get(id(leaves))
-    if hit is not None and hit[0] is leaves:
+    """The JSON of a tree's leaf records, once per tree (`remembered`: the snapshot hands
+    the same tuple to every save of an unchanged tree, so a save's cost of it does not
+    grow with the leaf count)."""
+    return remembered(
+        _LEAVES_JSON,
+        leaves,
+        lambda: json.dumps([leaf.to_dict() for leaf in leaves], separators=(",", ":")),
+    )
+
+
+_V = TypeVar("_V")
+
+
+def remembered(memo: dict[int, tuple[object, _V]], of: object, compute: Callable[[], _V]) -> _V:
+    """`compute()`, what `of` (never changed once made) gives, remembered in `memo` for
+    the last few such objects by identity. The caller does not change what it gets."""
+    hit = memo.get(id(of))
+    if hit is not None and hit[0] is of:
         return hit[1]
-    text = json.dumps([leaf.to_dict() for leaf in leaves], separators=(",", ":"))
-    if len(_LEAVES_JSON) >= 4:
-        _LEAVES_JSON.pop(next(iter(_LEAVES_JSON), -1), None)
-    _LEAVES_JSON[id(leaves)] = (leaves, text)
-    return text
+    value = compute()
+    if len(memo) >= _REMEMBERED:
+        memo.pop(next(iter(memo), -1), None)
+    memo[id(of)] = (of, value)
+    return value
 
 
-_LEAVES_JSON: dict[int, tuple[tuple[LeafRecord, ...], str]] = _resources.SHARED.cache({})
+_LEAVES_JSON: dict[int, tuple[object, str]] = _resources.SHARED.cache({})
+# A save's chunk records as dicts: its memory manifest and its step index entry both
+# write them (the manifest is replaced in between, with the same `chunks`).
+_CHUNK_DICTS: dict[int, tuple[object, dict[str, Any]]] = _resources.SHARED.cache({})
+_REMEMBERED: Final = 4
 
 # Parsed manifests by text: a restore reads the same manifests (index, memory, persisted
 # copies) several times, and a 4000-leaf one takes ~0.1 s to parse.

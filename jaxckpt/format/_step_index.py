@@ -90,7 +90,7 @@ def entry(manifest: _format.PartManifest) -> str:
     its own values of the fields a per-process leaf's record may hold differently;
     compressed."""
     # First, where the writer finds it without parsing the entry: the header sums it.
-    d = {_NONFINITE_TOTAL: _finite.total(manifest.nonfinite), **manifest.to_dict()}
+    d = {_NONFINITE_TOTAL: _finite.total(manifest.nonfinite), **manifest.to_dict(leaves=False)}
     for name in _SHARED_MEMBERS:
         d.pop(name, None)
     d["own_leaves"] = _own_leaf_fields(manifest.leaves)
@@ -164,7 +164,16 @@ def _nonfinite_total(text: bytes) -> int | None:
 def _shared_records(leaves: Sequence[_format.LeafRecord]) -> dict[str, Any]:
     """The header's leaf records: each sharding (whose device ids list every device of
     its mesh: O(N), and alike in every leaf on that mesh) once in `shardings`, a
-    record naming it by position; device ids as runs of consecutive ids."""
+    record naming it by position; device ids as runs of consecutive ids. Once per tree
+    (`_format.remembered`: the snapshot hands the same tuple to every save of an
+    unchanged tree)."""
+    return _format.remembered(_SHARED_RECORDS, leaves, lambda: _shared_records_of(leaves))
+
+
+_SHARED_RECORDS: dict[int, tuple[object, dict[str, Any]]] = _resources.SHARED.cache({})
+
+
+def _shared_records_of(leaves: Sequence[_format.LeafRecord]) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     shardings: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
