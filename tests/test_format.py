@@ -51,6 +51,38 @@ def test_manifest_round_trips_through_json():
     assert _format.PartManifest.from_json(m.to_json()) == m
 
 
+def test_what_is_remembered_per_tree_is_never_another_trees():
+    """The records' JSON and a save's chunk dicts are remembered by identity: each
+    manifest's text holds its own leaves and chunks, saved one after another with the
+    same leaves (a training loop) or with other ones (another tree of equal records)."""
+    first = manifest(0)
+    texts = []
+    for crc in (1, 2, 3, 4, 5, 6):  # more saves than the memo keeps
+        chunks = {0: (_format.ChunkRecord((0, 0), 32, crc32c=crc, offset=0),)}
+        m = dataclasses.replace(first, chunks=chunks)
+        text = m.to_json()
+        assert _format.PartManifest.from_json(text) == m
+        assert (
+            dataclasses.replace(m, metrics={"s": crc}).to_dict()["chunks"]["0"][0]["crc32c"] == crc
+        )
+        texts.append(text)
+    assert len(set(texts)) == 6
+    renamed = tuple(dataclasses.replace(r, path=r.path + "x") for r in first.leaves)
+    other = dataclasses.replace(first, leaves=renamed)
+    assert _format.PartManifest.from_json(other.to_json()).leaves == renamed
+    assert _format.PartManifest.from_json(first.to_json()).leaves == first.leaves
+
+
+def test_remembered_computes_once_per_object_never_per_equal_object():
+    memo: dict = {}
+    calls = []
+    a, b = ("x",), tuple(["x"])  # equal, not the same object
+    assert a == b and a is not b
+    for of in (a, a, b, a):
+        assert _format.remembered(memo, of, lambda of=of: calls.append(of) or id(of)) == id(of)
+    assert [c is a for c in calls] == [True, False]
+
+
 def test_manifest_of_a_newer_format_is_refused():
     d = json.loads(manifest(0).to_json())
     d["version"] = _format.FORMAT_VERSION + 1

@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeVar
 
@@ -436,9 +437,10 @@ def remembered(memo: dict[int, tuple[object, _V]], of: object, compute: Callable
     if hit is not None and hit[0] is of:
         return hit[1]
     value = compute()
-    if len(memo) >= _REMEMBERED:
-        memo.pop(next(iter(memo), -1), None)
-    memo[id(of)] = (of, value)
+    with _REMEMBERING:  # commits of several items may run at once
+        if len(memo) >= _REMEMBERED:
+            memo.pop(next(iter(memo), -1), None)
+        memo[id(of)] = (of, value)
     return value
 
 
@@ -447,6 +449,7 @@ _LEAVES_JSON: dict[int, tuple[object, str]] = _resources.SHARED.cache({})
 # write them (the manifest is replaced in between, with the same `chunks`).
 _CHUNK_DICTS: dict[int, tuple[object, dict[str, Any]]] = _resources.SHARED.cache({})
 _REMEMBERED: Final = 4
+_REMEMBERING: Final = threading.Lock()
 
 # Parsed manifests by text: a restore reads the same manifests (index, memory, persisted
 # copies) several times, and a 4000-leaf one takes ~0.1 s to parse.
