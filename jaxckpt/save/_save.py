@@ -31,7 +31,7 @@ from typing import Final
 import numpy as np
 from absl import logging as log
 
-from jaxckpt import _faults, _metrics
+from jaxckpt import _faults, _metrics, _resources
 from jaxckpt._options import TierOptions
 from jaxckpt.coord import _multihost
 from jaxckpt.format import _chunking, _finite, _format, _tiles
@@ -136,7 +136,10 @@ class Save:
     async def commit(self) -> None:
         """The commit of this save; its agreement is the choreography's exchange `agree`
         (a failure before it is agreed on by `_choreography.SaveChoreography.commit`)."""
-        manifest, part = await self._commit_in_memory()
+        # Local work only, so the collector is paused (see `_operation`) for as long as it
+        # takes, never through an exchange's wait.
+        with _resources.SHARED.gc_paused():
+            manifest, part = self._commit_in_memory()
         self.metrics.safe_in_memory_s = time.perf_counter() - self._started
         # Set once the commit has ended: a persist job (queued after the push) makes
         # nothing durable before it is True and the manager has finalized the step.
@@ -151,7 +154,7 @@ class Save:
         # a crash at any moment leaves a finalized step in memory.
         self._services.retainer.after(self._memory, self._item, self._step)
 
-    async def _commit_in_memory(self) -> tuple[_format.PartManifest, Path]:
+    def _commit_in_memory(self) -> tuple[_format.PartManifest, Path]:
         """The part's slab (with its CRC-32Cs) and manifest, committed into the memory tier."""
         step, pi, snapshot, memory = self._step, self._process, self._snapshot, self._memory
         start = time.perf_counter()
