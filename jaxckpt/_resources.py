@@ -111,11 +111,14 @@ class Resources:
         """Python's cyclic garbage collector off while the body runs, if it was on.
 
         A restore of thousands of leaves allocates a few hundred thousand small
-        objects (views, records, arrays): each 700 allocations start a collection,
-        and some of those walk every object of the process (jax's, the model's), a
-        fifth of such a restore. Nothing it allocates is cyclic garbage; reference
-        counting still frees everything else. Re-entrant and thread-safe: the
-        collector is on again once the last body that turned it off ends.
+        objects (views, records, arrays), a save some 10^5: each 700 allocations
+        start a collection, and some of those walk every object of the process
+        (jax's, the model's), a fifth of such a restore, half of such a save.
+        Nothing they allocate is cyclic garbage; reference counting still frees
+        everything else, and cyclic garbage the training makes meanwhile is
+        collected once the collector is back. So a body is local work, never a wait
+        on other processes. Re-entrant and thread-safe: the collector is on again
+        once the last body that turned it off ends.
         """
         with self._lock:
             if self._gc_pauses == 0:
