@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _resources
+from jaxckpt import _faults, _resources
 
 
 def _many_leaves(n: int = 1500) -> dict[str, jax.Array]:
@@ -91,11 +91,28 @@ def test_a_many_leaf_save_starts_few_collections_and_turns_it_back_on(
     assert max(counts) <= 20, counts
 
 
-def test_a_failed_save_turns_the_collector_back_on(memory_root, ckpt_dir):
+@pytest.mark.parametrize("point", ["snapshot", "memory_write"])
+def test_a_save_that_fails_where_the_collector_is_paused_turns_it_back_on(
+    memory_root, ckpt_dir, point
+):
+    """A save fails at a point of its local work (the training thread's staging, the
+    commit's part written): the collector was paused there, and is on again after."""
+    paused_at: list[bool] = []
+
+    def fail(at: str, step: int | None, process: int) -> None:
+        if at == point:
+            paused_at.append(not gc.isenabled())
+            raise OSError(f"injected at {point}")
+
     handler = jaxckpt.TieredCheckpointHandler(jaxckpt.TierOptions(memory_root))
-    with manager(ckpt_dir, handler) as mngr, pytest.raises(Exception, match="object"):
-        save(mngr, 1, {"ok": np.zeros(4, np.float32), "bad": object()})
+    with (
+        manager(ckpt_dir, handler) as mngr,
+        _faults.hooked(fail),
+        pytest.raises(Exception, match=f"injected at {point}"),
+    ):
+        save(mngr, 1, _many_leaves(20))
         mngr.wait_until_finished()
+    assert paused_at == [True]
     assert gc.isenabled()
 
 
